@@ -1,0 +1,173 @@
+//! The arguments of `#[idempotent(...)]`.
+
+use syn::ext::IdentExt;
+use syn::parse::{Parse, ParseStream};
+use syn::{Error, Expr, ExprLit, Ident, Lit, LitStr, Token};
+
+mod kw {
+    syn::custom_keyword!(name);
+    syn::custom_keyword!(key);
+}
+
+/// `#[idempotent(name = "...", key = <expr>)]`, both optional, in any order.
+#[derive(Default)]
+pub(crate) struct Args {
+    /// The handler name stored with each claim. `None` means the fn's name.
+    pub(crate) name: Option<LitStr>,
+    /// The expression over the payload that gives the message id.
+    pub(crate) key: Option<Expr>,
+}
+
+impl Parse for Args {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let mut args = Args::default();
+        while !input.is_empty() {
+            let lookahead = input.lookahead1();
+            if lookahead.peek(kw::name) {
+                let keyword = input.parse::<kw::name>()?;
+                if args.name.is_some() {
+                    return Err(duplicate(keyword, "name"));
+                }
+                input.parse::<Token![=]>()?;
+                args.name = Some(handler_name(input.parse()?)?);
+            } else if lookahead.peek(kw::key) {
+                let keyword = input.parse::<kw::key>()?;
+                if args.key.is_some() {
+                    return Err(duplicate(keyword, "key"));
+                }
+                input.parse::<Token![=]>()?;
+                args.key = Some(input.parse()?);
+            } else if input.peek(Ident::peek_any) {
+                let unknown = input.call(Ident::parse_any)?;
+                return Err(Error::new_spanned(
+                    &unknown,
+                    format!(
+                        "unknown argument `{unknown}`: `#[idempotent]` takes `name = \"...\"` \
+                         and `key = <expr>`"
+                    ),
+                ));
+            } else {
+                return Err(lookahead.error());
+            }
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        Ok(args)
+    }
+}
+
+fn duplicate(keyword: impl quote::ToTokens, arg: &str) -> Error {
+    Error::new_spanned(
+        keyword,
+        format!("`{arg}` is given twice: keep one `{arg} = ...`"),
+    )
+}
+
+/// The value of `name = ...`: a non-blank string literal, because it is stored
+/// as part of every dedup key.
+fn handler_name(value: Expr) -> syn::Result<LitStr> {
+    match value {
+        Expr::Lit(ExprLit {
+            lit: Lit::Str(name),
+            ..
+        }) if name.value().trim().is_empty() => Err(Error::new_spanned(
+            name,
+            "the handler name must not be empty: it is stored with every claim, \
+             so write a stable name such as `name = \"credit-v1\"`",
+        )),
+        Expr::Lit(ExprLit {
+            lit: Lit::Str(name),
+            ..
+        }) => Ok(name),
+        other => Err(Error::new_spanned(
+            other,
+            "`name` takes a string literal: write `name = \"credit-v1\"`",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(tokens: proc_macro2::TokenStream) -> syn::Result<Args> {
+        syn::parse2(tokens)
+    }
+
+    fn error(tokens: proc_macro2::TokenStream) -> String {
+        match parse(tokens) {
+            Ok(_) => panic!("the arguments parsed"),
+            Err(error) => error.to_string(),
+        }
+    }
+
+    #[test]
+    fn no_arguments() {
+        let args = parse(quote::quote!()).unwrap();
+        assert!(args.name.is_none());
+        assert!(args.key.is_none());
+    }
+
+    #[test]
+    fn name_and_key_in_any_order_with_trailing_comma() {
+        let args = parse(quote::quote!(key = cmd.transfer_id, name = "credit-v1",)).unwrap();
+        assert_eq!(args.name.unwrap().value(), "credit-v1");
+        let key = args.key.unwrap();
+        assert_eq!(quote::quote!(#key).to_string(), "cmd . transfer_id");
+    }
+
+    #[test]
+    fn key_takes_any_expression() {
+        let args = parse(quote::quote!(key = format!("{}:{}", a, b), name = "n")).unwrap();
+        assert!(matches!(args.key, Some(Expr::Macro(_))));
+        assert_eq!(args.name.unwrap().value(), "n");
+    }
+
+    #[test]
+    fn unknown_argument() {
+        assert_eq!(
+            error(quote::quote!(name = "a", retries = 3)),
+            "unknown argument `retries`: `#[idempotent]` takes `name = \"...\"` and `key = <expr>`"
+        );
+    }
+
+    #[test]
+    fn unexpected_token() {
+        assert_eq!(error(quote::quote!("credit")), "expected `name` or `key`");
+    }
+
+    #[test]
+    fn duplicate_arguments() {
+        assert_eq!(
+            error(quote::quote!(name = "a", name = "b")),
+            "`name` is given twice: keep one `name = ...`"
+        );
+        assert_eq!(
+            error(quote::quote!(key = a, key = b)),
+            "`key` is given twice: keep one `key = ...`"
+        );
+    }
+
+    #[test]
+    fn name_must_be_a_non_blank_string() {
+        assert!(error(quote::quote!(name = "")).starts_with("the handler name must not be empty"));
+        assert!(
+            error(quote::quote!(name = "  ")).starts_with("the handler name must not be empty")
+        );
+        assert_eq!(
+            error(quote::quote!(name = 5)),
+            "`name` takes a string literal: write `name = \"credit-v1\"`"
+        );
+        assert_eq!(
+            error(quote::quote!(name = credit)),
+            "`name` takes a string literal: write `name = \"credit-v1\"`"
+        );
+    }
+
+    #[test]
+    fn missing_separator() {
+        assert_eq!(error(quote::quote!(name = "a" key = b)), "expected `,`");
+    }
+}

@@ -1,0 +1,138 @@
+//! The `#[idempotent]` attribute of [`idem_runtime`](https://docs.rs/idem-runtime).
+//!
+//! Depend on `idem-runtime`, which re-exports the attribute as
+//! `idem_runtime::idempotent`; the generated code names `::idem_runtime`, so
+//! this crate cannot be used on its own. [`idempotent`] documents the
+//! signature it accepts, its arguments, how the message id is chosen, why
+//! production code pins `name = "..."`, and what it generates.
+
+mod attr;
+mod expand;
+
+use proc_macro::TokenStream;
+
+/// Turns an `async fn` into a message handler whose first statement claims
+/// the message in the dedup table, so that a redelivered message never runs
+/// the body twice.
+///
+/// ```
+/// use idem_runtime::{Route, Router, idempotent};
+///
+/// #[derive(serde::Deserialize)]
+/// pub struct Credit {
+///     transfer_id: String,
+///     account: i64,
+///     amount: i64,
+/// }
+///
+/// /// Credits an account once per transfer.
+/// #[idempotent(name = "credit-v1", key = cmd.transfer_id)]
+/// pub async fn credit(tx: &mut sqlx::PgTransaction<'_>, cmd: Credit) -> Result<(), sqlx::Error> {
+///     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+///         .bind(cmd.amount)
+///         .bind(cmd.account)
+///         .execute(&mut **tx)
+///         .await?;
+///     Ok(())
+/// }
+///
+/// let router = Router::new().route(Route::new("LEDGER", "credit"), credit);
+/// assert_eq!(credit::NAME, "credit-v1");
+/// # drop(router);
+/// ```
+///
+/// # The signature
+///
+/// ```text
+/// async fn NAME(tx: &mut sqlx::PgTransaction<'_>, msg: Msg [, delivery: &idem_runtime::Delivery])
+///     -> Result<T, E>
+/// ```
+///
+/// - `tx` is the transaction the claim ran in. The runtime commits it after
+///   the body returns `Ok`, then acks the message; on `Err` it rolls back and
+///   NAKs. Any `&mut` type the transaction derefs to works, such as
+///   `&mut sqlx::PgConnection`.
+/// - `msg` is the payload, decoded from JSON, so `Msg` must implement
+///   `serde::Deserialize`. Any irrefutable pattern works:
+///   `Credit { account, .. }: Credit`. `Msg` must be at least as visible as
+///   the fn, because the handler names it as its `Handler::Payload`.
+/// - `delivery`, if present, is the [`Delivery`] of the message: its stream
+///   sequence, delivery count, headers and message id.
+/// - The return type is any `Result` whose error converts into
+///   [`BoxError`]: `Result<(), MyError>`, `anyhow::Result<()>` or a
+///   crate's own `Result<T>` alias.
+///
+/// The fn may not be generic, take `self`, or be `unsafe`.
+///
+/// # Arguments
+///
+/// - `name = "..."`: the handler name stored with each claim. Defaults to
+///   the fn's name. **Pin it in production code.** The name is half of the
+///   dedup key, `(handler name, message id)`: renaming the fn would change the
+///   name, and every message still in the stream's retention would be
+///   processed again on redelivery or replay. Two handlers with the same name
+///   share their dedup rows, so a message processed by one counts as processed
+///   for the other. Give each handler a distinct, versioned name
+///   (`"credit-v1"`), and change it only to reprocess on purpose.
+/// - `key = <expr>`: the message id, computed from the payload. The
+///   expression sees the payload pattern's bindings, by reference, and its
+///   value is turned into a string with `ToString`.
+///
+/// # The message id
+///
+/// Each message is deduplicated by the first of:
+///
+/// 1. the `key = <expr>` of the handler, over the decoded payload;
+/// 2. the `Nats-Msg-Id` header;
+/// 3. `<stream>:<stream sequence>`, which is unique per stored message but
+///    differs between two publishes of the same logical message.
+///
+/// An empty id, or one too long for the dedup table, is refused: the runtime
+/// terminates the message rather than retry it.
+///
+/// # What it generates
+///
+/// A struct named like the fn, with the fn's visibility, that implements
+/// `idem_runtime::Handler`, and a fn of the same name that returns it: pass
+/// `credit` to `Router::route`. The body stays callable, unchanged, as
+/// `credit::run(tx, msg)`, for instance from a test that skips the claim, and
+/// `credit::NAME` is the handler name.
+///
+/// ```ignore
+/// /// Credits an account once per transfer.        (the fn's docs)
+/// pub struct credit {}
+///
+/// pub fn credit() -> credit {
+///     credit {}
+/// }
+///
+/// impl credit {
+///     pub const NAME: &'static str = "credit-v1";
+///
+///     pub async fn run(tx: &mut sqlx::PgTransaction<'_>, cmd: Credit) -> Result<(), sqlx::Error> {
+///         // the body as written
+///     }
+/// }
+///
+/// impl idem_runtime::Handler for credit {
+///     type Payload = Credit;
+///     // name() is NAME; message_key() evaluates `key = ...`; handle() claims
+///     // the message id in the transaction, then calls `credit::run` only if
+///     // the claim is fresh.
+/// }
+/// ```
+///
+/// The struct has braces so that `credit` as a value is the fn: a unit struct
+/// would make every `let credit = ...` in scope, and a payload parameter
+/// named like its handler, a pattern on the struct.
+///
+/// Doc comments go on the struct and `#[cfg]` on every generated item. Other
+/// attributes stay on `run`; so `#[tracing::instrument]` names its span `run`
+/// unless given `name = "..."`.
+///
+/// [`Delivery`]: https://docs.rs/idem-runtime/latest/idem_runtime/struct.Delivery.html
+/// [`BoxError`]: https://docs.rs/idem-runtime/latest/idem_runtime/type.BoxError.html
+#[proc_macro_attribute]
+pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::idempotent(args.into(), item.into()).into()
+}
