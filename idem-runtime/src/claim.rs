@@ -1,0 +1,50 @@
+//! The claim: the first statement of every handler's transaction.
+
+use sqlx::PgTransaction;
+
+use crate::message_id::MessageId;
+
+/// What the claim found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Claim {
+    /// This transaction inserted the dedup row: run the handler body.
+    Fresh,
+    /// The row already existed: the message was processed before, skip it.
+    Duplicate,
+}
+
+impl Claim {
+    /// `true` when the message was already processed.
+    pub fn is_duplicate(self) -> bool {
+        self == Claim::Duplicate
+    }
+}
+
+/// Inserts `(handler, message_id)` into the dedup table inside `tx`.
+///
+/// `ON CONFLICT DO NOTHING` rather than catching a unique violation, because in
+/// PostgreSQL an error aborts the whole transaction. If another transaction
+/// holds an uncommitted claim on the same key, this statement waits for it:
+/// when it commits, this claim finds the row and reports [`Claim::Duplicate`];
+/// when it rolls back, this claim inserts the row and proceeds.
+pub async fn claim(
+    tx: &mut PgTransaction<'_>,
+    handler: &str,
+    message_id: &MessageId,
+) -> Result<Claim, sqlx::Error> {
+    let inserted = sqlx::query(
+        "INSERT INTO idem_processed_messages (handler, message_id) VALUES ($1, $2) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(handler)
+    .bind(message_id.as_str())
+    .execute(&mut **tx)
+    .await?
+    .rows_affected();
+    Ok(if inserted == 1 {
+        Claim::Fresh
+    } else {
+        Claim::Duplicate
+    })
+}

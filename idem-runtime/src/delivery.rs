@@ -1,0 +1,94 @@
+//! What a handler may know about the delivery it is processing.
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::Message;
+
+use crate::message_id::MessageId;
+
+/// The metadata of one JetStream delivery, handed to a handler that asks for it.
+///
+/// A handler opts in by taking `&Delivery` as its third parameter:
+///
+/// ```
+/// use idem_runtime::{Delivery, idempotent};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Ping {}
+///
+/// #[idempotent]
+/// async fn ping(
+///     tx: &mut sqlx::PgTransaction<'_>,
+///     _ping: Ping,
+///     delivery: &Delivery,
+/// ) -> Result<(), sqlx::Error> {
+///     tracing::info!(seq = delivery.stream_sequence(), attempt = delivery.delivered(), "ping");
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub(crate) subject: String,
+    pub(crate) stream: String,
+    pub(crate) consumer: String,
+    pub(crate) stream_sequence: u64,
+    pub(crate) delivered: u64,
+    pub(crate) headers: HeaderMap,
+    pub(crate) message_id: MessageId,
+}
+
+impl Delivery {
+    /// Reads the delivery metadata off a JetStream message. The message id is
+    /// resolved later, once the payload is decoded; until then it is the
+    /// stream-sequence fallback.
+    pub(crate) fn from_message(message: &Message) -> Result<Self, async_nats::Error> {
+        let info = message.info()?;
+        let stream = info.stream.to_owned();
+        let stream_sequence = info.stream_sequence;
+        Ok(Self {
+            subject: message.subject.to_string(),
+            consumer: info.consumer.to_owned(),
+            delivered: u64::try_from(info.delivered).unwrap_or(0),
+            headers: message.headers.clone().unwrap_or_default(),
+            message_id: MessageId::from_stream_sequence(&stream, stream_sequence),
+            stream,
+            stream_sequence,
+        })
+    }
+
+    /// The subject the message was published to.
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+
+    /// The JetStream stream that stores the message.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    /// The durable consumer that delivered the message.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// The message's sequence number in its stream.
+    pub fn stream_sequence(&self) -> u64 {
+        self.stream_sequence
+    }
+
+    /// How many times the message has been delivered, this delivery included
+    /// (1 on the first attempt).
+    pub fn delivered(&self) -> u64 {
+        self.delivered
+    }
+
+    /// The message headers (empty when the message had none).
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The id this delivery is deduplicated by. See [`MessageId`] for the order
+    /// in which it is chosen.
+    pub fn message_id(&self) -> &MessageId {
+        &self.message_id
+    }
+}

@@ -1,0 +1,75 @@
+//! # idem: effectively-once message handling for JetStream and PostgreSQL
+//!
+//! A handler runs inside one PostgreSQL transaction whose first statement
+//! *claims* the message: it inserts `(handler, message id)` into a dedup table
+//! with a unique key. The business writes and the claim commit together or not
+//! at all, and the message is acked only after the commit. A redelivery of a
+//! processed message finds the row and is acked without running the body; a
+//! redelivery that races the first attempt waits on the unique key, then does
+//! the same.
+//!
+//! ```no_run
+//! use idem_runtime::{Route, Router, idempotent};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Credit { account: i64, amount: i64 }
+//!
+//! #[idempotent(name = "credit-v1")]
+//! async fn credit(tx: &mut sqlx::PgTransaction<'_>, cmd: Credit) -> Result<(), sqlx::Error> {
+//!     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+//!         .bind(cmd.amount)
+//!         .bind(cmd.account)
+//!         .execute(&mut **tx)
+//!         .await?;
+//!     Ok(())
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let nats = async_nats::connect("127.0.0.1:4222").await?;
+//! let pool = sqlx::PgPool::connect("postgres://localhost/ledger").await?;
+//! idem_runtime::schema::migrate(&pool).await?;
+//! Router::new()
+//!     .route(Route::new("LEDGER", "credit").filter_subject("ledger.credit"), credit)
+//!     .run(nats, pool)
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod ack;
+mod claim;
+mod delivery;
+mod error;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
+mod handler;
+mod heartbeat;
+mod message_id;
+mod pipeline;
+mod pull;
+mod route;
+mod router;
+pub mod schema;
+mod shutdown;
+mod stats;
+
+pub use ack::AckMode;
+pub use claim::Claim;
+pub use delivery::Delivery;
+pub use error::{BoxError, Error, HandlerError, RejectedMessage};
+pub use handler::{Handler, HandlerFuture, IntoHandler, Outcome};
+pub use idem_macros::idempotent;
+pub use message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, MessageId, MessageIdSource};
+pub use route::Route;
+pub use router::{Router, RouterHandle};
+pub use stats::Stats;
+
+/// What `#[idempotent]` expansions call. Not a public API: it may change in
+/// any release.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::claim::claim;
+    pub use sqlx::PgTransaction;
+    pub use std::boxed::Box;
+    pub use std::string::ToString;
+}

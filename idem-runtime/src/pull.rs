@@ -1,0 +1,104 @@
+//! The pull loop: fetch only as many messages as there are free slots.
+//!
+//! A message fetched ahead of a free slot would age against ack_wait while it
+//! waits locally, and could be redelivered elsewhere before it starts. So each
+//! pull asks for exactly the number of idle slots, and waits for one to free
+//! up before asking again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::PullConsumer;
+use futures_util::StreamExt;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::ack;
+use crate::handler::Handler;
+use crate::pipeline::Pipeline;
+use crate::shutdown::Signal;
+
+/// How long to wait before pulling again after the server refused a pull.
+const PULL_RETRY: Duration = Duration::from_millis(500);
+
+/// Pulls and processes messages until shutdown, then waits for in-flight ones.
+pub(crate) async fn pull_until_shutdown<H: Handler>(
+    consumer: PullConsumer,
+    pipeline: Arc<Pipeline<H>>,
+    mut shutdown: Signal,
+) {
+    let route = &pipeline.route;
+    let slots = Arc::new(Semaphore::new(route.concurrency));
+    let mut in_flight = JoinSet::new();
+    loop {
+        let first = tokio::select! {
+            slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
+            _ = shutdown.fired() => break,
+        };
+        let mut free = vec![first];
+        while let Ok(slot) = slots.clone().try_acquire_owned() {
+            free.push(slot);
+        }
+        while let Some(finished) = in_flight.try_join_next() {
+            report_panic(finished);
+        }
+
+        let mut batch = match consumer
+            .batch()
+            .max_messages(free.len())
+            .expires(route.pull_expires)
+            .messages()
+            .await
+        {
+            Ok(batch) => batch,
+            Err(error) => {
+                tracing::warn!(%error, route = route.durable, "pull request failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(PULL_RETRY) => continue,
+                    _ = shutdown.fired() => break,
+                }
+            }
+        };
+        // A pull lasts at most `pull_expires`, so shutdown waits at most that
+        // long for it to end.
+        while let Some(next) = batch.next().await {
+            let message = match next {
+                Ok(message) => message,
+                Err(error) => {
+                    tracing::debug!(%error, route = route.durable, "pull ended early");
+                    break;
+                }
+            };
+            match free.pop() {
+                Some(slot) if !shutdown.is_fired() => {
+                    in_flight.spawn(pipeline.clone().process(message, slot));
+                }
+                // Shutting down (or, defensively, more messages than asked
+                // for): give it back at once, so another worker takes it
+                // without waiting for ack_wait.
+                _ => ack::nak(&message, Duration::ZERO).await,
+            }
+        }
+    }
+    while let Some(finished) = in_flight.try_join_next() {
+        report_panic(finished);
+    }
+    tracing::info!(
+        route = route.durable,
+        in_flight = in_flight.len(),
+        "stopped pulling; finishing in-flight messages"
+    );
+    while let Some(finished) = in_flight.join_next().await {
+        report_panic(finished);
+    }
+}
+
+fn report_panic(finished: Result<(), tokio::task::JoinError>) {
+    if let Err(error) = finished
+        && error.is_panic()
+    {
+        // The transaction was dropped (rolled back) and the message never
+        // acked: JetStream redelivers it after ack_wait.
+        tracing::error!(%error, "a handler panicked; its message will be redelivered after ack_wait");
+    }
+}

@@ -1,0 +1,250 @@
+//! The router: binds handlers to durable consumers and runs them.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use sqlx::PgPool;
+use tokio::task::JoinSet;
+
+use crate::error::Error;
+use crate::handler::{Handler, IntoHandler};
+use crate::pipeline::Pipeline;
+use crate::route::Route;
+use crate::schema;
+use crate::shutdown::{self, Signal, Trigger};
+use crate::stats::Stats;
+
+/// Binds `#[idempotent]` handlers to JetStream durable pull consumers.
+///
+/// ```no_run
+/// # use idem_runtime::{Route, Router, idempotent};
+/// # #[derive(serde::Deserialize)] struct Credit {}
+/// # #[idempotent] async fn credit(tx: &mut sqlx::PgTransaction<'_>, c: Credit) -> Result<(), sqlx::Error> { Ok(()) }
+/// # async fn run(nats: async_nats::Client, pool: sqlx::PgPool) -> Result<(), idem_runtime::Error> {
+/// Router::new()
+///     .route(Route::new("LEDGER", "credit").filter_subject("ledger.credit"), credit)
+///     .run(nats, pool) // until Ctrl-C or SIGTERM
+///     .await
+/// # }
+/// ```
+pub struct Router {
+    routes: Vec<Box<dyn Bind>>,
+    stats: HashMap<String, Arc<Stats>>,
+    trigger: Trigger,
+    signal: Signal,
+    #[cfg(feature = "fault-injection")]
+    faults: crate::fault::FaultHooks,
+}
+
+/// Reads a running router's counters and stops it.
+#[derive(Debug, Clone)]
+pub struct RouterHandle {
+    stats: Arc<HashMap<String, Arc<Stats>>>,
+    trigger: Trigger,
+}
+
+impl RouterHandle {
+    /// The counters of the route bound to durable consumer `durable`.
+    pub fn stats(&self, durable: &str) -> Option<Arc<Stats>> {
+        self.stats.get(durable).cloned()
+    }
+
+    /// Starts a graceful shutdown: stop pulling, finish and ack in-flight
+    /// messages, then return from `run`.
+    pub fn shutdown(&self) {
+        self.trigger.fire();
+    }
+}
+
+impl Default for Router {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Router {
+    /// A router with no routes.
+    pub fn new() -> Self {
+        let (trigger, signal) = shutdown::channel();
+        Self {
+            routes: Vec::new(),
+            stats: HashMap::new(),
+            trigger,
+            signal,
+            #[cfg(feature = "fault-injection")]
+            faults: Default::default(),
+        }
+    }
+
+    /// Runs `handler` for every message of `route`'s durable consumer.
+    pub fn route(mut self, route: Route, handler: impl IntoHandler) -> Self {
+        let handler = handler.into_handler();
+        let stats = Arc::new(Stats::default());
+        self.stats
+            .entry(route.durable.clone())
+            .or_insert_with(|| stats.clone());
+        self.routes.push(Box::new(Bound {
+            route,
+            handler,
+            stats,
+        }));
+        self
+    }
+
+    /// Installs fault-injection hooks (tests only).
+    #[cfg(feature = "fault-injection")]
+    pub fn fault_hooks(mut self, faults: crate::fault::FaultHooks) -> Self {
+        self.faults = faults;
+        self
+    }
+
+    /// A handle to read counters and stop the router. Take it after adding
+    /// the routes.
+    pub fn handle(&self) -> RouterHandle {
+        RouterHandle {
+            stats: Arc::new(self.stats.clone()),
+            trigger: self.trigger.clone(),
+        }
+    }
+
+    /// Runs until Ctrl-C or SIGTERM, then shuts down gracefully.
+    pub async fn run(self, nats: async_nats::Client, pool: PgPool) -> Result<(), Error> {
+        self.run_until(nats, pool, shutdown::os_signal()).await
+    }
+
+    /// Runs until `shutdown` resolves (or [`RouterHandle::shutdown`] is
+    /// called), then stops pulling, lets in-flight messages finish and ack,
+    /// and returns.
+    ///
+    /// Start-up fails, before any message is taken, if a route is
+    /// misconfigured, the dedup schema is missing, or a stream is missing.
+    pub async fn run_until(
+        self,
+        nats: async_nats::Client,
+        pool: PgPool,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), Error> {
+        let mut durables = std::collections::HashSet::new();
+        for bound in &self.routes {
+            let route = bound.route();
+            route.validate()?;
+            if !durables.insert((route.stream.clone(), route.durable.clone())) {
+                return Err(Error::DuplicateRoute(route.durable.clone()));
+            }
+        }
+        schema::verify(&pool).await?;
+
+        let js = jetstream::new(nats);
+        let mut consumers = Vec::with_capacity(self.routes.len());
+        for bound in &self.routes {
+            consumers.push(bind_consumer(&js, bound.route()).await?);
+        }
+
+        let mut running = JoinSet::new();
+        for (bound, consumer) in self.routes.into_iter().zip(consumers) {
+            tracing::info!(
+                route = bound.route().durable,
+                stream = bound.route().stream,
+                "route started"
+            );
+            running.spawn(bound.start(
+                consumer,
+                pool.clone(),
+                self.signal.clone(),
+                #[cfg(feature = "fault-injection")]
+                self.faults.clone(),
+            ));
+        }
+
+        let mut stopped = self.signal.clone();
+        tokio::select! {
+            _ = shutdown => self.trigger.fire(),
+            _ = stopped.fired() => {}
+        }
+        tracing::info!("shutting down: no new messages; waiting for in-flight ones");
+        while let Some(finished) = running.join_next().await {
+            if let Err(error) = finished {
+                tracing::error!(%error, "a route task failed");
+            }
+        }
+        tracing::info!("shut down");
+        Ok(())
+    }
+}
+
+/// Creates or updates the stream (if asked) and the durable consumer.
+async fn bind_consumer(js: &jetstream::Context, route: &Route) -> Result<PullConsumer, Error> {
+    let jetstream_error = |source: async_nats::Error| Error::JetStream {
+        route: route.durable.clone(),
+        source,
+    };
+    let stream = match &route.create_stream {
+        Some(config) => {
+            js.create_or_update_stream(config.clone())
+                .await
+                .map_err(|e| jetstream_error(e.into()))?;
+            js.get_stream(&route.stream)
+                .await
+                .map_err(|e| jetstream_error(e.into()))?
+        }
+        None => js
+            .get_stream(&route.stream)
+            .await
+            .map_err(|source| Error::StreamMissing {
+                stream: route.stream.clone(),
+                source: source.into(),
+            })?,
+    };
+    // `create_consumer` creates or updates; `get_or_create_consumer` would
+    // silently keep an existing consumer's old settings.
+    stream
+        .create_consumer(route.consumer_config())
+        .await
+        .map_err(|e| jetstream_error(e.into()))
+}
+
+/// A route with its handler, type-erased so one router holds many handlers.
+trait Bind: Send + Sync {
+    fn route(&self) -> &Route;
+    fn start(
+        self: Box<Self>,
+        consumer: PullConsumer,
+        pool: PgPool,
+        shutdown: Signal,
+        #[cfg(feature = "fault-injection")] faults: crate::fault::FaultHooks,
+    ) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+}
+
+struct Bound<H> {
+    route: Route,
+    handler: H,
+    stats: Arc<Stats>,
+}
+
+impl<H: Handler> Bind for Bound<H> {
+    fn route(&self) -> &Route {
+        &self.route
+    }
+
+    fn start(
+        self: Box<Self>,
+        consumer: PullConsumer,
+        pool: PgPool,
+        shutdown: Signal,
+        #[cfg(feature = "fault-injection")] faults: crate::fault::FaultHooks,
+    ) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        let pipeline = Arc::new(Pipeline {
+            route: self.route,
+            handler: self.handler,
+            pool,
+            stats: self.stats,
+            #[cfg(feature = "fault-injection")]
+            faults,
+        });
+        Box::pin(crate::pull::pull_until_shutdown(
+            consumer, pipeline, shutdown,
+        ))
+    }
+}

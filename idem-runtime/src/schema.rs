@@ -1,0 +1,84 @@
+//! The dedup schema, shipped as embedded migrations.
+//!
+//! idem keeps its migration history in its own table, `_idem_migrations`, so
+//! it never clashes with the application's `_sqlx_migrations`. Apply it once
+//! at start-up (it takes an advisory lock, so many workers may call it at
+//! once):
+//!
+//! ```no_run
+//! # async fn start(pool: sqlx::PgPool) -> Result<(), idem_runtime::Error> {
+//! idem_runtime::schema::migrate(&pool).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::borrow::Cow;
+
+use sqlx::PgPool;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+
+use crate::error::Error;
+
+/// The table that records which idem migrations ran.
+pub const HISTORY_TABLE: &str = "_idem_migrations";
+
+/// The dedup table the claim inserts into.
+pub const DEDUP_TABLE: &str = "idem_processed_messages";
+
+/// (version, description, SQL) of every embedded migration, oldest first.
+const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "processed messages",
+    include_str!("../migrations/0001_processed_messages.sql"),
+)];
+
+fn migrator() -> Migrator {
+    let migrations = MIGRATIONS
+        .iter()
+        .map(|&(version, description, sql)| {
+            Migration::new(
+                version,
+                Cow::Borrowed(description),
+                MigrationType::Simple,
+                sqlx::SqlSafeStr::into_sql_str(sql),
+                false,
+            )
+        })
+        .collect();
+    let mut migrator = Migrator::with_migrations(migrations);
+    migrator.dangerous_set_table_name(HISTORY_TABLE);
+    migrator
+}
+
+/// The newest migration this version of idem ships.
+pub fn latest_version() -> i64 {
+    MIGRATIONS.last().map_or(0, |&(version, _, _)| version)
+}
+
+/// Creates or upgrades the dedup schema. Safe to call from every worker at
+/// start-up.
+pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    migrator().run(pool).await?;
+    Ok(())
+}
+
+/// Checks that [`migrate`] has been applied, so that a worker refuses to start
+/// (rather than NAK every message) when the dedup table is missing.
+pub async fn verify(pool: &PgPool) -> Result<(), Error> {
+    let history_exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(HISTORY_TABLE)
+        .fetch_one(pool)
+        .await?;
+    let found: Option<i64> = if history_exists {
+        sqlx::query_scalar("SELECT max(version) FROM _idem_migrations WHERE success")
+            .fetch_one(pool)
+            .await?
+    } else {
+        None
+    };
+    let expected = latest_version();
+    match found {
+        Some(version) if version >= expected => Ok(()),
+        _ => Err(Error::SchemaMissing { expected, found }),
+    }
+}
