@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The project's test command, as documented in the README and run by CI:
+#
+#   scripts/test.sh [NEXTEST_ARGS...]   extra args go to `cargo nextest run`
+#
+# Formatting, lints, all tests (each integration test starts its own
+# nats-server and PostgreSQL, so nothing needs to run beforehand), doctests.
+# Set NATS_URL and/or DATABASE_URL to test against servers you run yourself;
+# the harness reads them (tests that crash a server then refuse to run).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+scripts/setup.sh
+# shellcheck source=lib/common.sh
+source scripts/lib/common.sh
+
+# The harness starts one nats-server per test; give it the pinned binary
+# itself, not Debian's older one or a pyenv shim that may come first on PATH.
+NATS_SERVER_BIN=$(find_nats_server) || die "no nats-server v$NATS_SERVER_VERSION; see scripts/setup.sh"
+export NATS_SERVER_BIN
+
+# In CI: the committed Cargo.lock must be up to date, and every failure is
+# reported instead of only the first (the nextest `ci` profile, and
+# --no-fail-fast for the doctests).
+locked=()
+profile=default
+doc_fail_fast=()
+if [ -n "${CI:-}" ]; then
+    locked=(--locked)
+    profile=ci
+    doc_fail_fast=(--no-fail-fast)
+fi
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+if [ -n "${NATS_URL:-}" ]; then log "using NATS_URL=$NATS_URL (not starting nats-server per test)"; fi
+if [ -n "${DATABASE_URL:-}" ]; then log "using DATABASE_URL=$DATABASE_URL (a fresh database per test)"; fi
+
+# Cheapest first: a formatting slip fails in seconds, not after a build.
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy (all targets, warnings are errors)"
+cargo clippy --workspace --all-targets "${locked[@]}" -- -D warnings
+
+# nextest and the doctests build with the same (test) profile and features,
+# so the second step reuses the first step's dependencies.
+step "cargo nextest run (profile $profile)"
+cargo nextest run --workspace "${locked[@]}" --profile "$profile" "$@"
+
+# nextest does not run doctests.
+step "cargo test --doc"
+cargo test --workspace --doc "${locked[@]}" "${doc_fail_fast[@]}"
+
+step "all checks passed"

@@ -1,0 +1,255 @@
+//! Test harness for idem's integration tests: a real `nats-server` with
+//! JetStream and a real PostgreSQL for every test.
+//!
+//! Each test gets servers of its own, on loopback, with random ports and
+//! temp dirs, so tests run in parallel under both `cargo nextest run` (a
+//! process per test) and `cargo test` (a thread per test). Servers are
+//! killed and their dirs removed when the [`TestEnv`] drops, also when the
+//! test panics; if the test process itself is killed, the kernel kills the
+//! servers (`PR_SET_PDEATHSIG`) and the next run removes the dirs.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! // In tests/tests/*.rs, under #[tokio::test]:
+//! async fn survives_a_nats_crash() {
+//!     let mut env = idem_tests::TestEnv::start().await;
+//!     let pool = env.pool().await;
+//!     let js = env.jetstream().await;
+//!     // ... create a stream, run the handler, publish ...
+//!     env.nats_server_mut().kill_and_restart().await;
+//!     idem_tests::wait_until(Duration::from_secs(10), async || {
+//!         let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_class")
+//!             .fetch_one(&pool)
+//!             .await
+//!             .unwrap();
+//!         rows > 0
+//!     })
+//!     .await;
+//!     # drop(js);
+//! }
+//! ```
+//!
+//! # Environment
+//!
+//! - `NATS_URL`: use this NATS server instead of starting one. Tests share
+//!   it, so they must use unique stream names ([`unique_name`]); tests that
+//!   crash the server panic.
+//! - `DATABASE_URL`: use this PostgreSQL server instead of starting one; each
+//!   test still gets a fresh database, dropped afterwards.
+//! - `NATS_SERVER_BIN`: the nats-server binary (default: `nats-server` on
+//!   PATH; v2.10 or newer, the project pins 2.15.1).
+//! - `IDEM_PG_BINDIR`: the dir with `initdb` and `postgres` (default:
+//!   `/usr/lib/postgresql/15/bin`).
+//! - `RUST_LOG`: log filter for [`init_tracing`] (default `warn`).
+//!
+//! `scripts/setup.sh` installs the servers.
+
+mod nats;
+mod postgres;
+mod process;
+
+use std::future::Future;
+use std::panic::Location;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use tokio::sync::OnceCell;
+
+pub use crate::nats::NatsServer;
+pub use crate::postgres::Postgres;
+
+/// A NATS server and a PostgreSQL database for one test.
+///
+/// Start it at the top of the test; it stops everything when dropped.
+///
+/// ```no_run
+/// # async fn demo() {
+/// let env = idem_tests::TestEnv::start().await;
+/// let pool: sqlx::PgPool = env.pool().await;
+/// let client: async_nats::Client = env.nats().await;
+/// # drop((pool, client));
+/// # }
+/// ```
+pub struct TestEnv {
+    // A client for the harness's own queries (consumer_info); made on first
+    // use. Declared first so it closes before the servers go.
+    client: OnceCell<async_nats::Client>,
+    nats: NatsServer,
+    postgres: Postgres,
+}
+
+impl TestEnv {
+    /// Starts (or, with `NATS_URL` / `DATABASE_URL`, connects to) both
+    /// servers concurrently and waits until both are ready. Also calls
+    /// [`init_tracing`].
+    ///
+    /// # Panics
+    ///
+    /// If either server does not become ready; the message includes the
+    /// tail of the server's log. Whatever was already started is stopped.
+    pub async fn start() -> TestEnv {
+        init_tracing();
+        let (nats, postgres) = tokio::join!(NatsServer::start(), Postgres::start());
+        TestEnv {
+            client: OnceCell::new(),
+            nats,
+            postgres,
+        }
+    }
+
+    /// The NATS URL, e.g. `nats://127.0.0.1:43781`.
+    pub fn nats_url(&self) -> &str {
+        self.nats.url()
+    }
+
+    /// The URL of this test's database, e.g.
+    /// `postgres://postgres@127.0.0.1:23456/postgres`.
+    pub fn database_url(&self) -> &str {
+        self.postgres.url()
+    }
+
+    /// A new connection pool on this test's database.
+    pub async fn pool(&self) -> sqlx::PgPool {
+        self.postgres.pool().await
+    }
+
+    /// A new NATS client. It reconnects by itself after a server restart.
+    pub async fn nats(&self) -> async_nats::Client {
+        self.nats.client().await
+    }
+
+    /// A JetStream context on a new NATS client.
+    pub async fn jetstream(&self) -> jetstream::Context {
+        self.nats.jetstream().await
+    }
+
+    /// The NATS server.
+    pub fn nats_server(&self) -> &NatsServer {
+        &self.nats
+    }
+
+    /// The NATS server, to crash it: [`NatsServer::kill_and_restart`].
+    pub fn nats_server_mut(&mut self) -> &mut NatsServer {
+        &mut self.nats
+    }
+
+    /// The PostgreSQL server.
+    pub fn postgres(&self) -> &Postgres {
+        &self.postgres
+    }
+
+    /// The PostgreSQL server, to crash it: [`Postgres::restart_immediate`].
+    pub fn postgres_mut(&mut self) -> &mut Postgres {
+        &mut self.postgres
+    }
+
+    /// The server's view of a consumer: `num_pending` (not yet delivered),
+    /// `num_ack_pending` (delivered, not acked), `num_redelivered`,
+    /// `delivered` and `ack_floor` sequences.
+    ///
+    /// # Panics
+    ///
+    /// If the stream or consumer does not exist.
+    ///
+    /// ```no_run
+    /// # async fn demo(env: idem_tests::TestEnv) {
+    /// let info = env.consumer_info("ORDERS", "ledger").await;
+    /// assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
+    /// # }
+    /// ```
+    pub async fn consumer_info(&self, stream: &str, consumer: &str) -> jetstream::consumer::Info {
+        let client = self.client.get_or_init(|| self.nats.client()).await;
+        consumer_info(&jetstream::new(client.clone()), stream, consumer).await
+    }
+}
+
+/// The server's view of `consumer` on `stream`; see
+/// [`TestEnv::consumer_info`].
+///
+/// # Panics
+///
+/// If the stream or consumer does not exist.
+pub async fn consumer_info(
+    js: &jetstream::Context,
+    stream: &str,
+    consumer: &str,
+) -> jetstream::consumer::Info {
+    let stream_handle = js
+        .get_stream_no_info(stream)
+        .await
+        .unwrap_or_else(|e| panic!("cannot get stream {stream}: {e}"));
+    stream_handle
+        .consumer_info(consumer)
+        .await
+        .unwrap_or_else(|e| panic!("cannot get info of consumer {consumer} on {stream}: {e}"))
+}
+
+/// Polls `condition` every 20 ms until it returns `true`.
+///
+/// Accepts async closures (`async || ...`) and closures returning a future
+/// (`|| async { ... }`).
+///
+/// # Panics
+///
+/// If `condition` is still `false` after `timeout`. The message names the
+/// caller's file and line.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// use std::sync::atomic::{AtomicU32, Ordering};
+/// use std::time::Duration;
+///
+/// let polls = AtomicU32::new(0);
+/// idem_tests::wait_until(Duration::from_secs(1), async || {
+///     polls.fetch_add(1, Ordering::SeqCst) >= 2
+/// })
+/// .await;
+/// assert_eq!(polls.load(Ordering::SeqCst), 3);
+/// # }
+/// ```
+#[track_caller]
+pub fn wait_until<F>(timeout: Duration, mut condition: F) -> impl Future<Output = ()>
+where
+    F: AsyncFnMut() -> bool,
+{
+    // An `async fn` cannot be #[track_caller] on stable; take the location
+    // here, before the future exists.
+    let caller = Location::caller();
+    async move {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if condition().await {
+                return;
+            }
+            if Instant::now() >= deadline {
+                panic!("wait_until at {caller}: condition still false after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A name no other test uses: `prefix` plus a process-unique counter and a
+/// random suffix, e.g. `orders_3_5f2c9a1b`. Only letters, digits and `_`
+/// (given such a prefix), so it is valid as a stream, consumer, subject
+/// token, or SQL identifier. Useful against a shared `NATS_URL` server.
+pub fn unique_name(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}_{n}_{:08x}", process::random_u64() as u32)
+}
+
+/// Installs a `tracing` subscriber that writes through the test harness's
+/// output capture, filtered by `RUST_LOG` (default `warn`). Safe to call
+/// many times; only the first call in a process has an effect.
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
