@@ -1,0 +1,236 @@
+//! Fixtures shared by the exactly-once scenarios: a business table that
+//! records every effect (with no unique key, so a double-apply would show),
+//! stream set-up, publishing, and running routers in the background.
+
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::{self, consumer, stream};
+use idem_runtime::{Delivery, Router, RouterHandle};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use tokio::task::JoinHandle;
+
+/// A deposit: the payload every scenario publishes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Deposit {
+    pub account: String,
+    pub amount: i64,
+}
+
+/// Creates the business table and installs the idem schema.
+pub async fn prepare_database(pool: &PgPool) {
+    idem_runtime::schema::migrate(pool)
+        .await
+        .expect("idem migrations apply");
+    sqlx::raw_sql(
+        "CREATE TABLE effects (
+             handler    text   NOT NULL,
+             message_id text   NOT NULL,
+             account    text   NOT NULL,
+             amount     bigint NOT NULL,
+             delivered  bigint NOT NULL
+         )",
+    )
+    .execute(pool)
+    .await
+    .expect("business table is created");
+}
+
+/// The business write every test handler does: one row per applied effect.
+pub async fn record_effect(
+    tx: &mut sqlx::PgTransaction<'_>,
+    handler: &str,
+    deposit: &Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO effects (handler, message_id, account, amount, delivered) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(handler)
+    .bind(delivery.message_id().as_str())
+    .bind(&deposit.account)
+    .bind(deposit.amount)
+    .bind(delivery.delivered() as i64)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// What the database holds for one handler.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Ledger {
+    /// Effect rows.
+    pub effects: i64,
+    /// Distinct message ids among them.
+    pub distinct_messages: i64,
+    /// Dedup rows for the handler.
+    pub dedup_rows: i64,
+}
+
+pub async fn ledger(pool: &PgPool, handler: &str) -> Ledger {
+    let (effects, distinct_messages): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT message_id) FROM effects WHERE handler = $1",
+    )
+    .bind(handler)
+    .fetch_one(pool)
+    .await
+    .expect("effects are counted");
+    let dedup_rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idem_processed_messages WHERE handler = $1")
+            .bind(handler)
+            .fetch_one(pool)
+            .await
+            .expect("dedup rows are counted");
+    Ledger {
+        effects,
+        distinct_messages,
+        dedup_rows,
+    }
+}
+
+/// A name no other test uses, for streams and consumers on a shared server.
+pub fn unique(prefix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .subsec_nanos();
+    format!(
+        "{prefix}_{}_{nanos}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A stream on `subject` with the given publish-dedup window.
+pub async fn create_stream(
+    js: &jetstream::Context,
+    name: &str,
+    subject: &str,
+    duplicate_window: Duration,
+) {
+    js.create_stream(stream::Config {
+        name: name.to_owned(),
+        subjects: vec![subject.to_owned()],
+        duplicate_window,
+        ..Default::default()
+    })
+    .await
+    .expect("stream is created");
+}
+
+/// Publishes `deposit`, with `msg_id` as `Nats-Msg-Id` if given, and returns
+/// the server's PubAck.
+pub async fn publish(
+    js: &jetstream::Context,
+    subject: &str,
+    deposit: &Deposit,
+    msg_id: Option<&str>,
+) -> jetstream::publish::PublishAck {
+    let payload = serde_json::to_vec(deposit).expect("deposit encodes").into();
+    let mut headers = async_nats::HeaderMap::new();
+    if let Some(id) = msg_id {
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
+    }
+    js.publish_with_headers(subject.to_owned(), headers, payload)
+        .await
+        .expect("publish is sent")
+        .await
+        .expect("publish is acknowledged")
+}
+
+/// Runs `router` in the background until its handle shuts it down.
+pub fn spawn(
+    router: Router,
+    nats: async_nats::Client,
+    pool: PgPool,
+) -> (RouterHandle, JoinHandle<Result<(), idem_runtime::Error>>) {
+    let handle = router.handle();
+    let task = tokio::spawn(router.run_until(nats, pool, std::future::pending()));
+    (handle, task)
+}
+
+/// Stops a router and checks it shut down cleanly.
+pub async fn stop(handle: RouterHandle, task: JoinHandle<Result<(), idem_runtime::Error>>) {
+    handle.shutdown();
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the router shuts down within 30 s")
+        .expect("the router task does not panic")
+        .expect("the router returns Ok");
+}
+
+/// The consumer's state as JetStream reports it.
+pub async fn consumer_info(js: &jetstream::Context, stream: &str, durable: &str) -> consumer::Info {
+    js.get_stream(stream)
+        .await
+        .expect("stream exists")
+        .consumer_info(durable)
+        .await
+        .expect("consumer exists")
+}
+
+/// Waits until JetStream has every message of the consumer acked: none
+/// pending, none awaiting ack, and the ack floor at the stream's last message.
+pub async fn wait_all_acked(js: &jetstream::Context, stream: &str, durable: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let last_seq = js
+            .get_stream(stream)
+            .await
+            .expect("stream exists")
+            .info()
+            .await
+            .expect("stream info")
+            .state
+            .last_sequence;
+        // The router creates the consumer once it starts.
+        let Ok(info) = js
+            .get_stream(stream)
+            .await
+            .expect("stream exists")
+            .consumer_info(durable)
+            .await
+        else {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "consumer {durable} was not created within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        if info.num_pending == 0
+            && info.num_ack_pending == 0
+            && info.ack_floor.stream_sequence >= last_seq
+        {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "consumer {durable} did not ack everything within 60 s: pending {}, ack pending {}, ack floor {} of {last_seq}",
+            info.num_pending,
+            info.num_ack_pending,
+            info.ack_floor.stream_sequence
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls `condition` every 20 ms until it holds, or panics with `what`.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !condition().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,451 @@
+//! The core promise, against a real nats-server and PostgreSQL: every message
+//! is applied once, whatever is redelivered. Each test checks that the
+//! effects equal the inputs with no duplicate, and that the fault it injects
+//! really happened.
+
+mod common;
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream;
+use common::*;
+use idem_runtime::fault::{AfterCommit, FaultHooks};
+use idem_runtime::{Delivery, Route, Router, idempotent};
+use idem_tests::TestEnv;
+
+/// Starts servers, prepares the database and a stream with `duplicate_window`.
+async fn setup(
+    prefix: &str,
+    duplicate_window: Duration,
+) -> (
+    TestEnv,
+    sqlx::PgPool,
+    async_nats::Client,
+    jetstream::Context,
+    String,
+    String,
+) {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let stream = unique(prefix);
+    let subject = format!("{stream}.deposit");
+    create_stream(&js, &stream, &subject, duplicate_window).await;
+    (env, pool, nats, js, stream, subject)
+}
+
+fn deposit(amount: i64) -> Deposit {
+    Deposit {
+        account: "acct-1".into(),
+        amount,
+    }
+}
+
+#[idempotent(name = "retry-window")]
+async fn retry_window(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "retry-window", &d, delivery).await
+}
+
+/// Scenario 1: a publisher retries after JetStream's duplicate window, so the
+/// same `Nats-Msg-Id` is stored twice. One effect; both messages acked.
+#[tokio::test]
+async fn publisher_retry_after_duplicate_window_is_applied_once() {
+    let (_env, pool, nats, js, stream, subject) = setup("RETRY", Duration::from_millis(300)).await;
+
+    let first = publish(&js, &subject, &deposit(10), Some("payment-1")).await;
+    assert!(!first.duplicate);
+    let inside_window = publish(&js, &subject, &deposit(10), Some("payment-1")).await;
+    assert!(
+        inside_window.duplicate,
+        "JetStream drops a retry inside its window"
+    );
+    // Keep retrying, as a publisher would, until JetStream stores it again.
+    let mut retry = inside_window;
+    while retry.duplicate {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        retry = publish(&js, &subject, &deposit(10), Some("payment-1")).await;
+    }
+    assert_eq!(
+        (first.sequence, retry.sequence),
+        (1, 2),
+        "the same Nats-Msg-Id is stored twice"
+    );
+
+    let router = Router::new().route(Route::new(&stream, "credit"), retry_window);
+    let (handle, task) = spawn(router, nats, pool.clone());
+    wait_all_acked(&js, &stream, "credit").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("credit").unwrap();
+    assert_eq!((stats.processed(), stats.duplicates()), (1, 1));
+    assert_eq!(
+        ledger(&pool, "retry-window").await,
+        Ledger {
+            effects: 1,
+            distinct_messages: 1,
+            dedup_rows: 1
+        }
+    );
+}
+
+#[idempotent(name = "crash-after-commit")]
+async fn crash_after_commit(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "crash-after-commit", &d, delivery).await
+}
+
+/// Scenario 2: the worker commits, then dies before it acks. The hook makes
+/// the runtime drop each message after its first COMMIT without any ack, as
+/// a crash would; JetStream redelivers after ack_wait. One effect each.
+#[tokio::test]
+async fn crash_after_commit_before_ack_is_applied_once() {
+    let (_env, pool, nats, js, stream, subject) = setup("CRASH", Duration::from_secs(120)).await;
+    const MESSAGES: usize = 5;
+    for i in 0..MESSAGES {
+        publish(
+            &js,
+            &subject,
+            &deposit(i as i64),
+            Some(&format!("crash-{i}")),
+        )
+        .await;
+    }
+
+    let faults = FaultHooks::default().after_commit(|delivery| {
+        if delivery.delivered() == 1 {
+            AfterCommit::DropWithoutAck
+        } else {
+            AfterCommit::Ack
+        }
+    });
+    let router = Router::new()
+        .route(
+            Route::new(&stream, "credit").ack_wait(Duration::from_secs(1)),
+            crash_after_commit,
+        )
+        .fault_hooks(faults);
+    let (handle, task) = spawn(router, nats, pool.clone());
+    wait_all_acked(&js, &stream, "credit").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("credit").unwrap();
+    assert_eq!(
+        stats.dropped_by_fault(),
+        MESSAGES as u64,
+        "every first delivery was committed and never acked"
+    );
+    assert_eq!(stats.processed(), MESSAGES as u64);
+    assert_eq!(
+        stats.duplicates(),
+        MESSAGES as u64,
+        "every redelivery found its dedup row"
+    );
+    assert_eq!(
+        ledger(&pool, "crash-after-commit").await,
+        Ledger {
+            effects: MESSAGES as i64,
+            distinct_messages: MESSAGES as i64,
+            dedup_rows: MESSAGES as i64
+        }
+    );
+    let redelivered_effects: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE delivered > 1")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(redelivered_effects, 0, "no redelivery ran the body");
+}
+
+/// Set when the first attempt saw the redelivery blocked on its claim.
+static SAW_BLOCKED_CLAIM: AtomicBool = AtomicBool::new(false);
+
+#[idempotent(name = "racing-redelivery")]
+async fn racing_redelivery(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    if delivery.delivered() == 1 {
+        // Stay inside the transaction until another backend waits on the
+        // lock of this transaction's claim: the redelivery that ack_wait
+        // triggers, blocked on the unique key.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let waiters: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE pg_backend_pid() = ANY (pg_blocking_pids(pid))",
+            )
+            .fetch_one(&mut **tx)
+            .await?;
+            if waiters > 0 {
+                SAW_BLOCKED_CLAIM.store(true, Ordering::SeqCst);
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(sqlx::Error::Protocol(
+                    "no redelivery blocked on the claim within 30 s".into(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    record_effect(tx, "racing-redelivery", &d, delivery).await
+}
+
+/// Scenario 3: ack_wait expires while the first attempt is still inside its
+/// transaction (heartbeats off), and a second worker on the same consumer
+/// takes the redelivery. It waits on the unique key, then skips.
+#[tokio::test]
+async fn redelivery_during_first_attempt_waits_on_claim_then_skips() {
+    let (_env, pool, nats, js, stream, subject) = setup("RACE", Duration::from_secs(120)).await;
+    publish(&js, &subject, &deposit(7), Some("race-1")).await;
+
+    let route = || {
+        Route::new(&stream, "credit")
+            .ack_wait(Duration::from_secs(1))
+            .without_heartbeat()
+            .concurrency(1)
+    };
+    let (first, first_task) = spawn(
+        Router::new().route(route(), racing_redelivery),
+        nats.clone(),
+        pool.clone(),
+    );
+    let (second, second_task) = spawn(
+        Router::new().route(route(), racing_redelivery),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "credit").await;
+    stop(first.clone(), first_task).await;
+    stop(second.clone(), second_task).await;
+
+    assert!(
+        SAW_BLOCKED_CLAIM.load(Ordering::SeqCst),
+        "the redelivery blocked on the claim while the first attempt was open"
+    );
+    let (a, b) = (
+        first.stats("credit").unwrap(),
+        second.stats("credit").unwrap(),
+    );
+    assert_eq!(a.processed() + b.processed(), 1);
+    assert_eq!(
+        a.duplicates() + b.duplicates(),
+        1,
+        "the blocked redelivery skipped"
+    );
+    assert_eq!(a.failed() + b.failed(), 0);
+    assert_eq!(
+        ledger(&pool, "racing-redelivery").await,
+        Ledger {
+            effects: 1,
+            distinct_messages: 1,
+            dedup_rows: 1
+        }
+    );
+}
+
+/// What the second attempt saw before it wrote: (effects of this message,
+/// dedup rows of this message including its own fresh claim).
+static SEEN_BY_RETRY: Mutex<Vec<(i64, i64)>> = Mutex::new(Vec::new());
+
+#[derive(Debug, thiserror::Error)]
+#[error("injected failure on delivery {0}")]
+struct InjectedFailure(u64);
+
+#[idempotent(name = "fails-once")]
+async fn fails_once(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    if delivery.delivered() == 1 {
+        // The write happens, then the handler fails: it must be rolled back.
+        record_effect(tx, "fails-once", &d, delivery).await?;
+        return Err(InjectedFailure(delivery.delivered()).into());
+    }
+    let seen: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM effects WHERE message_id = $1),
+                (SELECT count(*) FROM idem_processed_messages WHERE handler = 'fails-once' AND message_id = $1)",
+    )
+    .bind(delivery.message_id().as_str())
+    .fetch_one(&mut **tx)
+    .await?;
+    SEEN_BY_RETRY.lock().unwrap().push(seen);
+    record_effect(tx, "fails-once", &d, delivery).await?;
+    Ok(())
+}
+
+/// Scenario 4: the handler writes, then fails. Nothing of its writes and no
+/// dedup row survive; the redelivery then applies the message once.
+#[tokio::test]
+async fn handler_error_leaves_nothing_and_redelivery_applies_once() {
+    let (_env, pool, nats, js, stream, subject) = setup("FAIL", Duration::from_secs(120)).await;
+    publish(&js, &subject, &deposit(3), Some("fail-1")).await;
+
+    let router = Router::new().route(
+        Route::new(&stream, "credit").nak_delay(Duration::from_millis(200)),
+        fails_once,
+    );
+    let (handle, task) = spawn(router, nats, pool.clone());
+    wait_all_acked(&js, &stream, "credit").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("credit").unwrap();
+    assert_eq!(
+        (stats.failed(), stats.processed(), stats.duplicates()),
+        (1, 1, 0),
+        "one failure, then one success, and no duplicate: the failed claim did not persist"
+    );
+    assert_eq!(
+        *SEEN_BY_RETRY.lock().unwrap(),
+        vec![(0, 1)],
+        "the retry saw no effect of the failed attempt, and only its own claim"
+    );
+    assert_eq!(
+        ledger(&pool, "fails-once").await,
+        Ledger {
+            effects: 1,
+            distinct_messages: 1,
+            dedup_rows: 1
+        }
+    );
+    let delivered: i64 = sqlx::query_scalar("SELECT delivered FROM effects")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(delivered, 2, "the surviving effect is the redelivery's");
+}
+
+#[idempotent(name = "audit")]
+async fn audit(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "audit", &d, delivery).await
+}
+
+#[idempotent(name = "notify")]
+async fn notify(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "notify", &d, delivery).await
+}
+
+/// Scenario 5: two handlers consume the same messages through their own
+/// durable consumers. The handler name keeps their claims apart: one effect
+/// each, per message.
+#[tokio::test]
+async fn two_handlers_on_one_message_apply_once_each() {
+    let (_env, pool, nats, js, stream, subject) = setup("FANOUT", Duration::from_secs(120)).await;
+    const MESSAGES: i64 = 20;
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit(i), Some(&format!("fan-{i}"))).await;
+    }
+    let router = Router::new()
+        .route(Route::new(&stream, "audit"), audit)
+        .route(Route::new(&stream, "notify"), notify);
+    let (handle, task) = spawn(router, nats, pool.clone());
+    wait_all_acked(&js, &stream, "audit").await;
+    wait_all_acked(&js, &stream, "notify").await;
+    stop(handle.clone(), task).await;
+
+    for handler in ["audit", "notify"] {
+        let stats = handle.stats(handler).unwrap();
+        assert_eq!(
+            (stats.processed(), stats.duplicates()),
+            (MESSAGES as u64, 0)
+        );
+        assert_eq!(
+            ledger(&pool, handler).await,
+            Ledger {
+                effects: MESSAGES,
+                distinct_messages: MESSAGES,
+                dedup_rows: MESSAGES
+            },
+            "handler {handler}"
+        );
+    }
+}
+
+#[idempotent(name = "slow")]
+async fn slow(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    // Three times the test's ack_wait of 1 s.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    record_effect(tx, "slow", &d, delivery).await
+}
+
+/// Runs `slow` on one message with ack_wait 1 s and returns the route's
+/// stats. `heartbeat` turns `+WPI` heartbeats on or off.
+async fn run_slow_handler(
+    heartbeat: bool,
+) -> (std::sync::Arc<idem_runtime::Stats>, common::Ledger) {
+    let (_env, pool, nats, js, stream, subject) = setup("SLOW", Duration::from_secs(120)).await;
+    publish(&js, &subject, &deposit(1), Some("slow-1")).await;
+    let mut route = Route::new(&stream, "credit")
+        .ack_wait(Duration::from_secs(1))
+        .concurrency(4);
+    if !heartbeat {
+        route = route.without_heartbeat();
+    }
+    let (handle, task) = spawn(Router::new().route(route, slow), nats, pool.clone());
+    wait_all_acked(&js, &stream, "credit").await;
+    stop(handle.clone(), task).await;
+    (handle.stats("credit").unwrap(), ledger(&pool, "slow").await)
+}
+
+/// Scenario 6: a handler that runs for 3× ack_wait, with heartbeats on, is
+/// delivered once.
+#[tokio::test]
+async fn heartbeats_keep_a_long_handler_from_redelivery() {
+    let (stats, ledger) = run_slow_handler(true).await;
+    assert_eq!(stats.received(), 1, "delivered exactly once");
+    assert_eq!((stats.processed(), stats.duplicates()), (1, 0));
+    assert_eq!(
+        ledger,
+        Ledger {
+            effects: 1,
+            distinct_messages: 1,
+            dedup_rows: 1
+        }
+    );
+}
+
+/// The control for scenario 6: without heartbeats the same handler is
+/// redelivered mid-work, which proves the test above can see a redelivery.
+#[tokio::test]
+async fn without_heartbeats_a_long_handler_is_redelivered_but_applied_once() {
+    let (stats, ledger) = run_slow_handler(false).await;
+    assert!(
+        stats.received() >= 2,
+        "redelivered while running: {stats:?}"
+    );
+    assert_eq!(stats.processed(), 1);
+    assert_eq!(stats.duplicates(), stats.received() - 1);
+    assert_eq!(
+        ledger,
+        Ledger {
+            effects: 1,
+            distinct_messages: 1,
+            dedup_rows: 1
+        }
+    );
+}

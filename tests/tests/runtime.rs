@@ -1,0 +1,287 @@
+//! Runtime behaviour around the core promise: message ids, bad input,
+//! start-up refusals and graceful shutdown, against real servers.
+
+mod common;
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use common::*;
+use idem_runtime::{Delivery, Error, MessageIdSource, Route, Router, idempotent};
+use idem_tests::TestEnv;
+
+async fn setup(
+    prefix: &str,
+) -> (
+    TestEnv,
+    sqlx::PgPool,
+    async_nats::Client,
+    jetstream::Context,
+    String,
+    String,
+) {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let stream = unique(prefix);
+    let subject = format!("{stream}.deposit");
+    create_stream(&js, &stream, &subject, Duration::from_secs(120)).await;
+    (env, pool, nats, js, stream, subject)
+}
+
+fn deposit(account: &str, amount: i64) -> Deposit {
+    Deposit {
+        account: account.into(),
+        amount,
+    }
+}
+
+#[idempotent(name = "by-account", key = d.account)]
+async fn by_account(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    assert_eq!(delivery.message_id().source(), MessageIdSource::Key);
+    record_effect(tx, "by-account", &d, delivery).await
+}
+
+/// An explicit `key = ...` takes precedence over `Nats-Msg-Id`: messages with
+/// different header ids but the same key are applied once.
+#[tokio::test]
+async fn explicit_key_dedups_across_different_nats_msg_ids() {
+    let (_env, pool, nats, js, stream, subject) = setup("KEY").await;
+    for (i, account) in ["a", "b", "a", "a", "b", "c"].iter().enumerate() {
+        publish(
+            &js,
+            &subject,
+            &deposit(account, 1),
+            Some(&format!("hdr-{i}")),
+        )
+        .await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), by_account),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("c").unwrap();
+    assert_eq!((stats.processed(), stats.duplicates()), (3, 3));
+    let ids: Vec<String> = sqlx::query_scalar("SELECT message_id FROM effects ORDER BY message_id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids, ["a", "b", "c"]);
+}
+
+#[idempotent(name = "ids")]
+async fn ids(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "ids", &d, delivery).await
+}
+
+/// Without a key, the `Nats-Msg-Id` header is the id, and without that,
+/// `<stream>:<sequence>`.
+#[tokio::test]
+async fn header_then_stream_sequence_are_the_fallback_ids() {
+    let (_env, pool, nats, js, stream, subject) = setup("IDS").await;
+    publish(&js, &subject, &deposit("a", 1), Some("from-header")).await;
+    publish(&js, &subject, &deposit("b", 1), None).await;
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), ids),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+
+    let ids: Vec<String> = sqlx::query_scalar("SELECT message_id FROM effects ORDER BY account")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids, vec!["from-header".to_owned(), format!("{stream}:2")]);
+}
+
+/// A payload that does not decode, or a message id that is unusable, can
+/// never succeed: it is terminated on its first delivery, never claimed, and
+/// the messages after it keep flowing.
+#[tokio::test]
+async fn bad_input_is_terminated_once_and_later_messages_flow() {
+    let (_env, pool, nats, js, stream, subject) = setup("POISON").await;
+    js.publish(subject.clone(), "this is not json".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let oversized = "x".repeat(idem_runtime::MAX_MESSAGE_ID_LEN + 1);
+    publish(&js, &subject, &deposit("a", 1), Some(&oversized)).await;
+    publish(&js, &subject, &deposit("b", 2), Some("good-1")).await;
+    publish(&js, &subject, &deposit("c", 3), Some("good-2")).await;
+
+    let (handle, task) = spawn(
+        Router::new().route(
+            Route::new(&stream, "c").nak_delay(Duration::from_millis(50)),
+            ids,
+        ),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(stats.rejected(), 2, "both bad messages were terminated");
+    assert_eq!(stats.received(), 4, "and neither was redelivered");
+    assert_eq!(stats.processed(), 2);
+    assert_eq!(
+        ledger(&pool, "ids").await,
+        Ledger {
+            effects: 2,
+            distinct_messages: 2,
+            dedup_rows: 2
+        }
+    );
+}
+
+#[idempotent(name = "held")]
+async fn held(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    record_effect(tx, "held", &d, delivery).await
+}
+
+/// Shutdown while messages are in flight: they finish, commit and are acked
+/// before `run` returns, and no new message is taken.
+#[tokio::test]
+async fn shutdown_finishes_and_acks_in_flight_messages() {
+    let (_env, pool, nats, js, stream, subject) = setup("SHUTDOWN").await;
+    const IN_FLIGHT: u64 = 4;
+    for i in 0..IN_FLIGHT + 6 {
+        publish(&js, &subject, &deposit("a", 1), Some(&format!("s-{i}"))).await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(
+            Route::new(&stream, "c").concurrency(IN_FLIGHT as usize),
+            held,
+        ),
+        nats,
+        pool.clone(),
+    );
+    let stats = handle.stats("c").unwrap();
+    eventually(
+        "four messages in flight",
+        Duration::from_secs(30),
+        || async { stats.received() >= IN_FLIGHT },
+    )
+    .await;
+    assert_eq!(
+        stats.processed(),
+        0,
+        "shutdown starts while they are in flight"
+    );
+    stop(handle.clone(), task).await;
+
+    let taken = stats.received();
+    assert_eq!(stats.processed(), taken, "every message taken was finished");
+    assert!(
+        taken < IN_FLIGHT + 6,
+        "no new message was started after shutdown"
+    );
+    let info = consumer_info(&js, &stream, "c").await;
+    assert_eq!(info.num_ack_pending, 0, "every finished message was acked");
+    assert_eq!(info.ack_floor.stream_sequence, taken);
+    assert_eq!(ledger(&pool, "held").await.effects, taken as i64);
+}
+
+/// A worker refuses to start against a database without the dedup schema,
+/// and says which call creates it.
+#[tokio::test]
+async fn missing_dedup_schema_is_refused_at_startup() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let stream = unique("NOSCHEMA");
+    create_stream(
+        &js,
+        &stream,
+        &format!("{stream}.x"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let error = Router::new()
+        .route(Route::new(&stream, "c"), ids)
+        .run_until(nats, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::SchemaMissing { found: None, .. }),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("idem_runtime::schema::migrate"),
+        "{error}"
+    );
+}
+
+/// A route whose stream does not exist, and that was not asked to create it,
+/// is refused at start-up with the stream's name.
+#[tokio::test]
+async fn missing_stream_is_refused_at_startup() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    let error = Router::new()
+        .route(Route::new("NO_SUCH_STREAM", "c"), ids)
+        .run_until(env.nats().await, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, Error::StreamMissing { .. }), "{error}");
+    assert!(error.to_string().contains("NO_SUCH_STREAM"), "{error}");
+}
+
+/// Settings that would stall delivery are refused before anything runs.
+#[tokio::test]
+async fn unsafe_route_settings_are_refused_at_startup() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    let error = Router::new()
+        .route(
+            Route::new("S", "c").concurrency(50).max_ack_pending(10),
+            ids,
+        )
+        .run_until(env.nats().await, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, Error::Config { .. }), "{error}");
+}
+
+/// Applying the migrations twice, as every worker does at start-up, is fine,
+/// and they keep their history apart from the application's.
+#[tokio::test]
+async fn migrations_are_idempotent_and_keep_their_own_history() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    idem_runtime::schema::verify(&pool).await.unwrap();
+    let (idem_history, sqlx_history): (bool, bool) = sqlx::query_as(
+        "SELECT to_regclass('_idem_migrations') IS NOT NULL, to_regclass('_sqlx_migrations') IS NOT NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((idem_history, sqlx_history), (true, false));
+}

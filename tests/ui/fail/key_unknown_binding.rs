@@ -1,0 +1,15 @@
+use idem_runtime::idempotent;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Credit {
+    account: i64,
+}
+
+#[idempotent(key = msg.account)]
+async fn credit(_tx: &mut sqlx::PgTransaction<'_>, cmd: Credit) -> Result<(), sqlx::Error> {
+    let _ = cmd.account;
+    Ok(())
+}
+
+fn main() {}

@@ -1,0 +1,14 @@
+use idem_runtime::idempotent;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Credit {
+    account: i64,
+}
+
+#[idempotent]
+async fn credit(_tx: &mut sqlx::PgTransaction<'_>) -> Result<(), sqlx::Error> {
+    Ok(())
+}
+
+fn main() {}

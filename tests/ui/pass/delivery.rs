@@ -1,0 +1,44 @@
+use idem_runtime::{Delivery, Handler, idempotent};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Ping {
+    from: String,
+}
+
+// Attributes other than docs and `cfg` stay on the body, `ping::run`.
+#[idempotent]
+#[tracing::instrument(name = "ping", skip_all, fields(seq = meta.stream_sequence()))]
+async fn ping(
+    _tx: &mut sqlx::PgTransaction<'_>,
+    ping: Ping,
+    meta: &idem_runtime::Delivery,
+) -> Result<(), sqlx::Error> {
+    tracing::info!(
+        from = ping.from,
+        seq = meta.stream_sequence(),
+        attempt = meta.delivered(),
+        id = meta.message_id().as_str(),
+        "ping"
+    );
+    Ok(())
+}
+
+// Any `&` type and any pattern work for the delivery.
+#[idempotent(name = "pong-v1", key = pong.from)]
+async fn pong(
+    _tx: &mut sqlx::PgTransaction<'_>,
+    pong: Ping,
+    _: &Delivery,
+) -> Result<(), sqlx::Error> {
+    drop(pong);
+    Ok(())
+}
+
+fn main() {
+    assert_eq!(ping().name(), "ping");
+    let pong_msg = Ping {
+        from: "a".to_owned(),
+    };
+    assert_eq!(pong().message_key(&pong_msg).as_deref(), Some("a"));
+}
