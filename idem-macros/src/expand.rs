@@ -358,12 +358,14 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
         .as_ref()
         .map(|key| message_key(&handler.payload.pat, key));
     let delivery = handler.takes_delivery.then(|| quote!(, __idem_delivery));
-    // Spanned at the user's error type, so that one that does not convert
+    // `handler_error!` keeps the class the error type chose through
+    // `idem_runtime::Classify`, if it implements it. Spanned at the user's
+    // error type, so that one that does not convert
     // into `BoxError` is reported there, once. (`.map_err(HandlerError::handler)`
     // would report it twice, once on the whole call.)
     let into_handler_error = quote_spanned! {handler.error_type_span=>
         ::core::result::Result::Err(__idem_error) => {
-            ::core::result::Result::Err(::idem_runtime::HandlerError::handler(__idem_error))
+            ::core::result::Result::Err(::idem_runtime::__private::handler_error!(__idem_error))
         }
     };
     let claim_then_run = quote! {
@@ -606,7 +608,7 @@ mod tests {
                                     ::core::result::Result::Ok(::idem_runtime::Outcome::Processed)
                                 }
                                 ::core::result::Result::Err(__idem_error) => {
-                                    ::core::result::Result::Err(::idem_runtime::HandlerError::handler(__idem_error))
+                                    ::core::result::Result::Err(::idem_runtime::__private::handler_error!(__idem_error))
                                 }
                             }
                         })

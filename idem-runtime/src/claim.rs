@@ -48,3 +48,20 @@ pub async fn claim(
         Claim::Duplicate
     })
 }
+
+/// Whether `(handler, message_id)` has a committed dedup row. Used for a
+/// message that arrives past its delivery limit: if an earlier attempt
+/// committed, it is acked rather than dead-lettered.
+pub(crate) async fn is_processed(
+    pool: &sqlx::PgPool,
+    handler: &str,
+    message_id: &MessageId,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM idem_processed_messages WHERE handler = $1 AND message_id = $2)",
+    )
+    .bind(handler)
+    .bind(message_id.as_str())
+    .fetch_one(pool)
+    .await
+}

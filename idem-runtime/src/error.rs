@@ -1,33 +1,66 @@
 //! Error types. Each says what happened to the message it concerns.
 
+use crate::failure::ErrorClass;
 use crate::message_id::InvalidMessageId;
 
 /// Any error a handler body returns, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// Why a handler did not finish. The runtime rolls the transaction back and
-/// NAKs the message, so it is redelivered after the route's NAK delay.
+/// Why a handler did not finish. The runtime rolls the transaction back,
+/// then retries, NAKs or dead-letters the message according to the error's
+/// [`ErrorClass`] and the route's [`RetryPolicy`](crate::RetryPolicy).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HandlerError {
-    /// The claim statement failed (database unreachable, dedup table missing).
+    /// BEGIN or the claim statement failed (database unreachable, dedup table
+    /// missing).
     #[error("claiming the message failed: {0}")]
     Claim(#[from] sqlx::Error),
     /// The handler body returned an error.
-    #[error("the handler failed: {0}")]
-    Handler(BoxError),
+    #[error("the handler failed: {error}")]
+    Handler {
+        /// The error the body returned.
+        error: BoxError,
+        /// The class its type chose through [`Classify`](crate::Classify),
+        /// if it implements it.
+        class: Option<ErrorClass>,
+    },
+    /// The handler ran longer than the route's handler timeout.
+    #[error("the handler did not finish within {0:?}")]
+    TimedOut(std::time::Duration),
 }
 
 impl HandlerError {
-    /// Wraps an error returned by a handler body.
+    /// Wraps an error returned by a handler body; its class is found along
+    /// its `source()` chain (see [`ErrorClass::of`]).
     pub fn handler(error: impl Into<BoxError>) -> Self {
-        HandlerError::Handler(error.into())
+        Self::classified(error, None)
+    }
+
+    /// Wraps an error returned by a handler body, with the class its type
+    /// chose, if any.
+    pub fn classified(error: impl Into<BoxError>, class: Option<ErrorClass>) -> Self {
+        HandlerError::Handler {
+            error: error.into(),
+            class,
+        }
+    }
+
+    /// Whether, and how, the failure is worth retrying.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            HandlerError::Claim(error) => ErrorClass::of_sqlx(error),
+            HandlerError::Handler {
+                class: Some(class), ..
+            } => *class,
+            HandlerError::Handler { error, .. } => ErrorClass::of(&**error),
+            HandlerError::TimedOut(_) => ErrorClass::Transient,
+        }
     }
 }
 
-/// Why a message could not be handed to its handler at all. Such a message
-/// can never succeed, so the runtime TERMs it (no redelivery) and logs it at
-/// error level with its stream sequence, where it stays for inspection.
+/// Why a message could not be handed to its handler at all. No retry can
+/// change that, so the runtime dead-letters it on its first delivery.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RejectedMessage {
@@ -84,6 +117,27 @@ pub enum Error {
         route: String,
         /// What is wrong and how to fix it.
         reason: String,
+    },
+    /// The durable consumer exists with settings that differ from the
+    /// route's.
+    #[error(
+        "durable consumer `{route}` exists with different settings ({differences}); delete it, align the route, or call `Route::update_consumer()` to overwrite it"
+    )]
+    ConsumerConflict {
+        /// The route (durable consumer name).
+        route: String,
+        /// Which settings differ, as `field: existing -> wanted`.
+        differences: String,
+    },
+    /// No stream stores the route's dead-letter subject.
+    #[error(
+        "no JetStream stream stores dead-letter subject `{subject}` of route `{route}`; create one, or leave the route on the default dead-letter stream"
+    )]
+    DeadLetterStreamMissing {
+        /// The route (durable consumer name).
+        route: String,
+        /// The dead-letter subject.
+        subject: String,
     },
     /// The same durable consumer was bound twice in one router.
     #[error("the durable consumer `{0}` is bound twice; give each route its own consumer")]

@@ -38,8 +38,10 @@
 
 mod ack;
 mod claim;
+pub mod dead_letter;
 mod delivery;
 mod error;
+mod failure;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod handler;
@@ -47,6 +49,7 @@ mod heartbeat;
 mod message_id;
 mod pipeline;
 mod pull;
+mod retry;
 mod route;
 mod router;
 pub mod schema;
@@ -57,9 +60,11 @@ pub use ack::AckMode;
 pub use claim::Claim;
 pub use delivery::Delivery;
 pub use error::{BoxError, Error, HandlerError, RejectedMessage};
+pub use failure::{Classify, ErrorClass, Permanent, Transient};
 pub use handler::{Handler, HandlerFuture, IntoHandler, Outcome};
 pub use idem_macros::idempotent;
 pub use message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, MessageId, MessageIdSource};
+pub use retry::RetryPolicy;
 pub use route::Route;
 pub use router::{Router, RouterHandle};
 pub use stats::Stats;
@@ -68,7 +73,9 @@ pub use stats::Stats;
 /// any release.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::__handler_error as handler_error;
     pub use crate::claim::claim;
+    pub use crate::failure::specialize;
     pub use sqlx::PgTransaction;
     pub use std::boxed::Box;
     pub use std::string::ToString;

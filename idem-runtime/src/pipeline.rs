@@ -1,5 +1,5 @@
 //! One message's way through the runtime: decode, claim and handle inside a
-//! transaction, commit, and only then ack.
+//! transaction, commit, and only then ack; or retry, or dead-letter.
 
 use std::sync::Arc;
 
@@ -9,8 +9,11 @@ use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
 use crate::ack;
+use crate::claim;
+use crate::dead_letter::{self, Failure};
 use crate::delivery::Delivery;
 use crate::error::{HandlerError, RejectedMessage};
+use crate::failure::ErrorClass;
 use crate::handler::{Handler, Outcome};
 use crate::heartbeat::Heartbeat;
 use crate::message_id::MessageId;
@@ -33,13 +36,17 @@ enum Verdict {
     Processed,
     /// Already processed: rolled back, ack.
     Duplicate,
-    /// BEGIN, the claim or the body failed: rolled back, NAK.
+    /// BEGIN, the claim or the body failed: rolled back; retry or
+    /// dead-letter by the error's class.
     Failed(HandlerError),
     /// COMMIT failed, so its outcome is unknown: NAK, never ack. If it did
     /// commit, the redelivery finds the dedup row.
     CommitUnknown(sqlx::Error),
-    /// Can never succeed: TERM.
+    /// Can never succeed: dead-letter.
     Rejected(RejectedMessage),
+    /// Arrived past the delivery limit without a dedup row: earlier attempts
+    /// never finished (the worker died, say). Dead-letter without running.
+    Exhausted,
 }
 
 impl<H: Handler> Pipeline<H> {
@@ -50,8 +57,8 @@ impl<H: Handler> Pipeline<H> {
         let delivery = match Delivery::from_message(&message) {
             Ok(delivery) => delivery,
             Err(error) => {
-                // Without delivery metadata there is no stream sequence to
-                // dedup by; such a message is not from a JetStream consumer.
+                // Without delivery metadata this is not a JetStream consumer
+                // delivery; there is nothing to dedup by or redeliver.
                 tracing::error!(%error, subject = %message.subject, "not a JetStream delivery; terminating it");
                 Stats::bump(&self.stats.rejected);
                 ack::term(&message).await;
@@ -73,8 +80,15 @@ impl<H: Handler> Pipeline<H> {
         // The heartbeat covers the wait for a pooled connection too.
         let heartbeat = Heartbeat::start(&message, self.route.heartbeat_interval());
         let verdict = match self.prepare(&message, &mut delivery) {
-            Ok(payload) => self.transact(payload, &delivery).await,
             Err(rejected) => Verdict::Rejected(rejected),
+            Ok(payload) if delivery.delivered() > self.route.retry.max_deliver => {
+                drop(payload);
+                self.past_limit(&delivery).await
+            }
+            Ok(payload) => {
+                self.transact_with_retries(&message, payload, &delivery)
+                    .await
+            }
         };
         heartbeat.stop().await;
         self.settle(&message, &delivery, verdict).await;
@@ -98,17 +112,66 @@ impl<H: Handler> Pipeline<H> {
         Ok(payload)
     }
 
+    /// A message past its delivery limit: ack it if it was processed after
+    /// all, else dead-letter it.
+    async fn past_limit(&self, delivery: &Delivery) -> Verdict {
+        match claim::is_processed(&self.pool, self.handler.name(), delivery.message_id()).await {
+            Ok(true) => Verdict::Duplicate,
+            Ok(false) => Verdict::Exhausted,
+            Err(error) => Verdict::Failed(HandlerError::Claim(error)),
+        }
+    }
+
+    /// Runs the transaction, and runs it again at once (a few times, with a
+    /// short pause) when the failure is one the database asks to retry:
+    /// a serialization failure, a deadlock, a lost connection.
+    async fn transact_with_retries(
+        &self,
+        message: &Message,
+        mut payload: H::Payload,
+        delivery: &Delivery,
+    ) -> Verdict {
+        let policy = &self.route.retry;
+        let mut attempt = 1;
+        loop {
+            let verdict = self.transact(payload, delivery).await;
+            let Verdict::Failed(error) = &verdict else {
+                return verdict;
+            };
+            if error.class() != ErrorClass::RetryNow || attempt >= policy.in_process_attempts {
+                return verdict;
+            }
+            Stats::bump(&self.stats.retried_in_process);
+            tracing::info!(%error, attempt, "retrying at once");
+            tokio::time::sleep(policy.in_process_backoff * attempt).await;
+            attempt += 1;
+            // It decoded a moment ago, so it decodes again.
+            payload = match serde_json::from_slice(&message.payload) {
+                Ok(payload) => payload,
+                Err(error) => return Verdict::Rejected(error.into()),
+            };
+        }
+    }
+
     /// Runs the handler in its own transaction.
     ///
     /// Neither BEGIN nor COMMIT is raced against a timer or `select!`: a
     /// cancelled BEGIN can return a pooled connection still inside a
     /// transaction (sqlx#4393), and a cancelled COMMIT has an unknown outcome.
+    /// The handler timeout covers the handler alone.
     async fn transact(&self, payload: H::Payload, delivery: &Delivery) -> Verdict {
         let mut tx = match self.pool.begin().await {
             Ok(tx) => tx,
             Err(error) => return Verdict::Failed(HandlerError::Claim(error)),
         };
-        match self.handler.handle(&mut tx, payload, delivery).await {
+        let handled = self.handler.handle(&mut tx, payload, delivery);
+        let outcome = match self.route.handler_timeout {
+            Some(limit) => tokio::time::timeout(limit, handled)
+                .await
+                .unwrap_or(Err(HandlerError::TimedOut(limit))),
+            None => handled.await,
+        };
+        match outcome {
             Ok(Outcome::Processed) => match tx.commit().await {
                 Ok(()) => Verdict::Processed,
                 Err(error) => Verdict::CommitUnknown(error),
@@ -127,6 +190,7 @@ impl<H: Handler> Pipeline<H> {
     /// Tells JetStream how the delivery ended.
     async fn settle(&self, message: &Message, delivery: &Delivery, verdict: Verdict) {
         let stats = &self.stats;
+        let retry = &self.route.retry;
         match verdict {
             Verdict::Processed => {
                 Stats::bump(&stats.processed);
@@ -147,23 +211,84 @@ impl<H: Handler> Pipeline<H> {
                 tracing::info!("already processed; acked without running the handler");
             }
             Verdict::Failed(error) => {
-                ack::nak(message, self.route.nak_delay).await;
                 Stats::bump(&stats.failed);
-                tracing::warn!(%error, retry_in = ?self.route.nak_delay, "handler failed; rolled back and NAKed for redelivery");
+                let class = error.class();
+                if class == ErrorClass::Permanent {
+                    self.dead_letter(message, delivery, Failure::Permanent, &error.to_string())
+                        .await;
+                } else if retry.exhausted(delivery.delivered()) {
+                    self.dead_letter(message, delivery, Failure::Exhausted, &error.to_string())
+                        .await;
+                } else {
+                    let delay = retry.nak_delay(delivery.delivered());
+                    ack::nak(message, delay).await;
+                    tracing::warn!(%error, ?class, retry_in = ?delay, "handler failed; rolled back and NAKed for redelivery");
+                }
             }
             Verdict::CommitUnknown(error) => {
-                ack::nak(message, self.route.nak_delay).await;
                 Stats::bump(&stats.commit_failed);
+                let delay = retry.nak_delay(delivery.delivered());
+                ack::nak(message, delay).await;
                 tracing::warn!(%error, "COMMIT failed with an unknown outcome; NAKed, and the dedup row decides the redelivery");
             }
             Verdict::Rejected(error) => {
-                ack::term(message).await;
                 Stats::bump(&stats.rejected);
+                let failure = match error {
+                    RejectedMessage::Decode(_) => Failure::Undecodable,
+                    RejectedMessage::MessageId(_) => Failure::BadMessageId,
+                };
+                self.dead_letter(message, delivery, failure, &error.to_string())
+                    .await;
+            }
+            Verdict::Exhausted => {
+                let text = format!(
+                    "delivered {} times, past the limit of {}, and never processed: earlier attempts did not finish",
+                    delivery.delivered(),
+                    retry.max_deliver
+                );
+                self.dead_letter(message, delivery, Failure::Exhausted, &text)
+                    .await;
+            }
+        }
+    }
+
+    /// Publishes a dead letter, then TERMs the original; NAKs it instead if
+    /// the publish fails, so that nothing is lost.
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        delivery: &Delivery,
+        failure: Failure,
+        error: &str,
+    ) {
+        let subject = self.route.dead_letter_target();
+        match dead_letter::publish(
+            message,
+            delivery,
+            self.handler.name(),
+            subject.clone(),
+            failure,
+            error,
+        )
+        .await
+        {
+            Ok(()) => {
+                ack::term(message).await;
+                Stats::bump(&self.stats.dead_lettered);
                 tracing::error!(
-                    %error,
-                    stream = delivery.stream(),
-                    stream_seq = delivery.stream_sequence(),
-                    "message can never be processed; terminated (it stays in the stream for inspection)"
+                    failure = failure.as_str(),
+                    error,
+                    dead_letter_subject = subject,
+                    "dead-lettered; replay it with idem_runtime::dead_letter::replay once fixed"
+                );
+            }
+            Err(publish_error) => {
+                ack::nak(message, dead_letter::PUBLISH_RETRY).await;
+                Stats::bump(&self.stats.dead_letter_failed);
+                tracing::error!(
+                    %publish_error,
+                    error,
+                    "publishing the dead letter failed; NAKed, it will be tried again"
                 );
             }
         }
@@ -172,8 +297,8 @@ impl<H: Handler> Pipeline<H> {
 
 async fn rollback(tx: PgTransaction<'static>) {
     if let Err(error) = tx.rollback().await {
-        // The connection is closed rather than returned to the pool in an
-        // unknown state.
+        // sqlx closes a connection whose ROLLBACK failed rather than return
+        // it to the pool in an unknown state.
         tracing::warn!(%error, "ROLLBACK failed");
     }
 }

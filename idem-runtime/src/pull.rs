@@ -21,12 +21,14 @@ use crate::shutdown::Signal;
 /// How long to wait before pulling again after the server refused a pull.
 const PULL_RETRY: Duration = Duration::from_millis(500);
 
-/// Pulls and processes messages until shutdown, then waits for in-flight ones.
+/// Pulls and processes messages until shutdown, then waits up to `grace` for
+/// in-flight ones. Returns how many it had to abandon.
 pub(crate) async fn pull_until_shutdown<H: Handler>(
     consumer: PullConsumer,
     pipeline: Arc<Pipeline<H>>,
     mut shutdown: Signal,
-) {
+    grace: Duration,
+) -> usize {
     let route = &pipeline.route;
     let slots = Arc::new(Semaphore::new(route.concurrency));
     let mut in_flight = JoinSet::new();
@@ -88,9 +90,24 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
         in_flight = in_flight.len(),
         "stopped pulling; finishing in-flight messages"
     );
-    while let Some(finished) = in_flight.join_next().await {
-        report_panic(finished);
+    let drained = tokio::time::timeout(grace, async {
+        while let Some(finished) = in_flight.join_next().await {
+            report_panic(finished);
+        }
+    })
+    .await;
+    if drained.is_ok() {
+        return 0;
     }
+    let abandoned = in_flight.len();
+    tracing::error!(
+        route = route.durable,
+        abandoned,
+        ?grace,
+        "in-flight messages outlived the shutdown grace period; cancelling them (JetStream redelivers them after ack_wait)"
+    );
+    in_flight.shutdown().await;
+    abandoned
 }
 
 fn report_panic(finished: Result<(), tokio::task::JoinError>) {

@@ -7,6 +7,11 @@ use async_nats::jetstream::stream;
 
 use crate::ack::AckMode;
 use crate::error::Error;
+use crate::retry::RetryPolicy;
+
+/// Deliveries past the retry policy's limit after which JetStream itself
+/// stops redelivering a message.
+const SERVER_BACKSTOP: u64 = 10;
 
 /// How progress heartbeats are sent while a handler runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,12 +29,14 @@ enum HeartbeatSetting {
 /// | setting | default |
 /// |---|---|
 /// | `ack_wait` | 30 s (JetStream's default) |
-/// | `max_deliver` | unlimited (-1, JetStream's default) |
+/// | retry | [`RetryPolicy::default`]: 10 deliveries, backoff 1 s doubling to 5 min, ±20 % jitter |
+/// | dead letters | `idem.dead.<stream>.<durable>` in stream `IDEM_DEAD_LETTERS` |
+/// | `handler_timeout` | 5 min (the handler only; never BEGIN or COMMIT) |
 /// | `max_ack_pending` | 1000 (JetStream's default); must be ≥ `concurrency` |
 /// | `concurrency` | 8 messages in flight per route in this process |
 /// | heartbeat | `+WPI` every ack_wait / 3 while a handler runs |
 /// | ack | plain `+ACK` ([`AckMode::Ack`]) |
-/// | `nak_delay` | 1 s before a failed message is redelivered |
+/// | existing consumer | used if its settings match; refused if they differ, unless `update_consumer()` |
 ///
 /// ```
 /// use std::time::Duration;
@@ -49,12 +56,15 @@ pub struct Route {
     pub(crate) filter_subjects: Vec<String>,
     pub(crate) create_stream: Option<stream::Config>,
     pub(crate) ack_wait: Duration,
-    pub(crate) max_deliver: i64,
     pub(crate) max_ack_pending: i64,
     pub(crate) concurrency: usize,
     heartbeat: HeartbeatSetting,
+    pub(crate) handler_timeout: Option<Duration>,
+    allow_redelivery_while_running: bool,
     pub(crate) ack_mode: AckMode,
-    pub(crate) nak_delay: Duration,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) dead_letter_subject: Option<String>,
+    pub(crate) update_consumer: bool,
     pub(crate) pull_expires: Duration,
 }
 
@@ -69,12 +79,15 @@ impl Route {
             filter_subjects: Vec::new(),
             create_stream: None,
             ack_wait: Duration::from_secs(30),
-            max_deliver: -1,
             max_ack_pending: 1000,
             concurrency: 8,
             heartbeat: HeartbeatSetting::Auto,
+            handler_timeout: Some(Duration::from_secs(300)),
+            allow_redelivery_while_running: false,
             ack_mode: AckMode::Ack,
-            nak_delay: Duration::from_secs(1),
+            retry: RetryPolicy::default(),
+            dead_letter_subject: None,
+            update_consumer: false,
             pull_expires: Duration::from_secs(2),
         }
     }
@@ -100,9 +113,59 @@ impl Route {
         self
     }
 
-    /// The most deliveries of one message (-1: unlimited).
-    pub fn max_deliver(mut self, max_deliver: i64) -> Self {
-        self.max_deliver = max_deliver;
+    /// The retry policy: delivery limit, backoff and in-process retries.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// Shorthand for `retry(policy.max_deliver(n))`: a message whose n-th
+    /// delivery fails transiently is dead-lettered.
+    pub fn max_deliver(mut self, max_deliver: u64) -> Self {
+        self.retry = self.retry.max_deliver(max_deliver);
+        self
+    }
+
+    /// Shorthand for `retry(policy.backoff(initial, max))`.
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.retry = self.retry.backoff(initial, max);
+        self
+    }
+
+    /// Publish dead letters to `subject`, which a stream you manage must
+    /// store (checked at start-up). By default they go to
+    /// `idem.dead.<stream>.<durable>` in the stream `IDEM_DEAD_LETTERS`,
+    /// which the router creates if it is missing.
+    pub fn dead_letter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.dead_letter_subject = Some(subject.into());
+        self
+    }
+
+    /// The subject this route's dead letters are published to.
+    pub fn dead_letter_target(&self) -> String {
+        self.dead_letter_subject
+            .clone()
+            .unwrap_or_else(|| crate::dead_letter::default_subject(&self.stream, &self.durable))
+    }
+
+    /// Fail a handler that runs longer than `timeout` (a transient failure:
+    /// rolled back and retried). Default 5 minutes. The timer covers the
+    /// handler only, never BEGIN or COMMIT.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = Some(timeout);
+        self
+    }
+
+    /// Let a handler run as long as it likes (heartbeats keep its message).
+    pub fn without_handler_timeout(mut self) -> Self {
+        self.handler_timeout = None;
+        self
+    }
+
+    /// Overwrite an existing durable consumer whose settings differ from
+    /// this route's, instead of refusing to start.
+    pub fn update_consumer(mut self) -> Self {
+        self.update_consumer = true;
         self
     }
 
@@ -128,23 +191,26 @@ impl Route {
         self
     }
 
-    /// Send no progress heartbeats: a handler that outlives ack_wait is then
-    /// redelivered while it runs. The redelivery waits on the claim and is
-    /// skipped, so this is safe, but it wastes work; meant for tests.
+    /// Send no progress heartbeats. A handler that outlives ack_wait would
+    /// then be redelivered while it runs, so the route must also have a
+    /// handler timeout shorter than ack_wait (checked at start-up).
     pub fn without_heartbeat(mut self) -> Self {
         self.heartbeat = HeartbeatSetting::Off;
+        self
+    }
+
+    /// Accept settings under which a message can be redelivered while its
+    /// first attempt still runs (heartbeats off and a handler timeout not
+    /// below ack_wait). The claim still keeps it to one effect, but work is
+    /// wasted and locks are held longer; meant for tests that provoke it.
+    pub fn allow_redelivery_while_running(mut self) -> Self {
+        self.allow_redelivery_while_running = true;
         self
     }
 
     /// How a committed message is acked.
     pub fn ack_mode(mut self, ack_mode: AckMode) -> Self {
         self.ack_mode = ack_mode;
-        self
-    }
-
-    /// How long a failed message waits before it is redelivered.
-    pub fn nak_delay(mut self, nak_delay: Duration) -> Self {
-        self.nak_delay = nak_delay;
         self
     }
 
@@ -186,6 +252,17 @@ impl Route {
                 self.max_ack_pending, self.concurrency
             ));
         }
+        if self.heartbeat_interval().is_none() && !self.allow_redelivery_while_running {
+            match self.handler_timeout {
+                Some(timeout) if timeout < self.ack_wait => {}
+                timeout => {
+                    return refuse(format!(
+                        "heartbeats are off and the handler timeout ({timeout:?}) is not below ack_wait ({:?}), so a message could be redelivered while its handler runs; turn heartbeats on, or set a handler timeout below ack_wait",
+                        self.ack_wait
+                    ));
+                }
+            }
+        }
         if let Some(interval) = self.heartbeat_interval()
             && (interval.is_zero() || interval >= self.ack_wait)
         {
@@ -208,7 +285,14 @@ impl Route {
             ack_policy: AckPolicy::Explicit,
             deliver_policy: DeliverPolicy::All,
             ack_wait: self.ack_wait,
-            max_deliver: self.max_deliver,
+            // The runtime enforces the retry policy's limit itself, so that a
+            // failed dead-letter publish can be NAKed and tried again. The
+            // server-side limit is a backstop, further out, for a message
+            // that never reaches the runtime: async-nats drops the whole
+            // connection on a header that is not UTF-8, so without it such a
+            // message would reset the connection every ack_wait, forever.
+            max_deliver: i64::try_from(self.retry.max_deliver.saturating_add(SERVER_BACKSTOP))
+                .unwrap_or(i64::MAX),
             max_ack_pending: self.max_ack_pending,
             filter_subject,
             filter_subjects,
@@ -245,5 +329,20 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(err.to_string().contains("shorter than ack_wait"));
+    }
+
+    #[test]
+    fn heartbeats_off_need_a_handler_timeout_below_ack_wait() {
+        let route = Route::new("S", "c")
+            .ack_wait(Duration::from_secs(30))
+            .without_heartbeat();
+        let err = route.clone().validate().unwrap_err();
+        assert!(err.to_string().contains("heartbeats are off"), "{err}");
+        route
+            .clone()
+            .handler_timeout(Duration::from_secs(10))
+            .validate()
+            .unwrap();
+        route.allow_redelivery_while_running().validate().unwrap();
     }
 }

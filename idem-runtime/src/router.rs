@@ -3,8 +3,10 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::PullConsumer};
+use async_nats::jetstream;
+use async_nats::jetstream::consumer::{self, PullConsumer, pull};
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 
@@ -34,6 +36,7 @@ pub struct Router {
     stats: HashMap<String, Arc<Stats>>,
     trigger: Trigger,
     signal: Signal,
+    grace: Duration,
     #[cfg(feature = "fault-injection")]
     faults: crate::fault::FaultHooks,
 }
@@ -73,6 +76,7 @@ impl Router {
             stats: HashMap::new(),
             trigger,
             signal,
+            grace: Duration::from_secs(30),
             #[cfg(feature = "fault-injection")]
             faults: Default::default(),
         }
@@ -90,6 +94,16 @@ impl Router {
             handler,
             stats,
         }));
+        self
+    }
+
+    /// How long shutdown waits for in-flight messages (default 30 s). Those
+    /// still running then are cancelled, and the pool is closed, because a
+    /// cancelled BEGIN or COMMIT could leave a pooled connection inside a
+    /// transaction (sqlx#4393). Their messages are redelivered after
+    /// ack_wait, and the claim keeps them to one effect.
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
         self
     }
 
@@ -139,6 +153,7 @@ impl Router {
         let js = jetstream::new(nats);
         let mut consumers = Vec::with_capacity(self.routes.len());
         for bound in &self.routes {
+            crate::dead_letter::ensure_stream(&js, bound.route()).await?;
             consumers.push(bind_consumer(&js, bound.route()).await?);
         }
 
@@ -153,6 +168,7 @@ impl Router {
                 consumer,
                 pool.clone(),
                 self.signal.clone(),
+                self.grace,
                 #[cfg(feature = "fault-injection")]
                 self.faults.clone(),
             ));
@@ -164,10 +180,15 @@ impl Router {
             _ = stopped.fired() => {}
         }
         tracing::info!("shutting down: no new messages; waiting for in-flight ones");
+        let mut abandoned = 0;
         while let Some(finished) = running.join_next().await {
-            if let Err(error) = finished {
-                tracing::error!(%error, "a route task failed");
+            match finished {
+                Ok(count) => abandoned += count,
+                Err(error) => tracing::error!(%error, "a route task failed"),
             }
+        }
+        if abandoned > 0 {
+            pool.close().await;
         }
         tracing::info!("shut down");
         Ok(())
@@ -197,12 +218,74 @@ async fn bind_consumer(js: &jetstream::Context, route: &Route) -> Result<PullCon
                 source: source.into(),
             })?,
     };
-    // `create_consumer` creates or updates; `get_or_create_consumer` would
-    // silently keep an existing consumer's old settings.
+    let wanted = route.consumer_config();
+    if !route.update_consumer
+        && let Ok(existing) = stream.consumer_info(&route.durable).await
+    {
+        // `get_or_create_consumer` would silently keep the old settings, and
+        // `create_consumer` would silently overwrite another deployment's.
+        let differences = consumer_differences(&existing.config, &wanted);
+        if !differences.is_empty() {
+            return Err(Error::ConsumerConflict {
+                route: route.durable.clone(),
+                differences: differences.join(", "),
+            });
+        }
+    }
+    // Creates the consumer, or (with `update_consumer`) updates it.
     stream
-        .create_consumer(route.consumer_config())
+        .create_consumer(wanted)
         .await
         .map_err(|e| jetstream_error(e.into()))
+}
+
+/// The settings the route cares about that differ, as `field: existing -> wanted`.
+fn consumer_differences(existing: &consumer::Config, wanted: &pull::Config) -> Vec<String> {
+    let mut differences = Vec::new();
+    let mut compare = |field: &str, existing: String, wanted: String| {
+        if existing != wanted {
+            differences.push(format!("{field}: {existing} -> {wanted}"));
+        }
+    };
+    compare(
+        "ack_policy",
+        format!("{:?}", existing.ack_policy),
+        format!("{:?}", wanted.ack_policy),
+    );
+    compare(
+        "ack_wait",
+        format!("{:?}", existing.ack_wait),
+        format!("{:?}", wanted.ack_wait),
+    );
+    compare(
+        "max_deliver",
+        existing.max_deliver.to_string(),
+        wanted.max_deliver.to_string(),
+    );
+    compare(
+        "max_ack_pending",
+        existing.max_ack_pending.to_string(),
+        wanted.max_ack_pending.to_string(),
+    );
+    compare(
+        "deliver_policy",
+        format!("{:?}", existing.deliver_policy),
+        format!("{:?}", wanted.deliver_policy),
+    );
+    let filters = |one: &str, many: &[String]| {
+        let mut all: Vec<String> = many.to_vec();
+        if !one.is_empty() {
+            all.push(one.to_owned());
+        }
+        all.sort();
+        format!("{all:?}")
+    };
+    compare(
+        "filter_subjects",
+        filters(&existing.filter_subject, &existing.filter_subjects),
+        filters(&wanted.filter_subject, &wanted.filter_subjects),
+    );
+    differences
 }
 
 /// A route with its handler, type-erased so one router holds many handlers.
@@ -213,8 +296,9 @@ trait Bind: Send + Sync {
         consumer: PullConsumer,
         pool: PgPool,
         shutdown: Signal,
+        grace: Duration,
         #[cfg(feature = "fault-injection")] faults: crate::fault::FaultHooks,
-    ) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+    ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>>;
 }
 
 struct Bound<H> {
@@ -233,8 +317,9 @@ impl<H: Handler> Bind for Bound<H> {
         consumer: PullConsumer,
         pool: PgPool,
         shutdown: Signal,
+        grace: Duration,
         #[cfg(feature = "fault-injection")] faults: crate::fault::FaultHooks,
-    ) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+    ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
         let pipeline = Arc::new(Pipeline {
             route: self.route,
             handler: self.handler,
@@ -244,7 +329,7 @@ impl<H: Handler> Bind for Bound<H> {
             faults,
         });
         Box::pin(crate::pull::pull_until_shutdown(
-            consumer, pipeline, shutdown,
+            consumer, pipeline, shutdown, grace,
         ))
     }
 }

@@ -11,6 +11,9 @@ pub struct Stats {
     pub(crate) failed: AtomicU64,
     pub(crate) commit_failed: AtomicU64,
     pub(crate) rejected: AtomicU64,
+    pub(crate) retried_in_process: AtomicU64,
+    pub(crate) dead_lettered: AtomicU64,
+    pub(crate) dead_letter_failed: AtomicU64,
     pub(crate) dropped_by_fault: AtomicU64,
 }
 
@@ -31,15 +34,30 @@ impl Stats {
     pub fn duplicates(&self) -> u64 {
         self.duplicates.load(Ordering::Relaxed)
     }
-    /// Messages whose handler (or BEGIN) failed: rolled back and NAKed.
+    /// Deliveries whose handler (or BEGIN, or the claim) failed: rolled back,
+    /// then NAKed or dead-lettered.
     pub fn failed(&self) -> u64 {
         self.failed.load(Ordering::Relaxed)
+    }
+    /// Transactions run again at once after a serialization failure, a
+    /// deadlock or a lost connection.
+    pub fn retried_in_process(&self) -> u64 {
+        self.retried_in_process.load(Ordering::Relaxed)
+    }
+    /// Messages published as dead letters and then TERMed.
+    pub fn dead_lettered(&self) -> u64 {
+        self.dead_lettered.load(Ordering::Relaxed)
+    }
+    /// Dead-letter publishes that failed (the message was NAKed instead).
+    pub fn dead_letter_failed(&self) -> u64 {
+        self.dead_letter_failed.load(Ordering::Relaxed)
     }
     /// Messages whose COMMIT failed or had an unknown outcome: NAKed, never acked.
     pub fn commit_failed(&self) -> u64 {
         self.commit_failed.load(Ordering::Relaxed)
     }
-    /// Messages that can never succeed (undecodable payload, unusable id): TERMed.
+    /// Messages that can never succeed (undecodable payload, unusable id):
+    /// dead-lettered.
     pub fn rejected(&self) -> u64 {
         self.rejected.load(Ordering::Relaxed)
     }

@@ -74,9 +74,18 @@ impl ::idem_runtime::Handler for ping {
                     ::core::result::Result::Ok(::idem_runtime::Outcome::Processed)
                 }
                 ::core::result::Result::Err(__idem_error) => {
-                    ::core::result::Result::Err(
-                        ::idem_runtime::HandlerError::handler(__idem_error),
-                    )
+                    ::core::result::Result::Err({
+                        #[allow(unused_imports)]
+                        use ::idem_runtime::__private::specialize::{
+                            ByClassify as _, ByDefault as _,
+                        };
+                        let error = __idem_error;
+                        let class = (&::idem_runtime::__private::specialize::ClassOf(
+                            &error,
+                        ))
+                            .idem_class();
+                        ::idem_runtime::HandlerError::classified(error, class)
+                    })
                 }
             }
         })

@@ -215,6 +215,7 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips() {
         Route::new(&stream, "credit")
             .ack_wait(Duration::from_secs(1))
             .without_heartbeat()
+            .allow_redelivery_while_running()
             .concurrency(1)
     };
     let (first, first_task) = spawn(
@@ -295,7 +296,7 @@ async fn handler_error_leaves_nothing_and_redelivery_applies_once() {
     publish(&js, &subject, &deposit(3), Some("fail-1")).await;
 
     let router = Router::new().route(
-        Route::new(&stream, "credit").nak_delay(Duration::from_millis(200)),
+        Route::new(&stream, "credit").backoff(Duration::from_millis(200), Duration::from_secs(1)),
         fails_once,
     );
     let (handle, task) = spawn(router, nats, pool.clone());
@@ -404,7 +405,7 @@ async fn run_slow_handler(
         .ack_wait(Duration::from_secs(1))
         .concurrency(4);
     if !heartbeat {
-        route = route.without_heartbeat();
+        route = route.without_heartbeat().allow_redelivery_while_running();
     }
     let (handle, task) = spawn(Router::new().route(route, slow), nats, pool.clone());
     wait_all_acked(&js, &stream, "credit").await;

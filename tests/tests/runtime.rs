@@ -110,47 +110,6 @@ async fn header_then_stream_sequence_are_the_fallback_ids() {
     assert_eq!(ids, vec!["from-header".to_owned(), format!("{stream}:2")]);
 }
 
-/// A payload that does not decode, or a message id that is unusable, can
-/// never succeed: it is terminated on its first delivery, never claimed, and
-/// the messages after it keep flowing.
-#[tokio::test]
-async fn bad_input_is_terminated_once_and_later_messages_flow() {
-    let (_env, pool, nats, js, stream, subject) = setup("POISON").await;
-    js.publish(subject.clone(), "this is not json".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    let oversized = "x".repeat(idem_runtime::MAX_MESSAGE_ID_LEN + 1);
-    publish(&js, &subject, &deposit("a", 1), Some(&oversized)).await;
-    publish(&js, &subject, &deposit("b", 2), Some("good-1")).await;
-    publish(&js, &subject, &deposit("c", 3), Some("good-2")).await;
-
-    let (handle, task) = spawn(
-        Router::new().route(
-            Route::new(&stream, "c").nak_delay(Duration::from_millis(50)),
-            ids,
-        ),
-        nats,
-        pool.clone(),
-    );
-    wait_all_acked(&js, &stream, "c").await;
-    stop(handle.clone(), task).await;
-
-    let stats = handle.stats("c").unwrap();
-    assert_eq!(stats.rejected(), 2, "both bad messages were terminated");
-    assert_eq!(stats.received(), 4, "and neither was redelivered");
-    assert_eq!(stats.processed(), 2);
-    assert_eq!(
-        ledger(&pool, "ids").await,
-        Ledger {
-            effects: 2,
-            distinct_messages: 2,
-            dedup_rows: 2
-        }
-    );
-}
-
 #[idempotent(name = "held")]
 async fn held(
     tx: &mut sqlx::PgTransaction<'_>,

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod pg_proxy;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -233,4 +235,43 @@ where
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The dead letters of `stream`'s messages, in order, from the default
+/// dead-letter stream.
+pub async fn dead_letters(
+    js: &jetstream::Context,
+    stream: &str,
+) -> Vec<jetstream::message::StreamMessage> {
+    let Ok(mut dead) = js
+        .get_stream(idem_runtime::dead_letter::DEFAULT_STREAM)
+        .await
+    else {
+        return Vec::new();
+    };
+    let last = dead
+        .info()
+        .await
+        .expect("dead-letter stream info")
+        .state
+        .last_sequence;
+    let mut letters = Vec::new();
+    for sequence in 1..=last {
+        let Ok(letter) = dead.get_raw_message(sequence).await else {
+            continue;
+        };
+        if header(&letter, "Idem-Original-Stream") == stream {
+            letters.push(letter);
+        }
+    }
+    letters
+}
+
+/// A header of a stored message, or "" when absent.
+pub fn header(message: &jetstream::message::StreamMessage, name: &str) -> String {
+    message
+        .headers
+        .get(name)
+        .map(|value| value.as_str().to_owned())
+        .unwrap_or_default()
 }

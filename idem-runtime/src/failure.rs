@@ -1,0 +1,261 @@
+//! Error classes: which failures are worth retrying.
+//!
+//! Every handler failure is **transient** (retry, with backoff, up to the
+//! route's delivery limit, then dead-letter) or **permanent** (dead-letter at
+//! once: no retry can help). The class of an error is, in order:
+//!
+//! 1. what its type says through [`Classify`], if the handler's error type
+//!    implements it;
+//! 2. what the first [`Permanent`], [`Transient`] or [`sqlx::Error`] found
+//!    along its `source()` chain says;
+//! 3. otherwise, transient: when in doubt, retry, because a dead letter needs
+//!    a person and a retry does not.
+//!
+//! `sqlx::Error`s are classed by what PostgreSQL said: serialization
+//! failures (40001), deadlocks (40P01), lost or refused connections, pool
+//! time-outs and server shutdowns are transient and *retryable in-process*;
+//! constraint violations, bad SQL and type errors (classes 22, 23, 42) are
+//! permanent; anything else is transient.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+use crate::error::BoxError;
+
+/// Whether a failure is worth retrying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorClass {
+    /// Retry: NAK with backoff, up to the route's delivery limit, then
+    /// dead-letter.
+    Transient,
+    /// Retry now, in the same process, a few times before NAKing: the
+    /// database asked for it (serialization failure, deadlock) or the
+    /// connection dropped.
+    RetryNow,
+    /// Never retry: dead-letter on this delivery.
+    Permanent,
+}
+
+impl ErrorClass {
+    /// The class of a database error, by its SQLSTATE or kind.
+    pub fn of_sqlx(error: &sqlx::Error) -> ErrorClass {
+        match error {
+            sqlx::Error::Database(db) => match db.code().as_deref() {
+                // serialization_failure, deadlock_detected
+                Some("40001" | "40P01") => ErrorClass::RetryNow,
+                // admin_shutdown, crash_shutdown, cannot_connect_now,
+                // connection exceptions
+                Some("57P01" | "57P02" | "57P03") => ErrorClass::RetryNow,
+                Some(code) if code.starts_with("08") => ErrorClass::RetryNow,
+                // data exceptions, integrity violations, syntax or access
+                // errors: the same statement fails the same way next time
+                Some(code)
+                    if code.starts_with("22")
+                        || code.starts_with("23")
+                        || code.starts_with("42") =>
+                {
+                    ErrorClass::Permanent
+                }
+                _ => ErrorClass::Transient,
+            },
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::Tls(_) => ErrorClass::RetryNow,
+            sqlx::Error::ColumnDecode { .. }
+            | sqlx::Error::ColumnNotFound(_)
+            | sqlx::Error::ColumnIndexOutOfBounds { .. }
+            | sqlx::Error::TypeNotFound { .. }
+            | sqlx::Error::Decode(_)
+            | sqlx::Error::Encode(_) => ErrorClass::Permanent,
+            _ => ErrorClass::Transient,
+        }
+    }
+
+    /// The class of any error: the first [`Permanent`], [`Transient`] or
+    /// `sqlx::Error` along its `source()` chain decides; otherwise
+    /// [`ErrorClass::Transient`].
+    pub fn of(error: &(dyn StdError + 'static)) -> ErrorClass {
+        let mut next = Some(error);
+        while let Some(error) = next {
+            if error.is::<Permanent>() {
+                return ErrorClass::Permanent;
+            }
+            if error.is::<Transient>() {
+                return ErrorClass::Transient;
+            }
+            if let Some(sqlx_error) = error.downcast_ref::<sqlx::Error>() {
+                return ErrorClass::of_sqlx(sqlx_error);
+            }
+            next = error.source();
+        }
+        ErrorClass::Transient
+    }
+}
+
+/// Lets an error type choose its own class.
+///
+/// ```
+/// use idem_runtime::{Classify, ErrorClass};
+///
+/// #[derive(Debug, thiserror::Error)]
+/// enum LedgerError {
+///     #[error("account {0} does not exist")]
+///     UnknownAccount(i64),
+///     #[error(transparent)]
+///     Database(#[from] sqlx::Error),
+/// }
+///
+/// impl Classify for LedgerError {
+///     fn class(&self) -> ErrorClass {
+///         match self {
+///             LedgerError::UnknownAccount(_) => ErrorClass::Permanent,
+///             LedgerError::Database(e) => ErrorClass::of_sqlx(e),
+///         }
+///     }
+/// }
+/// ```
+///
+/// A handler whose error type implements it is classified by it; the
+/// `#[idempotent]` expansion picks the implementation up on its own.
+pub trait Classify {
+    /// This error's class.
+    fn class(&self) -> ErrorClass;
+}
+
+/// Marks an error as permanent: the message is dead-lettered without retry.
+///
+/// ```
+/// # #[derive(serde::Deserialize)] struct Order { quantity: i64 }
+/// use idem_runtime::{BoxError, Permanent, idempotent};
+///
+/// #[idempotent]
+/// async fn place(tx: &mut sqlx::PgTransaction<'_>, order: Order) -> Result<(), BoxError> {
+///     if order.quantity <= 0 {
+///         return Err(Permanent::new(format!("quantity {} is not positive", order.quantity)).into());
+///     }
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug)]
+pub struct Permanent(BoxError);
+
+/// Marks an error as transient: the message is retried with backoff.
+#[derive(Debug)]
+pub struct Transient(BoxError);
+
+macro_rules! marker {
+    ($name:ident) => {
+        impl $name {
+            /// Wraps `error`.
+            pub fn new(error: impl Into<BoxError>) -> Self {
+                Self(error.into())
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Display::fmt(&self.0, f)
+            }
+        }
+
+        impl StdError for $name {
+            fn source(&self) -> Option<&(dyn StdError + 'static)> {
+                Some(&*self.0)
+            }
+        }
+    };
+}
+marker!(Permanent);
+marker!(Transient);
+
+/// Finds a handler error type's [`Classify`] implementation where it has
+/// one, at the `#[idempotent]` expansion's call site, where the type is
+/// concrete ("autoref specialization": the by-value impl is tried first and
+/// needs `E: Classify`; the by-reference fallback always applies).
+#[doc(hidden)]
+pub mod specialize {
+    use super::{Classify, ErrorClass};
+
+    pub struct ClassOf<'a, E>(pub &'a E);
+
+    pub trait ByClassify {
+        fn idem_class(&self) -> Option<ErrorClass>;
+    }
+
+    impl<E: Classify> ByClassify for ClassOf<'_, E> {
+        fn idem_class(&self) -> Option<ErrorClass> {
+            Some(self.0.class())
+        }
+    }
+
+    pub trait ByDefault {
+        fn idem_class(&self) -> Option<ErrorClass>;
+    }
+
+    impl<E> ByDefault for &ClassOf<'_, E> {
+        fn idem_class(&self) -> Option<ErrorClass> {
+            None
+        }
+    }
+}
+
+/// Converts a handler body's error into a [`HandlerError`](crate::HandlerError),
+/// keeping the class its type chose through [`Classify`], if any.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __handler_error {
+    ($error:expr) => {{
+        #[allow(unused_imports)]
+        use $crate::__private::specialize::{ByClassify as _, ByDefault as _};
+        let error = $error;
+        let class = (&$crate::__private::specialize::ClassOf(&error)).idem_class();
+        $crate::HandlerError::classified(error, class)
+    }};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("wrapped")]
+    struct Wrapper(#[source] sqlx::Error);
+
+    #[test]
+    fn markers_and_sqlx_errors_are_found_along_the_source_chain() {
+        let permanent: BoxError = Permanent::new("no").into();
+        assert_eq!(ErrorClass::of(&*permanent), ErrorClass::Permanent);
+        let transient: BoxError = Transient::new(Permanent::new("inner")).into();
+        assert_eq!(ErrorClass::of(&*transient), ErrorClass::Transient);
+        let pool = Wrapper(sqlx::Error::PoolTimedOut);
+        assert_eq!(ErrorClass::of(&pool), ErrorClass::RetryNow);
+        let other: BoxError = "something odd".into();
+        assert_eq!(ErrorClass::of(&*other), ErrorClass::Transient);
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("classified")]
+    struct Classified;
+
+    impl Classify for Classified {
+        fn class(&self) -> ErrorClass {
+            ErrorClass::Permanent
+        }
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("plain")]
+    struct Plain;
+
+    #[test]
+    fn the_expansion_finds_classify_only_where_it_is_implemented() {
+        let classified = crate::__handler_error!(Classified);
+        assert_eq!(classified.class(), ErrorClass::Permanent);
+        let plain = crate::__handler_error!(Plain);
+        assert_eq!(plain.class(), ErrorClass::Transient);
+    }
+}

@@ -1,0 +1,133 @@
+//! The retry policy: how often, and how far apart, a failing message is tried.
+
+use std::time::Duration;
+
+/// How a route retries failed messages.
+///
+/// | setting | default | meaning |
+/// |---|---|---|
+/// | `max_deliver` | 10 | deliveries before a transiently failing message is dead-lettered |
+/// | `backoff` | 1 s doubling to 5 min | NAK delay after the n-th failed delivery: `initial × 2^(n-1)`, capped |
+/// | `jitter` | ±20 % | spreads retries of messages that failed together |
+/// | `in_process_attempts` | 3 | tries of one delivery for [`ErrorClass::RetryNow`](crate::ErrorClass::RetryNow) errors (serialization failure, deadlock, lost connection) before NAKing |
+///
+/// The limit is enforced by the runtime, so that a dead-letter publish that
+/// fails can still be NAKed and retried: nothing is dropped. The consumer's
+/// server-side `max_deliver` is set 10 further out, as a backstop for a
+/// message that never reaches the runtime (see the README's failure table). A message that arrives past the
+/// limit (its earlier attempts crashed the worker) is dead-lettered without
+/// running, unless its dedup row shows it was processed, in which case it is
+/// acked.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_runtime::RetryPolicy;
+///
+/// let policy = RetryPolicy::default()
+///     .max_deliver(5)
+///     .backoff(Duration::from_millis(200), Duration::from_secs(10));
+/// assert_eq!(policy.nak_delay_without_jitter(1), Duration::from_millis(200));
+/// assert_eq!(policy.nak_delay_without_jitter(3), Duration::from_millis(800));
+/// assert_eq!(policy.nak_delay_without_jitter(20), Duration::from_secs(10));
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    pub(crate) max_deliver: u64,
+    initial: Duration,
+    max: Duration,
+    jitter: f64,
+    pub(crate) in_process_attempts: u32,
+    pub(crate) in_process_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_deliver: 10,
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(300),
+            jitter: 0.2,
+            in_process_attempts: 3,
+            in_process_backoff: Duration::from_millis(20),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Dead-letter a message whose `max_deliver`-th delivery fails
+    /// transiently. At least 1.
+    pub fn max_deliver(mut self, max_deliver: u64) -> Self {
+        self.max_deliver = max_deliver.max(1);
+        self
+    }
+
+    /// NAK delays start at `initial` and double per delivery up to `max`.
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.initial = initial;
+        self.max = max.max(initial);
+        self
+    }
+
+    /// Randomize each NAK delay by up to ±`fraction` (clamped to 0..=1).
+    pub fn jitter(mut self, fraction: f64) -> Self {
+        self.jitter = fraction.clamp(0.0, 1.0);
+        self
+    }
+
+    /// Tries of one delivery for errors worth retrying at once. At least 1.
+    pub fn in_process_attempts(mut self, attempts: u32) -> Self {
+        self.in_process_attempts = attempts.max(1);
+        self
+    }
+
+    /// The NAK delay after delivery number `delivered` failed, before jitter.
+    pub fn nak_delay_without_jitter(&self, delivered: u64) -> Duration {
+        let doublings = delivered.saturating_sub(1).min(32) as u32;
+        self.initial
+            .checked_mul(1u32 << doublings.min(31))
+            .unwrap_or(self.max)
+            .min(self.max)
+    }
+
+    /// The NAK delay after delivery number `delivered` failed.
+    pub(crate) fn nak_delay(&self, delivered: u64) -> Duration {
+        let base = self.nak_delay_without_jitter(delivered);
+        if self.jitter == 0.0 {
+            return base;
+        }
+        let factor = 1.0 + self.jitter * (2.0 * rand::random::<f64>() - 1.0);
+        base.mul_f64(factor)
+    }
+
+    /// Whether a failure of delivery number `delivered` is the last allowed.
+    pub(crate) fn exhausted(&self, delivered: u64) -> bool {
+        delivered >= self.max_deliver
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_stays_within_its_fraction() {
+        let policy = RetryPolicy::default().jitter(0.2);
+        for delivered in 1..6 {
+            let base = policy.nak_delay_without_jitter(delivered).as_secs_f64();
+            for _ in 0..50 {
+                let delay = policy.nak_delay(delivered).as_secs_f64();
+                assert!(
+                    (base * 0.8..=base * 1.2).contains(&delay),
+                    "{delay} vs {base}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_last_delivery_is_max_deliver() {
+        let policy = RetryPolicy::default().max_deliver(3);
+        assert!(!policy.exhausted(2));
+        assert!(policy.exhausted(3));
+    }
+}
