@@ -368,17 +368,7 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
             ::core::result::Result::Err(::idem_runtime::__private::handler_error!(__idem_error))
         }
     };
-    let claim_then_run = quote! {
-        if ::idem_runtime::__private::claim(
-            __idem_tx,
-            Self::NAME,
-            __idem_delivery.message_id(),
-        )
-        .await?
-        .is_duplicate()
-        {
-            return ::core::result::Result::Ok(::idem_runtime::Outcome::Duplicate);
-        }
+    let run = quote! {
         match #ident::run(__idem_tx, __idem_payload #delivery).await {
             ::core::result::Result::Ok(_) => {
                 ::core::result::Result::Ok(::idem_runtime::Outcome::Processed)
@@ -389,7 +379,7 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
     // Spanned at the user's `async`, so that a body that is not `Send` is
     // reported on the handler rather than on the attribute.
     let future = quote_spanned! {handler.async_span=>
-        ::idem_runtime::__private::Box::pin(async move { #claim_then_run })
+        ::idem_runtime::__private::Box::pin(async move { #run })
     };
 
     // The struct has braces so that it lives in the type namespace only, and
@@ -435,13 +425,14 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
 
             #message_key
 
-            fn handle<'a>(
+            // `Handler::handle` claims the message first and calls this
+            // only when the claim is fresh.
+            fn run_claimed<'a>(
                 &'a self,
                 __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'static>,
                 __idem_payload: Self::Payload,
                 __idem_delivery: &'a ::idem_runtime::Delivery,
             ) -> ::idem_runtime::HandlerFuture<'a> {
-                // The claim comes first: a duplicate never runs the body.
                 #future
             }
         }
@@ -586,23 +577,13 @@ mod tests {
                         Self::NAME
                     }
 
-                    fn handle<'a>(
+                    fn run_claimed<'a>(
                         &'a self,
                         __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'static>,
                         __idem_payload: Self::Payload,
                         __idem_delivery: &'a ::idem_runtime::Delivery,
                     ) -> ::idem_runtime::HandlerFuture<'a> {
                         ::idem_runtime::__private::Box::pin(async move {
-                            if ::idem_runtime::__private::claim(
-                                __idem_tx,
-                                Self::NAME,
-                                __idem_delivery.message_id(),
-                            )
-                            .await?
-                            .is_duplicate()
-                            {
-                                return ::core::result::Result::Ok(::idem_runtime::Outcome::Duplicate);
-                            }
                             match credit::run(__idem_tx, __idem_payload).await {
                                 ::core::result::Result::Ok(_) => {
                                     ::core::result::Result::Ok(::idem_runtime::Outcome::Processed)

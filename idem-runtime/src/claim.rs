@@ -65,3 +65,27 @@ pub(crate) async fn is_processed(
     .fetch_one(pool)
     .await
 }
+
+/// Claims many messages in one statement, for batch mode. Returns the ids
+/// this transaction inserted; the others were processed before. The ids are
+/// sorted so that two batches with overlapping ids take their row locks in
+/// the same order and do not deadlock.
+pub(crate) async fn claim_many(
+    tx: &mut PgTransaction<'_>,
+    handler: &str,
+    message_ids: &[&str],
+) -> Result<std::collections::HashSet<String>, sqlx::Error> {
+    let mut sorted = message_ids.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let fresh: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO idem_processed_messages (handler, message_id) \
+         SELECT $1, id FROM unnest($2::text[]) AS claim(id) ORDER BY id \
+         ON CONFLICT DO NOTHING RETURNING message_id",
+    )
+    .bind(handler)
+    .bind(&sorted)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(fresh.into_iter().collect())
+}

@@ -6,6 +6,7 @@ use std::pin::Pin;
 use serde::de::DeserializeOwned;
 use sqlx::PgTransaction;
 
+use crate::claim::claim;
 use crate::delivery::Delivery;
 use crate::error::HandlerError;
 
@@ -61,10 +62,31 @@ pub trait Handler: Send + Sync + 'static {
         None
     }
 
-    /// Claims `delivery.message_id()` inside `tx`, then runs the body if the
-    /// claim is fresh. The runtime begins `tx` before and commits or rolls it
-    /// back after.
+    /// Claims `delivery.message_id()` inside `tx` (its first statement),
+    /// then runs the body if the claim is fresh. A duplicate never runs the
+    /// body. The runtime begins `tx` before and commits or rolls it back
+    /// after.
     fn handle<'a>(
+        &'a self,
+        tx: &'a mut PgTransaction<'static>,
+        payload: Self::Payload,
+        delivery: &'a Delivery,
+    ) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            if claim(tx, self.name(), delivery.message_id())
+                .await?
+                .is_duplicate()
+            {
+                return Ok(Outcome::Duplicate);
+            }
+            self.run_claimed(tx, payload, delivery).await
+        })
+    }
+
+    /// Runs the body, in `tx`, for a message already claimed in `tx`: by
+    /// [`handle`](Handler::handle), or by the batch claim that claims many
+    /// messages in one statement. `#[idempotent]` generates it.
+    fn run_claimed<'a>(
         &'a self,
         tx: &'a mut PgTransaction<'static>,
         payload: Self::Payload,

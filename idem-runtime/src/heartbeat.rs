@@ -17,6 +17,11 @@ impl Heartbeat {
     /// Sends `+WPI` for `message` every `interval` until stopped. `None`
     /// starts nothing.
     pub(crate) fn start(message: &Message, interval: Option<Duration>) -> Self {
+        Self::start_many(std::slice::from_ref(message), interval)
+    }
+
+    /// Sends `+WPI` for every message of a batch.
+    pub(crate) fn start_many(messages: &[Message], interval: Option<Duration>) -> Self {
         let Some(interval) = interval else {
             return Self {
                 stop: None,
@@ -24,7 +29,7 @@ impl Heartbeat {
             };
         };
         let (stop, mut stopped) = oneshot::channel();
-        let message = message.clone();
+        let messages = messages.to_vec();
         let task = tokio::spawn(async move {
             let mut ticks = tokio::time::interval(interval);
             ticks.tick().await; // the first tick fires at once
@@ -32,8 +37,10 @@ impl Heartbeat {
                 tokio::select! {
                     _ = &mut stopped => return,
                     _ = ticks.tick() => {
-                        if let Err(error) = message.ack_with(AckKind::Progress).await {
-                            tracing::warn!(%error, "progress heartbeat failed");
+                        for message in &messages {
+                            if let Err(error) = message.ack_with(AckKind::Progress).await {
+                                tracing::warn!(%error, "progress heartbeat failed");
+                            }
                         }
                     }
                 }

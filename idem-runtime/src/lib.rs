@@ -37,6 +37,7 @@
 //! ```
 
 mod ack;
+mod batch;
 mod claim;
 pub mod dead_letter;
 mod delivery;
@@ -74,7 +75,6 @@ pub use stats::Stats;
 #[doc(hidden)]
 pub mod __private {
     pub use crate::__handler_error as handler_error;
-    pub use crate::claim::claim;
     pub use crate::failure::specialize;
     pub use sqlx::PgTransaction;
     pub use std::boxed::Box;

@@ -31,7 +31,7 @@ pub(crate) struct Pipeline<H> {
 }
 
 /// How one delivery ended, before it is settled with JetStream.
-enum Verdict {
+pub(crate) enum Verdict {
     /// Committed: ack.
     Processed,
     /// Already processed: rolled back, ack.
@@ -81,22 +81,28 @@ impl<H: Handler> Pipeline<H> {
         let heartbeat = Heartbeat::start(&message, self.route.heartbeat_interval());
         let verdict = match self.prepare(&message, &mut delivery) {
             Err(rejected) => Verdict::Rejected(rejected),
-            Ok(payload) if delivery.delivered() > self.route.retry.max_deliver => {
-                drop(payload);
-                self.past_limit(&delivery).await
-            }
-            Ok(payload) => {
-                self.transact_with_retries(&message, payload, &delivery)
-                    .await
-            }
+            Ok(payload) => self.decide(&message, payload, &delivery).await,
         };
         heartbeat.stop().await;
         self.settle(&message, &delivery, verdict).await;
     }
 
+    /// Runs a prepared message on its own, in its own transaction.
+    pub(crate) async fn decide(
+        &self,
+        message: &Message,
+        payload: H::Payload,
+        delivery: &Delivery,
+    ) -> Verdict {
+        if delivery.delivered() > self.route.retry.max_deliver {
+            return self.past_limit(delivery).await;
+        }
+        self.transact_with_retries(message, payload, delivery).await
+    }
+
     /// Decodes the payload and resolves the message id. Both happen before
     /// BEGIN, so a poison message never takes a connection.
-    fn prepare(
+    pub(crate) fn prepare(
         &self,
         message: &Message,
         delivery: &mut Delivery,
@@ -125,7 +131,7 @@ impl<H: Handler> Pipeline<H> {
     /// Runs the transaction, and runs it again at once (a few times, with a
     /// short pause) when the failure is one the database asks to retry:
     /// a serialization failure, a deadlock, a lost connection.
-    async fn transact_with_retries(
+    pub(crate) async fn transact_with_retries(
         &self,
         message: &Message,
         mut payload: H::Payload,
@@ -188,7 +194,7 @@ impl<H: Handler> Pipeline<H> {
     }
 
     /// Tells JetStream how the delivery ended.
-    async fn settle(&self, message: &Message, delivery: &Delivery, verdict: Verdict) {
+    pub(crate) async fn settle(&self, message: &Message, delivery: &Delivery, verdict: Verdict) {
         let stats = &self.stats;
         let retry = &self.route.retry;
         match verdict {
@@ -295,7 +301,7 @@ impl<H: Handler> Pipeline<H> {
     }
 }
 
-async fn rollback(tx: PgTransaction<'static>) {
+pub(crate) async fn rollback(tx: PgTransaction<'static>) {
     if let Err(error) = tx.rollback().await {
         // sqlx closes a connection whose ROLLBACK failed rather than return
         // it to the pool in an unknown state.

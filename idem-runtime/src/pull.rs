@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
@@ -45,14 +45,15 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
             report_panic(finished);
         }
 
-        let mut batch = match consumer
+        // In batch mode each free slot takes up to `batch` messages.
+        let mut pull = match consumer
             .batch()
-            .max_messages(free.len())
+            .max_messages(free.len() * route.batch)
             .expires(route.pull_expires)
             .messages()
             .await
         {
-            Ok(batch) => batch,
+            Ok(pull) => pull,
             Err(error) => {
                 tracing::warn!(%error, route = route.durable, "pull request failed; retrying");
                 tokio::select! {
@@ -63,22 +64,44 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
         };
         // A pull lasts at most `pull_expires`, so shutdown waits at most that
         // long for it to end.
-        while let Some(next) = batch.next().await {
-            let message = match next {
+        while let Some(next) = pull.next().await {
+            let first = match next {
                 Ok(message) => message,
                 Err(error) => {
                     tracing::debug!(%error, route = route.durable, "pull ended early");
                     break;
                 }
             };
-            match free.pop() {
-                Some(slot) if !shutdown.is_fired() => {
-                    in_flight.spawn(pipeline.clone().process(message, slot));
+            if shutdown.is_fired() {
+                // Fetched but not started: give it back at once, so another
+                // worker takes it without waiting for ack_wait.
+                ack::nak(&first, Duration::ZERO).await;
+                continue;
+            }
+            // Whatever else has already arrived joins the batch; never wait
+            // to fill it.
+            let mut group = vec![first];
+            while group.len() < route.batch {
+                match pull.next().now_or_never() {
+                    Some(Some(Ok(message))) => group.push(message),
+                    _ => break,
                 }
-                // Shutting down (or, defensively, more messages than asked
-                // for): give it back at once, so another worker takes it
-                // without waiting for ack_wait.
-                _ => ack::nak(&message, Duration::ZERO).await,
+            }
+            let slot = match free.pop() {
+                Some(slot) => slot,
+                // More groups than free slots (messages trickled in): wait
+                // for one; a batch takes milliseconds.
+                None => slots
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the slot semaphore is never closed"),
+            };
+            if route.batch == 1 {
+                let message = group.pop().expect("a group has its first message");
+                in_flight.spawn(pipeline.clone().process(message, slot));
+            } else {
+                in_flight.spawn(pipeline.clone().process_batch(group, slot));
             }
         }
     }

@@ -9,6 +9,9 @@ use crate::ack::AckMode;
 use crate::error::Error;
 use crate::retry::RetryPolicy;
 
+/// The largest batch: one claim statement binds this many ids.
+const MAX_BATCH: usize = 1000;
+
 /// Deliveries past the retry policy's limit after which JetStream itself
 /// stops redelivering a message.
 const SERVER_BACKSTOP: u64 = 10;
@@ -33,7 +36,8 @@ enum HeartbeatSetting {
 /// | dead letters | `idem.dead.<stream>.<durable>` in stream `IDEM_DEAD_LETTERS` |
 /// | `handler_timeout` | 5 min (the handler only; never BEGIN or COMMIT) |
 /// | `max_ack_pending` | 1000 (JetStream's default); must be ≥ `concurrency` |
-/// | `concurrency` | 8 messages in flight per route in this process |
+/// | `concurrency` | 8 messages (or batches) in flight per route in this process |
+/// | `batch` | 1: per-message mode |
 /// | heartbeat | `+WPI` every ack_wait / 3 while a handler runs |
 /// | ack | plain `+ACK` ([`AckMode::Ack`]) |
 /// | existing consumer | used if its settings match; refused if they differ, unless `update_consumer()` |
@@ -58,6 +62,7 @@ pub struct Route {
     pub(crate) ack_wait: Duration,
     pub(crate) max_ack_pending: i64,
     pub(crate) concurrency: usize,
+    pub(crate) batch: usize,
     heartbeat: HeartbeatSetting,
     pub(crate) handler_timeout: Option<Duration>,
     allow_redelivery_while_running: bool,
@@ -81,6 +86,7 @@ impl Route {
             ack_wait: Duration::from_secs(30),
             max_ack_pending: 1000,
             concurrency: 8,
+            batch: 1,
             heartbeat: HeartbeatSetting::Auto,
             handler_timeout: Some(Duration::from_secs(300)),
             allow_redelivery_while_running: false,
@@ -184,6 +190,22 @@ impl Route {
         self
     }
 
+    /// Batch mode: take whatever messages are ready, up to `size`, claim
+    /// them in one statement, run the handler for each fresh one in one
+    /// transaction, commit once, then ack them all. It never waits to fill a
+    /// batch. If any handler in the batch fails (or the COMMIT does), the
+    /// batch is rolled back and each of its messages is run again in its own
+    /// transaction, so one failure never fails its neighbours and each
+    /// message takes the normal retry and dead-letter path. `size` 1 (the
+    /// default) is per-message mode.
+    ///
+    /// In batch mode, `concurrency` counts batches in flight, so up to
+    /// `concurrency × size` messages are taken at once.
+    pub fn batch(mut self, size: usize) -> Self {
+        self.batch = size;
+        self
+    }
+
     /// Send a progress heartbeat (`+WPI`) every `interval` while a handler
     /// runs, instead of every ack_wait / 3.
     pub fn heartbeat_every(mut self, interval: Duration) -> Self {
@@ -243,13 +265,20 @@ impl Route {
         if self.concurrency == 0 {
             return refuse("concurrency must be at least 1".into());
         }
+        if self.batch == 0 || self.batch > MAX_BATCH {
+            return refuse(format!(
+                "the batch size must be between 1 and {MAX_BATCH}, not {}",
+                self.batch
+            ));
+        }
         if self.ack_wait.is_zero() {
             return refuse("ack_wait must be positive".into());
         }
-        if self.max_ack_pending >= 0 && (self.max_ack_pending as u64) < self.concurrency as u64 {
+        let in_flight = self.concurrency.saturating_mul(self.batch) as u64;
+        if self.max_ack_pending >= 0 && (self.max_ack_pending as u64) < in_flight {
             return refuse(format!(
-                "max_ack_pending ({}) is below concurrency ({}); raise max_ack_pending or lower concurrency",
-                self.max_ack_pending, self.concurrency
+                "max_ack_pending ({}) is below the messages in flight (concurrency {} × batch {}); raise max_ack_pending or lower concurrency",
+                self.max_ack_pending, self.concurrency, self.batch
             ));
         }
         if self.heartbeat_interval().is_none() && !self.allow_redelivery_while_running {
@@ -321,7 +350,7 @@ mod tests {
             .unwrap_err();
         assert!(
             err.to_string()
-                .contains("max_ack_pending (5) is below concurrency (10)")
+                .contains("max_ack_pending (5) is below the messages in flight")
         );
         let err = Route::new("S", "c")
             .ack_wait(Duration::from_secs(1))

@@ -15,6 +15,8 @@ pub struct Stats {
     pub(crate) dead_lettered: AtomicU64,
     pub(crate) dead_letter_failed: AtomicU64,
     pub(crate) dropped_by_fault: AtomicU64,
+    pub(crate) batches: AtomicU64,
+    pub(crate) batch_fallbacks: AtomicU64,
 }
 
 impl Stats {
@@ -60,6 +62,14 @@ impl Stats {
     /// dead-lettered.
     pub fn rejected(&self) -> u64 {
         self.rejected.load(Ordering::Relaxed)
+    }
+    /// Batches committed in one transaction (batch mode).
+    pub fn batches(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
+    }
+    /// Batches rolled back and rerun one message per transaction.
+    pub fn batch_fallbacks(&self) -> u64 {
+        self.batch_fallbacks.load(Ordering::Relaxed)
     }
     /// Messages a fault-injection hook dropped after commit without acking.
     pub fn dropped_by_fault(&self) -> u64 {

@@ -52,23 +52,13 @@ impl ::idem_runtime::Handler for ping {
     fn name(&self) -> &'static str {
         Self::NAME
     }
-    fn handle<'a>(
+    fn run_claimed<'a>(
         &'a self,
         __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'static>,
         __idem_payload: Self::Payload,
         __idem_delivery: &'a ::idem_runtime::Delivery,
     ) -> ::idem_runtime::HandlerFuture<'a> {
         ::idem_runtime::__private::Box::pin(async move {
-            if ::idem_runtime::__private::claim(
-                    __idem_tx,
-                    Self::NAME,
-                    __idem_delivery.message_id(),
-                )
-                .await?
-                .is_duplicate()
-            {
-                return ::core::result::Result::Ok(::idem_runtime::Outcome::Duplicate);
-            }
             match ping::run(__idem_tx, __idem_payload).await {
                 ::core::result::Result::Ok(_) => {
                     ::core::result::Result::Ok(::idem_runtime::Outcome::Processed)

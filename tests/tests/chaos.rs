@@ -347,6 +347,26 @@ impl Setup {
         }
     }
 
+    /// How many messages the runtime's default dead-letter stream holds (0 if
+    /// it does not exist).
+    async fn dead_letters(&self) -> u64 {
+        match self
+            .js
+            .get_stream(idem_runtime::dead_letter::DEFAULT_STREAM)
+            .await
+        {
+            Ok(mut stream) => {
+                stream
+                    .info()
+                    .await
+                    .expect("dead-letter stream info")
+                    .state
+                    .messages
+            }
+            Err(_) => 0,
+        }
+    }
+
     /// Checks the end state against `expected`; returns every violation.
     async fn check_ledger(&self, expected: &Expected) -> Vec<String> {
         let mut violations = Vec::new();
@@ -422,6 +442,12 @@ impl Setup {
             violations.push(format!(
                 "balances {balances:?}, expected {:?}",
                 expected.balances
+            ));
+        }
+        let dead_letters = self.dead_letters().await;
+        if dead_letters != 0 {
+            violations.push(format!(
+                "{dead_letters} messages were dead-lettered instead of applied"
             ));
         }
         violations
@@ -570,6 +596,9 @@ impl Tally {
             t.failed += r.failed;
             t.commit_failed += r.commit_failed;
             t.rejected += r.rejected;
+            t.retried_in_process += r.retried_in_process;
+            t.dead_lettered += r.dead_lettered;
+            t.dead_letter_failed += r.dead_letter_failed;
             t.nats_disconnects += r.nats_disconnects;
             t.nats_reconnects += r.nats_reconnects;
             t.pg_outages += r.pg_outages;
@@ -857,7 +886,8 @@ async fn worker_kills_and_server_crashes_apply_every_message_once() {
          chaos: workers started {}, SIGKILLed {} ({} with messages in flight), \
          PostgreSQL restarts {} (seen {}), nats-server restarts {} (seen {})\n\
          chaos: worker totals: processed {}, duplicates skipped {}, failed {}, commit failed {}, \
-         rejected {}, NATS disconnects {}, PostgreSQL outages {}, start-ups retried {}\n\
+         retried in process {}, rejected {}, dead-lettered {}, NATS disconnects {}, \
+         PostgreSQL outages {}, start-ups retried {}\n\
          chaos: consumer {consumer:?}",
         started.elapsed(),
         faults_done,
@@ -876,7 +906,9 @@ async fn worker_kills_and_server_crashes_apply_every_message_once() {
         totals.duplicates,
         totals.failed,
         totals.commit_failed,
+        totals.retried_in_process,
         totals.rejected,
+        totals.dead_lettered,
         totals.nats_disconnects,
         totals.pg_outages,
         totals.startup_failures,
@@ -913,7 +945,11 @@ async fn worker_kills_and_server_crashes_apply_every_message_once() {
         (1, 1),
         "nats-server was restarted once, and the worker saw it"
     );
-    assert_eq!(totals.rejected, 0, "no message was terminated");
+    assert_eq!(
+        (totals.rejected, totals.dead_lettered),
+        (0, 0),
+        "no message was rejected or dead-lettered"
+    );
 }
 
 /// SIGTERM while the worker is busy: it exits 0 within its grace period,

@@ -6,7 +6,6 @@
 mod common;
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -56,8 +55,7 @@ async fn retry_window(
 
 /// Scenario 1: a publisher retries after JetStream's duplicate window, so the
 /// same `Nats-Msg-Id` is stored twice. One effect; both messages acked.
-#[tokio::test]
-async fn publisher_retry_after_duplicate_window_is_applied_once() {
+async fn publisher_retry_after_duplicate_window_is_applied_once(batch: usize) {
     let (_env, pool, nats, js, stream, subject) = setup("RETRY", Duration::from_millis(300)).await;
 
     let first = publish(&js, &subject, &deposit(10), Some("payment-1")).await;
@@ -79,7 +77,7 @@ async fn publisher_retry_after_duplicate_window_is_applied_once() {
         "the same Nats-Msg-Id is stored twice"
     );
 
-    let router = Router::new().route(Route::new(&stream, "credit"), retry_window);
+    let router = Router::new().route(Route::new(&stream, "credit").batch(batch), retry_window);
     let (handle, task) = spawn(router, nats, pool.clone());
     wait_all_acked(&js, &stream, "credit").await;
     stop(handle.clone(), task).await;
@@ -108,8 +106,7 @@ async fn crash_after_commit(
 /// Scenario 2: the worker commits, then dies before it acks. The hook makes
 /// the runtime drop each message after its first COMMIT without any ack, as
 /// a crash would; JetStream redelivers after ack_wait. One effect each.
-#[tokio::test]
-async fn crash_after_commit_before_ack_is_applied_once() {
+async fn crash_after_commit_before_ack_is_applied_once(batch: usize) {
     let (_env, pool, nats, js, stream, subject) = setup("CRASH", Duration::from_secs(120)).await;
     const MESSAGES: usize = 5;
     for i in 0..MESSAGES {
@@ -131,7 +128,9 @@ async fn crash_after_commit_before_ack_is_applied_once() {
     });
     let router = Router::new()
         .route(
-            Route::new(&stream, "credit").ack_wait(Duration::from_secs(1)),
+            Route::new(&stream, "credit")
+                .batch(batch)
+                .ack_wait(Duration::from_secs(1)),
             crash_after_commit,
         )
         .fault_hooks(faults);
@@ -167,8 +166,9 @@ async fn crash_after_commit_before_ack_is_applied_once() {
     assert_eq!(redelivered_effects, 0, "no redelivery ran the body");
 }
 
-/// Set when the first attempt saw the redelivery blocked on its claim.
-static SAW_BLOCKED_CLAIM: AtomicBool = AtomicBool::new(false);
+/// The streams whose first attempt saw the redelivery blocked on its claim
+/// (keyed by stream, since both modes' tests may share a process).
+static SAW_BLOCKED_CLAIM: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[idempotent(name = "racing-redelivery")]
 async fn racing_redelivery(
@@ -189,7 +189,10 @@ async fn racing_redelivery(
             .fetch_one(&mut **tx)
             .await?;
             if waiters > 0 {
-                SAW_BLOCKED_CLAIM.store(true, Ordering::SeqCst);
+                SAW_BLOCKED_CLAIM
+                    .lock()
+                    .unwrap()
+                    .push(delivery.stream().to_owned());
                 break;
             }
             if tokio::time::Instant::now() > deadline {
@@ -206,13 +209,13 @@ async fn racing_redelivery(
 /// Scenario 3: ack_wait expires while the first attempt is still inside its
 /// transaction (heartbeats off), and a second worker on the same consumer
 /// takes the redelivery. It waits on the unique key, then skips.
-#[tokio::test]
-async fn redelivery_during_first_attempt_waits_on_claim_then_skips() {
+async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: usize) {
     let (_env, pool, nats, js, stream, subject) = setup("RACE", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit(7), Some("race-1")).await;
 
     let route = || {
         Route::new(&stream, "credit")
+            .batch(batch)
             .ack_wait(Duration::from_secs(1))
             .without_heartbeat()
             .allow_redelivery_while_running()
@@ -233,7 +236,7 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips() {
     stop(second.clone(), second_task).await;
 
     assert!(
-        SAW_BLOCKED_CLAIM.load(Ordering::SeqCst),
+        SAW_BLOCKED_CLAIM.lock().unwrap().contains(&stream),
         "the redelivery blocked on the claim while the first attempt was open"
     );
     let (a, b) = (
@@ -259,7 +262,7 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips() {
 
 /// What the second attempt saw before it wrote: (effects of this message,
 /// dedup rows of this message including its own fresh claim).
-static SEEN_BY_RETRY: Mutex<Vec<(i64, i64)>> = Mutex::new(Vec::new());
+static SEEN_BY_RETRY: Mutex<Vec<(String, (i64, i64))>> = Mutex::new(Vec::new());
 
 #[derive(Debug, thiserror::Error)]
 #[error("injected failure on delivery {0}")]
@@ -283,20 +286,24 @@ async fn fails_once(
     .bind(delivery.message_id().as_str())
     .fetch_one(&mut **tx)
     .await?;
-    SEEN_BY_RETRY.lock().unwrap().push(seen);
+    SEEN_BY_RETRY
+        .lock()
+        .unwrap()
+        .push((delivery.stream().to_owned(), seen));
     record_effect(tx, "fails-once", &d, delivery).await?;
     Ok(())
 }
 
 /// Scenario 4: the handler writes, then fails. Nothing of its writes and no
 /// dedup row survive; the redelivery then applies the message once.
-#[tokio::test]
-async fn handler_error_leaves_nothing_and_redelivery_applies_once() {
+async fn handler_error_leaves_nothing_and_redelivery_applies_once(batch: usize) {
     let (_env, pool, nats, js, stream, subject) = setup("FAIL", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit(3), Some("fail-1")).await;
 
     let router = Router::new().route(
-        Route::new(&stream, "credit").backoff(Duration::from_millis(200), Duration::from_secs(1)),
+        Route::new(&stream, "credit")
+            .batch(batch)
+            .backoff(Duration::from_millis(200), Duration::from_secs(1)),
         fails_once,
     );
     let (handle, task) = spawn(router, nats, pool.clone());
@@ -310,7 +317,13 @@ async fn handler_error_leaves_nothing_and_redelivery_applies_once() {
         "one failure, then one success, and no duplicate: the failed claim did not persist"
     );
     assert_eq!(
-        *SEEN_BY_RETRY.lock().unwrap(),
+        SEEN_BY_RETRY
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(seen_in, _)| *seen_in == stream)
+            .map(|(_, seen)| *seen)
+            .collect::<Vec<_>>(),
         vec![(0, 1)],
         "the retry saw no effect of the failed attempt, and only its own claim"
     );
@@ -350,16 +363,15 @@ async fn notify(
 /// Scenario 5: two handlers consume the same messages through their own
 /// durable consumers. The handler name keeps their claims apart: one effect
 /// each, per message.
-#[tokio::test]
-async fn two_handlers_on_one_message_apply_once_each() {
+async fn two_handlers_on_one_message_apply_once_each(batch: usize) {
     let (_env, pool, nats, js, stream, subject) = setup("FANOUT", Duration::from_secs(120)).await;
     const MESSAGES: i64 = 20;
     for i in 0..MESSAGES {
         publish(&js, &subject, &deposit(i), Some(&format!("fan-{i}"))).await;
     }
     let router = Router::new()
-        .route(Route::new(&stream, "audit"), audit)
-        .route(Route::new(&stream, "notify"), notify);
+        .route(Route::new(&stream, "audit").batch(batch), audit)
+        .route(Route::new(&stream, "notify").batch(batch), notify);
     let (handle, task) = spawn(router, nats, pool.clone());
     wait_all_acked(&js, &stream, "audit").await;
     wait_all_acked(&js, &stream, "notify").await;
@@ -398,10 +410,12 @@ async fn slow(
 /// stats. `heartbeat` turns `+WPI` heartbeats on or off.
 async fn run_slow_handler(
     heartbeat: bool,
+    batch: usize,
 ) -> (std::sync::Arc<idem_runtime::Stats>, common::Ledger) {
     let (_env, pool, nats, js, stream, subject) = setup("SLOW", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit(1), Some("slow-1")).await;
     let mut route = Route::new(&stream, "credit")
+        .batch(batch)
         .ack_wait(Duration::from_secs(1))
         .concurrency(4);
     if !heartbeat {
@@ -415,9 +429,8 @@ async fn run_slow_handler(
 
 /// Scenario 6: a handler that runs for 3× ack_wait, with heartbeats on, is
 /// delivered once.
-#[tokio::test]
-async fn heartbeats_keep_a_long_handler_from_redelivery() {
-    let (stats, ledger) = run_slow_handler(true).await;
+async fn heartbeats_keep_a_long_handler_from_redelivery(batch: usize) {
+    let (stats, ledger) = run_slow_handler(true, batch).await;
     assert_eq!(stats.received(), 1, "delivered exactly once");
     assert_eq!((stats.processed(), stats.duplicates()), (1, 0));
     assert_eq!(
@@ -432,9 +445,8 @@ async fn heartbeats_keep_a_long_handler_from_redelivery() {
 
 /// The control for scenario 6: without heartbeats the same handler is
 /// redelivered mid-work, which proves the test above can see a redelivery.
-#[tokio::test]
-async fn without_heartbeats_a_long_handler_is_redelivered_but_applied_once() {
-    let (stats, ledger) = run_slow_handler(false).await;
+async fn without_heartbeats_a_long_handler_is_redelivered_but_applied_once(batch: usize) {
+    let (stats, ledger) = run_slow_handler(false, batch).await;
     assert!(
         stats.received() >= 2,
         "redelivered while running: {stats:?}"
@@ -450,3 +462,36 @@ async fn without_heartbeats_a_long_handler_is_redelivered_but_applied_once() {
         }
     );
 }
+
+/// Every scenario runs in per-message mode and in batch mode.
+macro_rules! in_both_modes {
+    ($($scenario:ident),* $(,)?) => {
+        mod per_message {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    super::$scenario(1).await
+                }
+            )*
+        }
+
+        mod batched {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    super::$scenario(16).await
+                }
+            )*
+        }
+    };
+}
+
+in_both_modes!(
+    publisher_retry_after_duplicate_window_is_applied_once,
+    crash_after_commit_before_ack_is_applied_once,
+    redelivery_during_first_attempt_waits_on_claim_then_skips,
+    handler_error_leaves_nothing_and_redelivery_applies_once,
+    two_handlers_on_one_message_apply_once_each,
+    heartbeats_keep_a_long_handler_from_redelivery,
+    without_heartbeats_a_long_handler_is_redelivered_but_applied_once,
+);

@@ -1,0 +1,459 @@
+//! The five ways of consuming the same messages, all doing the same handler
+//! work: one INSERT into the business table `bench_effects`.
+//!
+//! - `raw`: pull and ack, no database.
+//! - `naive`: BEGIN, INSERT, COMMIT, ack. At-least-once.
+//! - `manual`: BEGIN, dedup INSERT (skip when it inserted nothing), INSERT,
+//!   COMMIT, ack. Hand-written effectively-once, against the same dedup table
+//!   the runtime uses, so that the database work equals idem's.
+//! - `idem`: an `#[idempotent]` handler run by `idem_runtime::Router`.
+//! - `idem-batch`: the same, batched; see [`batch_route`].
+//!
+//! The hand-written modes pull the way an async-nats user would by default:
+//! `consumer.messages()` (pull requests of 200, refilled ahead of need) fed
+//! into `for_each_concurrent(C, ..)`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::{self, AckKind, Message};
+use futures_util::StreamExt;
+use idem_runtime::{Route, Router, RouterHandle, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::BenchError;
+
+/// The handler name: the same in the `idem` claim and the `manual` dedup
+/// insert, so both write identical dedup rows.
+pub const HANDLER_NAME: &str = "bench.effect.v1";
+
+/// How long JetStream waits for an ack, as the runtime's default.
+const ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// What every message carries. `key` is the dedup key (32 random hex
+/// digits, like a UUID); `published_us` is stored with the effect for
+/// inspection (latency itself is measured on the bench's monotonic clock).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Payload {
+    pub key: String,
+    pub published_us: i64,
+}
+
+/// Which consumer to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Raw,
+    Naive,
+    Manual,
+    Idem,
+    IdemBatch,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 5] = [
+        Mode::Raw,
+        Mode::Naive,
+        Mode::Manual,
+        Mode::Idem,
+        Mode::IdemBatch,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Raw => "raw",
+            Mode::Naive => "naive",
+            Mode::Manual => "manual",
+            Mode::Idem => "idem",
+            Mode::IdemBatch => "idem-batch",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Mode> {
+        Mode::ALL.into_iter().find(|mode| mode.name() == name)
+    }
+
+    pub fn uses_database(self) -> bool {
+        self != Mode::Raw
+    }
+
+    /// Whether the bench's own code consumes (rather than the runtime).
+    pub fn hand_written(self) -> bool {
+        matches!(self, Mode::Raw | Mode::Naive | Mode::Manual)
+    }
+
+    /// Whether the mode writes a dedup row per message.
+    pub fn dedups(self) -> bool {
+        matches!(self, Mode::Manual | Mode::Idem | Mode::IdemBatch)
+    }
+
+    /// Messages per transaction, as reported.
+    pub fn batch(self, batch: usize) -> usize {
+        if self == Mode::IdemBatch { batch } else { 1 }
+    }
+}
+
+/// The one statement of handler work, shared by every database mode.
+async fn insert_effect(conn: &mut PgConnection, payload: &Payload) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO bench_effects (message_key, published_us) VALUES ($1, $2)")
+        .bind(&payload.key)
+        .bind(payload.published_us)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// The `idem` and `idem-batch` handler.
+#[idempotent(name = "bench.effect.v1", key = msg.key)]
+async fn effect(tx: &mut sqlx::PgTransaction<'_>, msg: Payload) -> Result<(), sqlx::Error> {
+    insert_effect(tx, &msg).await
+}
+
+/// The route for `idem-batch`: the only place that knows the runtime has no
+/// batch mode yet. When `Route::batch(B)` lands, replace the body with
+/// `Ok(route.batch(batch))`.
+pub fn batch_route(route: Route, batch: usize) -> Result<Route, BenchError> {
+    let _ = route;
+    Err(BenchError::NotAvailable(format!(
+        "idem-batch (batch {batch}) is not available yet: idem-runtime has no batch mode \
+         (Route::batch(B)); until it does, run `idem` for the per-message framework"
+    )))
+}
+
+/// Fails at once if `mode` cannot run, before any message is published.
+pub fn check_available(mode: Mode, batch: usize) -> Result<(), BenchError> {
+    if mode == Mode::IdemBatch {
+        batch_route(Route::new("CHECK", "check"), batch)?;
+    }
+    Ok(())
+}
+
+/// Where a consumer reads from.
+pub struct Source<'a> {
+    pub stream: &'a str,
+    pub subject: &'a str,
+}
+
+/// JetStream's max_ack_pending for every mode: the runtime's default,
+/// raised if the concurrency is higher (the runtime refuses less).
+fn max_ack_pending(concurrency: usize) -> i64 {
+    (concurrency as i64).max(1000)
+}
+
+/// A running consumer of any mode.
+pub enum Consumer {
+    HandWritten {
+        stop: watch::Sender<bool>,
+        counts: Arc<Counts>,
+        task: JoinHandle<Result<(), BenchError>>,
+    },
+    Framework {
+        durable: String,
+        handle: RouterHandle,
+        task: JoinHandle<Result<(), idem_runtime::Error>>,
+    },
+}
+
+/// What the hand-written consumers did.
+#[derive(Debug, Default)]
+pub struct Counts {
+    pub acked: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+/// What a consumer reports after it stopped.
+#[derive(Debug, Default)]
+pub struct ConsumerReport {
+    /// Messages committed and acked (raw: acked).
+    pub processed: u64,
+    pub duplicates: u64,
+    pub errors: u64,
+}
+
+impl Consumer {
+    /// Creates the durable consumer (or starts the router, which does) and
+    /// starts consuming.
+    pub async fn start(
+        mode: Mode,
+        nats: &async_nats::Client,
+        pool: Option<&PgPool>,
+        source: Source<'_>,
+        concurrency: usize,
+        batch: usize,
+        pull: Pull,
+    ) -> Result<Consumer, BenchError> {
+        let durable = format!("bench-{}", mode.name());
+        match mode {
+            Mode::Raw | Mode::Naive | Mode::Manual => {
+                let js = jetstream::new(nats.clone());
+                let stream = js
+                    .get_stream(source.stream)
+                    .await
+                    .map_err(|e| BenchError::failed(format!("get stream: {e}")))?;
+                let consumer: PullConsumer = stream
+                    .create_consumer(pull::Config {
+                        durable_name: Some(durable),
+                        ack_policy: AckPolicy::Explicit,
+                        ack_wait: ACK_WAIT,
+                        max_ack_pending: max_ack_pending(concurrency),
+                        filter_subject: source.subject.to_owned(),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(|e| BenchError::failed(format!("create consumer: {e}")))?;
+                let (stop, stopped) = watch::channel(false);
+                let counts = Arc::new(Counts::default());
+                let task = tokio::spawn(hand_written(
+                    mode,
+                    consumer,
+                    pool.cloned(),
+                    concurrency,
+                    pull,
+                    stopped,
+                    counts.clone(),
+                ));
+                Ok(Consumer::HandWritten { stop, counts, task })
+            }
+            Mode::Idem | Mode::IdemBatch => {
+                let pool = pool.expect("idem modes have a database").clone();
+                let mut route = Route::new(source.stream, durable.clone())
+                    .filter_subject(source.subject)
+                    .ack_wait(ACK_WAIT)
+                    .concurrency(concurrency)
+                    .max_ack_pending(max_ack_pending(concurrency));
+                if mode == Mode::IdemBatch {
+                    route = batch_route(route, batch)?;
+                }
+                let router = Router::new().route(route, effect);
+                let handle = router.handle();
+                let task = tokio::spawn(router.run_until(
+                    nats.clone(),
+                    pool,
+                    std::future::pending::<()>(),
+                ));
+                Ok(Consumer::Framework {
+                    durable,
+                    handle,
+                    task,
+                })
+            }
+        }
+    }
+
+    /// Whether the consumer stopped by itself (an error: it should run until
+    /// told to stop).
+    pub fn ended(&self) -> bool {
+        match self {
+            Consumer::HandWritten { task, .. } => task.is_finished(),
+            Consumer::Framework { task, .. } => task.is_finished(),
+        }
+    }
+
+    /// Its counters so far, for progress and stall reports.
+    pub fn progress(&self) -> ConsumerReport {
+        match self {
+            Consumer::HandWritten { counts, .. } => ConsumerReport {
+                processed: counts.acked.load(Ordering::Relaxed),
+                duplicates: counts.duplicates.load(Ordering::Relaxed),
+                errors: counts.errors.load(Ordering::Relaxed),
+            },
+            Consumer::Framework {
+                durable, handle, ..
+            } => match handle.stats(durable) {
+                Some(stats) => ConsumerReport {
+                    processed: stats.processed(),
+                    duplicates: stats.duplicates(),
+                    errors: stats.failed() + stats.commit_failed() + stats.rejected(),
+                },
+                None => ConsumerReport::default(),
+            },
+        }
+    }
+
+    /// Stops consuming, lets in-flight messages finish, and reports.
+    pub async fn stop(self) -> Result<ConsumerReport, BenchError> {
+        let report = self.progress();
+        let ended = match self {
+            Consumer::HandWritten { stop, task, .. } => {
+                let _ = stop.send(true);
+                task.await
+                    .map_err(|e| BenchError::failed(format!("consumer task: {e}")))?
+            }
+            Consumer::Framework { handle, task, .. } => {
+                handle.shutdown();
+                task.await
+                    .map_err(|e| BenchError::failed(format!("router task: {e}")))?
+                    .map_err(|e| BenchError::failed(format!("router: {e}")))
+            }
+        };
+        ended.map(|()| report)
+    }
+}
+
+/// How the hand-written modes fetch messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pull {
+    /// `consumer.messages()`: async-nats keeps pull requests of 200 going
+    /// ahead of need. What a hand-written consumer does by default.
+    Prefetch,
+    /// The runtime's strategy, for attributing the difference: wait for a
+    /// free slot, pull exactly as many messages as there are free slots,
+    /// spawn a task per message.
+    Slots,
+}
+
+impl Pull {
+    pub fn name(self) -> &'static str {
+        match self {
+            Pull::Prefetch => "prefetch",
+            Pull::Slots => "slots",
+        }
+    }
+}
+
+/// The hand-written consumer loop of `raw`, `naive` and `manual`.
+async fn hand_written(
+    mode: Mode,
+    consumer: PullConsumer,
+    pool: Option<PgPool>,
+    concurrency: usize,
+    pull: Pull,
+    mut stopped: watch::Receiver<bool>,
+    counts: Arc<Counts>,
+) -> Result<(), BenchError> {
+    if pull == Pull::Slots {
+        return pull_slots(mode, consumer, pool, concurrency, stopped, counts).await;
+    }
+    let messages = consumer
+        .messages()
+        .await
+        .map_err(|e| BenchError::failed(format!("start pulling: {e}")))?;
+    let stop = async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    };
+    messages
+        .take_until(stop)
+        .for_each_concurrent(concurrency, |message| {
+            let pool = pool.as_ref();
+            let counts = &counts;
+            async move {
+                match message {
+                    Ok(message) => handle_and_count(mode, pool, message, counts).await,
+                    Err(error) => {
+                        tracing::warn!(%error, "pull failed");
+                        counts.errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        })
+        .await;
+    Ok(())
+}
+
+/// [`Pull::Slots`]: only as many messages as there are free slots.
+async fn pull_slots(
+    mode: Mode,
+    consumer: PullConsumer,
+    pool: Option<PgPool>,
+    concurrency: usize,
+    mut stopped: watch::Receiver<bool>,
+    counts: Arc<Counts>,
+) -> Result<(), BenchError> {
+    let slots = Arc::new(Semaphore::new(concurrency));
+    let mut tasks = JoinSet::new();
+    loop {
+        let first = tokio::select! {
+            slot = slots.clone().acquire_owned() => slot.expect("never closed"),
+            _ = stopped.wait_for(|stop| *stop) => break,
+        };
+        let mut free = vec![first];
+        while let Ok(slot) = slots.clone().try_acquire_owned() {
+            free.push(slot);
+        }
+        while tasks.try_join_next().is_some() {}
+        let mut batch = consumer
+            .batch()
+            .max_messages(free.len())
+            .expires(Duration::from_secs(2))
+            .messages()
+            .await
+            .map_err(|e| BenchError::failed(format!("pull: {e}")))?;
+        while let Some(message) = batch.next().await {
+            let Ok(message) = message else { break };
+            let slot = free.pop().expect("no more messages than free slots");
+            let (pool, counts) = (pool.clone(), counts.clone());
+            tasks.spawn(async move {
+                handle_and_count(mode, pool.as_ref(), message, &counts).await;
+                drop(slot);
+            });
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+    Ok(())
+}
+
+async fn handle_and_count(mode: Mode, pool: Option<&PgPool>, message: Message, counts: &Counts) {
+    match handle(mode, pool, &message).await {
+        Ok(Handled::Processed) => {
+            counts.acked.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(Handled::Duplicate) => {
+            counts.duplicates.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(error) => {
+            tracing::warn!(%error, mode = mode.name(), "message failed; NAKing it");
+            counts.errors.fetch_add(1, Ordering::Relaxed);
+            let _ = message.ack_with(AckKind::Nak(None)).await;
+        }
+    }
+}
+
+enum Handled {
+    Processed,
+    Duplicate,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One message of a hand-written mode: its transaction, then the ack.
+async fn handle(mode: Mode, pool: Option<&PgPool>, message: &Message) -> Result<Handled, BoxError> {
+    let handled = match (mode, pool) {
+        (Mode::Raw, _) => Handled::Processed,
+        (Mode::Naive, Some(pool)) => {
+            let payload: Payload = serde_json::from_slice(&message.payload)?;
+            let mut tx = pool.begin().await?;
+            insert_effect(&mut tx, &payload).await?;
+            tx.commit().await?;
+            Handled::Processed
+        }
+        (Mode::Manual, Some(pool)) => {
+            let payload: Payload = serde_json::from_slice(&message.payload)?;
+            let mut tx = pool.begin().await?;
+            let claimed = sqlx::query(
+                "INSERT INTO idem_processed_messages (handler, message_id) VALUES ($1, $2) \
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(HANDLER_NAME)
+            .bind(&payload.key)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if claimed == 1 {
+                insert_effect(&mut tx, &payload).await?;
+                tx.commit().await?;
+                Handled::Processed
+            } else {
+                tx.rollback().await?;
+                Handled::Duplicate
+            }
+        }
+        _ => return Err(format!("{} is not a hand-written database mode", mode.name()).into()),
+    };
+    message.ack().await?;
+    Ok(handled)
+}

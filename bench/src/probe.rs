@@ -1,0 +1,294 @@
+//! How the bench measures: when each message was published, when its ack
+//! reached NATS, and how much memory the process holds.
+//!
+//! Latency is publish → ack, on one monotonic clock (this process's):
+//! - the publish time is taken just before `publish` hands the message to
+//!   the client, and the PubAck gives its stream sequence;
+//! - a separate connection subscribes to `$JS.ACK.>`, which is where every
+//!   consumer sends its acks, and timestamps each `+ACK` on arrival.
+//!
+//! Every mode acks only after its COMMIT has returned, so this is publish to
+//! commit plus one loopback hop, taken the same way for every mode, the
+//! framework included (whose commit the bench cannot see otherwise), and
+//! for `raw` too. It needs no clock shared with the database server.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream;
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::BenchError;
+use crate::consumers::{Consumer, Payload};
+
+/// PubAcks awaited at once while publishing a backlog.
+const PUBLISH_WINDOW: usize = 512;
+
+/// No new ack for this long means the run is stuck.
+const STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One published message.
+#[derive(Debug, Clone, Copy)]
+pub struct Published {
+    pub seq: u64,
+    pub at: Instant,
+}
+
+/// What publishing took.
+pub struct PublishReport {
+    pub messages: Vec<Published>,
+    /// Paced publishing: how far the latest publish fell behind schedule.
+    pub max_lag: Duration,
+}
+
+/// Publishes one message per key to `subject`: as fast as PubAcks allow
+/// (`rate` `None`, a backlog), or at a fixed `rate` per second.
+pub async fn publish(
+    js: &jetstream::Context,
+    subject: &str,
+    keys: &[String],
+    rate: Option<f64>,
+) -> Result<PublishReport, BenchError> {
+    let started = Instant::now();
+    let mut messages = Vec::with_capacity(keys.len());
+    let mut max_lag = Duration::ZERO;
+    let mut pending = FuturesUnordered::new();
+    let settle = |done: Result<Published, BenchError>, messages: &mut Vec<Published>| {
+        done.map(|published| messages.push(published))
+    };
+    for (i, key) in keys.iter().enumerate() {
+        if let Some(rate) = rate {
+            let due = started + Duration::from_secs_f64(i as f64 / rate);
+            // Collect PubAcks while waiting for the next slot.
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = tokio::time::sleep_until(due.into()) => break,
+                    Some(done) = pending.next(), if !pending.is_empty() => settle(done, &mut messages)?,
+                }
+            }
+            max_lag = max_lag.max(Instant::now().saturating_duration_since(due));
+        }
+        while pending.len() >= PUBLISH_WINDOW {
+            let done = pending.next().await.expect("not empty");
+            settle(done, &mut messages)?;
+        }
+        let payload = serde_json::to_vec(&Payload {
+            key: key.clone(),
+            published_us: unix_micros(),
+        })
+        .expect("a payload serializes");
+        let at = Instant::now();
+        let ack = js
+            .publish(subject.to_owned(), payload.into())
+            .await
+            .map_err(|e| BenchError::failed(format!("publish: {e}")))?;
+        pending.push(async move {
+            let ack = ack
+                .await
+                .map_err(|e| BenchError::failed(format!("PubAck: {e}")))?;
+            Ok(Published {
+                seq: ack.sequence,
+                at,
+            })
+        });
+    }
+    while let Some(done) = pending.next().await {
+        settle(done, &mut messages)?;
+    }
+    Ok(PublishReport { messages, max_lag })
+}
+
+fn unix_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// Watches the acks of one stream.
+pub struct AckObserver {
+    seen: Arc<AtomicUsize>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<AckTimes>,
+}
+
+/// When each stream sequence was first acked.
+#[derive(Debug, Default)]
+pub struct AckTimes {
+    by_seq: Vec<Option<Instant>>,
+}
+
+impl AckTimes {
+    pub fn get(&self, seq: u64) -> Option<Instant> {
+        self.by_seq.get(seq as usize).copied().flatten()
+    }
+
+    /// The last first-ack: when the last message was settled.
+    pub fn last(&self) -> Option<Instant> {
+        self.by_seq.iter().flatten().max().copied()
+    }
+}
+
+impl AckObserver {
+    /// Subscribes (on its own connection) before any consumer starts.
+    pub async fn start(
+        client: &async_nats::Client,
+        stream: &str,
+        expected: usize,
+    ) -> Result<AckObserver, BenchError> {
+        let mut acks = client
+            .subscribe("$JS.ACK.>")
+            .await
+            .map_err(|e| BenchError::failed(format!("subscribe to acks: {e}")))?;
+        // The subscription is live on the server once the flush returns.
+        client
+            .flush()
+            .await
+            .map_err(|e| BenchError::failed(format!("flush: {e}")))?;
+        let seen = Arc::new(AtomicUsize::new(0));
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let stream = stream.to_owned();
+        let counter = seen.clone();
+        let task = tokio::spawn(async move {
+            let mut times = AckTimes {
+                by_seq: vec![None; expected + 1],
+            };
+            loop {
+                let message = tokio::select! {
+                    biased;
+                    _ = &mut stopped => break,
+                    message = acks.next() => match message {
+                        Some(message) => message,
+                        None => break,
+                    },
+                };
+                let now = Instant::now();
+                // +ACK, or an empty body, which JetStream also takes as an ack.
+                let is_ack = message.payload.is_empty() || message.payload.starts_with(b"+ACK");
+                let Some(seq) = acked_sequence(&message.subject, &stream) else {
+                    continue;
+                };
+                if !is_ack {
+                    continue;
+                }
+                let seq = seq as usize;
+                if seq >= times.by_seq.len() {
+                    times.by_seq.resize(seq + 1, None);
+                }
+                if times.by_seq[seq].is_none() {
+                    times.by_seq[seq] = Some(now);
+                    counter.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            times
+        });
+        Ok(AckObserver {
+            seen,
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    /// Waits until `expected` distinct messages were acked. Fails if the
+    /// consumer ends, or if no ack arrives for a minute.
+    pub async fn wait_for_all(
+        &self,
+        expected: usize,
+        consumer: &Consumer,
+    ) -> Result<(), BenchError> {
+        let mut last = 0;
+        let mut last_change = Instant::now();
+        loop {
+            let seen = self.seen.load(Ordering::Relaxed);
+            if seen >= expected {
+                return Ok(());
+            }
+            if seen != last {
+                last = seen;
+                last_change = Instant::now();
+            }
+            if consumer.ended() || last_change.elapsed() > STALL_TIMEOUT {
+                return Err(BenchError::failed(format!(
+                    "{} after {seen} of {expected} acks (consumer counts: {:?})",
+                    if consumer.ended() {
+                        "the consumer stopped by itself"
+                    } else {
+                        "no progress for a minute"
+                    },
+                    consumer.progress()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    pub async fn finish(mut self) -> Result<AckTimes, BenchError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.task)
+            .await
+            .map_err(|e| BenchError::failed(format!("ack observer: {e}")))
+    }
+}
+
+/// The stream sequence an ack subject names, if it is `stream`'s. Both
+/// formats of ADR-15: `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...`
+/// (9 tokens) and `$JS.ACK.<domain>.<account>.<stream>...` (11 or more).
+fn acked_sequence(subject: &str, stream: &str) -> Option<u64> {
+    let rest = subject.strip_prefix("$JS.ACK.")?;
+    let tokens: Vec<&str> = rest.split('.').collect();
+    let (name, seq) = match tokens.len() {
+        7 => (tokens[0], tokens[3]),
+        n if n >= 9 => (tokens[2], tokens[5]),
+        _ => return None,
+    };
+    (name == stream).then(|| seq.parse().ok()).flatten()
+}
+
+/// Resets the process's peak RSS (VmHWM) to its current RSS, so that a
+/// run's peak excludes what earlier phases held. Linux ≥ 4.0.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// A memory figure of this process from /proc/self/status, in MiB
+/// (`VmHWM`: peak resident; `VmRSS`: resident now).
+pub fn status_mib(field: &str) -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|value| {
+            value
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .map_or(f64::NAN, |kib| kib / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ack_subjects_of_both_formats() {
+        assert_eq!(
+            acked_sequence("$JS.ACK.S1.c.1.42.40.1700000000.5", "S1"),
+            Some(42)
+        );
+        assert_eq!(
+            acked_sequence("$JS.ACK.hub.ACC.S1.c.2.7.9.1700000000.0.tok", "S1"),
+            Some(7)
+        );
+        assert_eq!(acked_sequence("$JS.ACK.S2.c.1.42.40.1.5", "S1"), None);
+        assert_eq!(acked_sequence("$JS.API.INFO", "S1"), None);
+    }
+}

@@ -1,0 +1,508 @@
+//! One measured run: a fresh stream and database, the messages, the
+//! consumer, the numbers, and the end-state check.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, stream};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
+
+use crate::BenchError;
+use crate::consumers::{self, Consumer, HANDLER_NAME, Mode, Pull, Source};
+use crate::probe::{self, AckObserver};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub mode: Mode,
+    /// `throughput` (publish a backlog, then consume), `latency`, `backlog`
+    /// or `prefilled`.
+    pub scenario: &'static str,
+    pub messages: usize,
+    pub concurrency: usize,
+    pub batch: usize,
+    /// Publish at this many messages per second while consuming, instead of
+    /// publishing the whole backlog first.
+    pub rate: Option<f64>,
+    /// Rows put in the dedup table (under another handler) before the run.
+    pub prefill: u64,
+    /// The pool pings each connection before handing it out (sqlx's
+    /// default, `test_before_acquire(true)`), in every mode.
+    pub ping: bool,
+    /// How the hand-written modes fetch.
+    pub pull: Pull,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone)]
+pub struct Measurement {
+    pub plan: Plan,
+    pub msgs_per_sec: f64,
+    pub elapsed: Duration,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    pub latency_samples: usize,
+    pub peak_rss_mib: f64,
+    pub rss_at_start_mib: f64,
+    pub effects: u64,
+    pub duplicates: u64,
+    pub publish_lag_ms: Option<f64>,
+}
+
+/// The connections every run shares. Publisher, consumer and ack observer
+/// each have their own, as separate processes would.
+pub struct Context {
+    pub publisher: jetstream::Context,
+    pub consumer: async_nats::Client,
+    pub observer: async_nats::Client,
+    pub database_url: Option<String>,
+    runs: AtomicU32,
+}
+
+impl Context {
+    pub async fn connect(
+        nats_url: &str,
+        database_url: Option<String>,
+    ) -> Result<Context, BenchError> {
+        let connect = |name: &'static str| async move {
+            async_nats::ConnectOptions::new()
+                .name(format!("idem-bench {name}"))
+                .connect(nats_url)
+                .await
+                .map_err(|e| {
+                    BenchError::setup(format!("cannot connect to NATS at {nats_url}: {e}"))
+                })
+        };
+        Ok(Context {
+            publisher: jetstream::new(connect("publisher").await?),
+            consumer: connect("consumer").await?,
+            observer: connect("ack observer").await?,
+            database_url,
+            runs: AtomicU32::new(0),
+        })
+    }
+
+    /// A name no other run of this or another bench process uses.
+    fn next_tag(&self) -> String {
+        let n = self.runs.fetch_add(1, Ordering::Relaxed);
+        format!("{}_{n}", std::process::id())
+    }
+}
+
+/// Runs `plan` on fresh fixtures and removes them afterwards.
+pub async fn run(ctx: &Context, plan: &Plan) -> Result<Measurement, BenchError> {
+    consumers::check_available(plan.mode, plan.batch)?;
+    let tag = ctx.next_tag();
+    let stream_name = format!("BENCH_{tag}");
+    let subject = format!("bench.{tag}");
+    ctx.publisher
+        .create_stream(stream::Config {
+            name: stream_name.clone(),
+            subjects: vec![subject.clone()],
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| BenchError::failed(format!("create stream {stream_name}: {e}")))?;
+    let database = match plan.mode.uses_database() {
+        true => match Database::create(ctx, &tag, plan).await {
+            Ok(db) => Some(db),
+            Err(e) => {
+                delete_stream(ctx, &stream_name).await;
+                return Err(e);
+            }
+        },
+        false => None,
+    };
+    let outcome = measure(ctx, plan, &stream_name, &subject, database.as_ref()).await;
+    let teardown = Instant::now();
+    delete_stream(ctx, &stream_name).await;
+    if let Some(db) = database {
+        db.drop().await;
+    }
+    progress(
+        plan,
+        &format!(
+            "removed the stream and database in {:.2} s",
+            teardown.elapsed().as_secs_f64()
+        ),
+    );
+    outcome
+}
+
+async fn delete_stream(ctx: &Context, name: &str) {
+    if let Err(e) = ctx.publisher.delete_stream(name).await {
+        tracing::warn!(%e, stream = name, "cannot delete the bench stream");
+    }
+}
+
+async fn measure(
+    ctx: &Context,
+    plan: &Plan,
+    stream: &str,
+    subject: &str,
+    db: Option<&Database>,
+) -> Result<Measurement, BenchError> {
+    let n = plan.messages;
+    let keys = message_keys(n);
+    let observer = AckObserver::start(&ctx.observer, stream, n).await?;
+    let source = || Source { stream, subject };
+    let pool = db.map(|db| &db.pool);
+    let start_consumer = || {
+        Consumer::start(
+            plan.mode,
+            &ctx.consumer,
+            pool,
+            source(),
+            plan.concurrency,
+            plan.batch,
+            plan.pull,
+        )
+    };
+
+    let (published, consumer, started, rss_at_start) = match plan.rate {
+        None => {
+            progress(plan, &format!("publishing a backlog of {n} messages"));
+            let publishing = Instant::now();
+            let published = probe::publish(&ctx.publisher, subject, &keys, None).await?;
+            progress(
+                plan,
+                &format!(
+                    "published in {:.2} s; consuming",
+                    publishing.elapsed().as_secs_f64()
+                ),
+            );
+            probe::reset_peak_rss();
+            let rss_at_start = probe::status_mib("VmRSS");
+            let started = Instant::now();
+            let consumer = start_consumer().await?;
+            (published, consumer, started, rss_at_start)
+        }
+        Some(rate) => {
+            probe::reset_peak_rss();
+            let rss_at_start = probe::status_mib("VmRSS");
+            let started = Instant::now();
+            let consumer = start_consumer().await?;
+            progress(
+                plan,
+                &format!("publishing {n} messages at {rate} msgs/s while consuming"),
+            );
+            let published = probe::publish(&ctx.publisher, subject, &keys, Some(rate)).await?;
+            (published, consumer, started, rss_at_start)
+        }
+    };
+    let waited = observer.wait_for_all(n, &consumer).await;
+    let peak_rss_mib = probe::status_mib("VmHWM");
+    let stopping = Instant::now();
+    let stopped = consumer.stop().await;
+    progress(
+        plan,
+        &format!(
+            "all acked; consumer stopped in {:.2} s",
+            stopping.elapsed().as_secs_f64()
+        ),
+    );
+    let acks = observer.finish().await?;
+    waited?;
+    let report = stopped?;
+
+    let mut latencies: Vec<Duration> = published
+        .messages
+        .iter()
+        .filter_map(|p| Some(acks.get(p.seq)?.saturating_duration_since(p.at)))
+        .collect();
+    latencies.sort_unstable();
+    let last_ack = acks.last().unwrap_or_else(Instant::now);
+    let elapsed = last_ack.saturating_duration_since(started);
+
+    let effects = verify(plan, db, &report).await?;
+    Ok(Measurement {
+        plan: plan.clone(),
+        msgs_per_sec: n as f64 / elapsed.as_secs_f64(),
+        elapsed,
+        p50_ms: percentile_ms(&latencies, 0.50),
+        p99_ms: percentile_ms(&latencies, 0.99),
+        max_ms: percentile_ms(&latencies, 1.0),
+        latency_samples: latencies.len(),
+        peak_rss_mib,
+        rss_at_start_mib: rss_at_start,
+        effects,
+        duplicates: report.duplicates,
+        publish_lag_ms: plan.rate.map(|_| published.max_lag.as_secs_f64() * 1000.0),
+    })
+}
+
+/// Checks the end state: one effect per message, no duplicate effect, and
+/// (for the dedup modes) one dedup row per message. Returns the effects.
+async fn verify(
+    plan: &Plan,
+    db: Option<&Database>,
+    report: &consumers::ConsumerReport,
+) -> Result<u64, BenchError> {
+    let n = plan.messages as u64;
+    let mode = plan.mode.name();
+    let Some(db) = db else {
+        // raw: its effect is the ack, and every message was acked once.
+        if report.processed != n {
+            return Err(BenchError::failed(format!(
+                "{mode}: the consumer acked {} messages, expected {n}",
+                report.processed
+            )));
+        }
+        return Ok(report.processed);
+    };
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT message_key) FROM bench_effects")
+            .fetch_one(&db.pool)
+            .await
+            .map_err(|e| BenchError::failed(format!("count effects: {e}")))?;
+    if rows as u64 != n || distinct as u64 != n {
+        return Err(BenchError::failed(format!(
+            "{mode}: effects = {rows} rows for {distinct} distinct messages, expected {n} and {n}: \
+             FAILED effects = messages"
+        )));
+    }
+    if plan.mode.dedups() {
+        let claims: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM idem_processed_messages WHERE handler = $1")
+                .bind(HANDLER_NAME)
+                .fetch_one(&db.pool)
+                .await
+                .map_err(|e| BenchError::failed(format!("count dedup rows: {e}")))?;
+        if claims as u64 != n {
+            return Err(BenchError::failed(format!(
+                "{mode}: {claims} dedup rows, expected {n}"
+            )));
+        }
+    }
+    if report.processed != n || report.errors != 0 {
+        return Err(BenchError::failed(format!(
+            "{mode}: the consumer reports {} processed and {} failed, expected {n} and 0",
+            report.processed, report.errors
+        )));
+    }
+    Ok(rows as u64)
+}
+
+/// The nearest-rank percentile `q` of sorted `values`, in milliseconds.
+fn percentile_ms(sorted: &[Duration], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1].as_secs_f64() * 1000.0
+}
+
+/// `n` distinct dedup keys of 32 hex digits, spread like UUIDs so that the
+/// claims land all over the index, as real message ids do.
+fn message_keys(n: usize) -> Vec<String> {
+    let seed = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), n);
+    (0..n as u64)
+        .map(|i| {
+            let a = splitmix64(seed ^ i);
+            let b = splitmix64(a ^ 0x9e37_79b9_7f4a_7c15);
+            // The index keeps keys distinct even if a and b collide.
+            format!("{a:016x}{b:08x}{i:08x}", b = b as u32)
+        })
+        .collect()
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn progress(plan: &Plan, what: &str) {
+    eprintln!(
+        "idem-bench: {:>7.2}s [{} {}] {what}",
+        crate::since_start().as_secs_f64(),
+        plan.scenario,
+        plan.mode.name()
+    );
+}
+
+/// A database of its own for one run, on the `DATABASE_URL` server (or the
+/// bench's own), so that no run sees another's rows and no user data is
+/// touched. Dropped afterwards.
+struct Database {
+    admin_url: String,
+    name: String,
+    pool: PgPool,
+}
+
+impl Database {
+    async fn create(ctx: &Context, tag: &str, plan: &Plan) -> Result<Database, BenchError> {
+        let admin_url = ctx
+            .database_url
+            .clone()
+            .expect("the servers start PostgreSQL when a mode needs it");
+        let name = format!("idem_bench_{tag}");
+        let mut admin = PgConnection::connect(&admin_url)
+            .await
+            .map_err(|e| BenchError::setup(format!("cannot connect to {admin_url}: {e}")))?;
+        // The name is ours (digits and underscores): safe in SQL.
+        sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut admin)
+            .await
+            .map_err(|e| {
+                BenchError::setup(format!(
+                    "cannot create database {name} (the bench needs CREATEDB on DATABASE_URL): {e}"
+                ))
+            })?;
+        let _ = admin.close().await;
+        let url = with_database(&admin_url, &name);
+        let connections = plan.concurrency as u32;
+        let pool = PgPoolOptions::new()
+            .max_connections(connections)
+            .min_connections(connections)
+            .test_before_acquire(plan.ping)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect(&url)
+            .await
+            .map_err(|e| BenchError::setup(format!("cannot connect to {url}: {e}")));
+        let pool = match pool {
+            Ok(pool) => pool,
+            Err(e) => {
+                drop_database(&admin_url, &name).await;
+                return Err(e);
+            }
+        };
+        let db = Database {
+            admin_url,
+            name,
+            pool,
+        };
+        if let Err(e) = db.prepare(plan).await {
+            db.drop().await;
+            return Err(e);
+        }
+        Ok(db)
+    }
+
+    /// The business table, the dedup schema, the prefill, a warm pool and a
+    /// fresh checkpoint, so the timed part starts from the same state in
+    /// every mode.
+    async fn prepare(&self, plan: &Plan) -> Result<(), BenchError> {
+        let sql =
+            |what: &'static str| move |e: sqlx::Error| BenchError::setup(format!("{what}: {e}"));
+        // No key of its own: a duplicate effect shows up as an extra row.
+        sqlx::query(
+            "CREATE TABLE bench_effects (message_key text NOT NULL, published_us bigint NOT NULL)",
+        )
+        .execute(&self.pool)
+        .await
+        .map_err(sql("create bench_effects"))?;
+        if plan.mode.dedups() {
+            idem_runtime::schema::migrate(&self.pool)
+                .await
+                .map_err(|e| BenchError::setup(format!("idem schema: {e}")))?;
+        }
+        if plan.prefill > 0 {
+            progress(
+                plan,
+                &format!("filling the dedup table with {} rows", plan.prefill),
+            );
+            let started = Instant::now();
+            sqlx::query(
+                "INSERT INTO idem_processed_messages (handler, message_id) \
+                 SELECT 'bench.prefill.v1', md5(g::text) FROM generate_series(1, $1) AS g",
+            )
+            .bind(plan.prefill as i64)
+            .execute(&self.pool)
+            .await
+            .map_err(sql("prefill the dedup table"))?;
+            sqlx::query("VACUUM ANALYZE idem_processed_messages")
+                .execute(&self.pool)
+                .await
+                .map_err(sql("vacuum the dedup table"))?;
+            progress(
+                plan,
+                &format!("filled in {:.1} s", started.elapsed().as_secs_f64()),
+            );
+        }
+        // Every connection open and used once, so no run pays for connects.
+        let mut held = Vec::new();
+        for _ in 0..plan.concurrency {
+            held.push(self.pool.acquire().await.map_err(sql("warm the pool"))?);
+        }
+        drop(held);
+        // So that no earlier run's or the prefill's dirty pages are flushed
+        // during this one. Needs superuser (or pg_checkpoint); skip without.
+        if let Err(e) = sqlx::query("CHECKPOINT").execute(&self.pool).await {
+            tracing::info!(%e, "CHECKPOINT before the run skipped");
+        }
+        Ok(())
+    }
+
+    async fn drop(self) {
+        self.pool.close().await;
+        drop_database(&self.admin_url, &self.name).await;
+    }
+}
+
+async fn drop_database(admin_url: &str, name: &str) {
+    let dropped = async {
+        let mut admin = PgConnection::connect(admin_url).await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+        )))
+        .execute(&mut admin)
+        .await?;
+        admin.close().await
+    };
+    if let Err(e) = dropped.await {
+        tracing::warn!(%e, database = name, "cannot drop the bench database");
+    }
+}
+
+/// `url` with its database (the path) replaced by `database`, keeping any
+/// `?query`.
+fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let host_start = base.find("://").map_or(0, |i| i + 3);
+    let path_start = base[host_start..]
+        .find('/')
+        .map_or(base.len(), |i| host_start + i);
+    let mut out = format!("{}/{database}", &base[..path_start]);
+    if let Some(query) = query {
+        out.push('?');
+        out.push_str(query);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn with_database_swaps_the_path_only() {
+        assert_eq!(
+            with_database("postgres://u@h:5/postgres?sslmode=disable", "b1"),
+            "postgres://u@h:5/b1?sslmode=disable"
+        );
+        assert_eq!(with_database("postgres://h", "b1"), "postgres://h/b1");
+    }
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let values: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(percentile_ms(&values, 0.5), 50.0);
+        assert_eq!(percentile_ms(&values, 0.99), 99.0);
+        assert_eq!(percentile_ms(&values, 1.0), 100.0);
+    }
+
+    #[test]
+    fn keys_are_distinct() {
+        let keys = message_keys(10_000);
+        let set: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(set.len(), keys.len());
+        assert!(keys.iter().all(|k| k.len() == 32));
+    }
+}

@@ -1,0 +1,454 @@
+//! The worker process the chaos tests (`tests/tests/chaos.rs`) start, SIGKILL,
+//! SIGTERM and start again.
+//!
+//! It credits accounts from JetStream messages with one `#[idempotent]`
+//! handler under [`Router`], until SIGTERM or Ctrl-C, and reports what it sees
+//! on stdout, one JSON object per line, for the test to read:
+//!
+//! - `{"event":"started",..}` once the database is prepared, before the
+//!   router starts;
+//! - `{"event":"stats",..}` every `CHAOS_REPORT_MS`, with the route's
+//!   [`Stats`] and what the worker observed of the servers: NATS connection
+//!   events and the outages of a `SELECT 1` probe on PostgreSQL;
+//! - `{"event":"stopped",..}` after the router returned from a graceful
+//!   shutdown, just before the process exits 0.
+//!
+//! Logs go to stderr (`RUST_LOG`, default `warn,idem_runtime=info`).
+//!
+//! # Environment
+//!
+//! | variable | default | |
+//! |---|---|---|
+//! | `NATS_URL`, `DATABASE_URL` | required | |
+//! | `CHAOS_STREAM` | `CHAOS` | the stream; it must exist |
+//! | `CHAOS_DURABLE` | `chaos-credit` | the durable consumer, created or updated at start |
+//! | `CHAOS_ACK_WAIT_MS` | 2000 | short, so a killed worker's messages come back fast |
+//! | `CHAOS_CONCURRENCY` | 8 | |
+//! | `CHAOS_HANDLER_DELAY_MS` | 0 | extra time each handler spends inside its transaction |
+//! | `CHAOS_REPORT_MS` | 200 | |
+//! | `CHAOS_SHUTDOWN_GRACE_MS` | 10000 | how long shutdown waits for in-flight messages |
+//!
+//! The business table, `chaos_ledger`, has no unique key: a message applied
+//! twice shows up as two rows.
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use idem_runtime::{Delivery, Route, Router, Stats, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::{Connection, PgTransaction};
+use tokio::sync::watch;
+
+/// The handler's name in the dedup table; the test counts dedup rows by it.
+const HANDLER: &str = "chaos-credit-v1";
+
+/// One credit. The message id is the `Nats-Msg-Id` header.
+#[derive(Debug, Deserialize)]
+struct Credit {
+    account: i32,
+    amount: i64,
+}
+
+/// Set once at start-up from `CHAOS_HANDLER_DELAY_MS`.
+static HANDLER_DELAY: OnceLock<Duration> = OnceLock::new();
+
+/// Records one ledger row per applied credit (with the delivery and the
+/// worker's pid, so a double-apply can be traced) and adds to the balance.
+#[idempotent(name = "chaos-credit-v1")]
+async fn credit(
+    tx: &mut PgTransaction<'_>,
+    cmd: Credit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO chaos_ledger (message_id, account, amount, stream_seq, delivered, worker_pid) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(delivery.message_id().as_str())
+    .bind(cmd.account)
+    .bind(cmd.amount)
+    .bind(delivery.stream_sequence() as i64)
+    .bind(delivery.delivered() as i64)
+    .bind(std::process::id() as i32)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO chaos_accounts (id, balance) VALUES ($1, $2) \
+         ON CONFLICT (id) DO UPDATE SET balance = chaos_accounts.balance + EXCLUDED.balance",
+    )
+    .bind(cmd.account)
+    .bind(cmd.amount)
+    .execute(&mut **tx)
+    .await?;
+    let delay = HANDLER_DELAY.get().copied().unwrap_or_default();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    Ok(())
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS chaos_ledger (
+    message_id text        NOT NULL,
+    account    integer     NOT NULL,
+    amount     bigint      NOT NULL,
+    stream_seq bigint      NOT NULL,
+    delivered  bigint      NOT NULL,
+    worker_pid integer     NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS chaos_accounts (
+    id      integer PRIMARY KEY,
+    balance bigint  NOT NULL
+);
+";
+
+struct Config {
+    nats_url: String,
+    database_url: String,
+    stream: String,
+    durable: String,
+    ack_wait: Duration,
+    concurrency: usize,
+    handler_delay: Duration,
+    report_every: Duration,
+    shutdown_grace: Duration,
+}
+
+impl Config {
+    fn from_env() -> Result<Config, String> {
+        let required = |name: &str| std::env::var(name).map_err(|_| format!("{name} must be set"));
+        Ok(Config {
+            nats_url: required("NATS_URL")?,
+            database_url: required("DATABASE_URL")?,
+            stream: env_or("CHAOS_STREAM", "CHAOS".to_owned())?,
+            durable: env_or("CHAOS_DURABLE", "chaos-credit".to_owned())?,
+            ack_wait: Duration::from_millis(env_or("CHAOS_ACK_WAIT_MS", 2000)?),
+            concurrency: env_or("CHAOS_CONCURRENCY", 8)?,
+            handler_delay: Duration::from_millis(env_or("CHAOS_HANDLER_DELAY_MS", 0)?),
+            report_every: Duration::from_millis(env_or("CHAOS_REPORT_MS", 200)?),
+            shutdown_grace: Duration::from_millis(env_or("CHAOS_SHUTDOWN_GRACE_MS", 10_000)?),
+        })
+    }
+
+    fn route(&self) -> Route {
+        Route::new(&self.stream, &self.durable)
+            .ack_wait(self.ack_wait)
+            .concurrency(self.concurrency)
+    }
+}
+
+fn env_or<T: FromStr>(name: &str, default: T) -> Result<T, String> {
+    match std::env::var(name) {
+        Ok(value) => value
+            .parse()
+            .map_err(|_| format!("{name}={value:?} does not parse")),
+        Err(_) => Ok(default),
+    }
+}
+
+/// What the worker saw of its servers, beyond the route's own counters.
+#[derive(Default)]
+struct Observed {
+    nats_connects: AtomicU64,
+    nats_disconnects: AtomicU64,
+    /// `Connected` events that followed a `Disconnected` one.
+    nats_reconnects: AtomicU64,
+    nats_down: AtomicBool,
+    pg_probe_ok: AtomicU64,
+    pg_probe_failures: AtomicU64,
+    /// Probe went from success to failure.
+    pg_outages: AtomicU64,
+    /// Probe went from failure back to success after an outage.
+    pg_recoveries: AtomicU64,
+    /// Router start-ups that failed (a server was down) and were retried.
+    startup_failures: AtomicU64,
+}
+
+impl Observed {
+    fn on_nats_event(&self, event: &async_nats::Event) {
+        match event {
+            async_nats::Event::Connected => {
+                self.nats_connects.fetch_add(1, Ordering::Relaxed);
+                if self.nats_down.swap(false, Ordering::Relaxed) {
+                    self.nats_reconnects.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            async_nats::Event::Disconnected => {
+                self.nats_disconnects.fetch_add(1, Ordering::Relaxed);
+                self.nats_down.store(true, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        tracing::warn!(%event, "nats connection event");
+    }
+}
+
+/// One line of output.
+#[derive(Serialize)]
+struct Report {
+    event: &'static str,
+    pid: u32,
+    received: u64,
+    processed: u64,
+    duplicates: u64,
+    failed: u64,
+    commit_failed: u64,
+    rejected: u64,
+    retried_in_process: u64,
+    dead_lettered: u64,
+    dead_letter_failed: u64,
+    /// Received but not yet settled one way or another.
+    in_flight: u64,
+    nats_connects: u64,
+    nats_disconnects: u64,
+    nats_reconnects: u64,
+    pg_probe_ok: u64,
+    pg_probe_failures: u64,
+    pg_outages: u64,
+    pg_recoveries: u64,
+    startup_failures: u64,
+}
+
+/// The counters of every router this process ran (one per start-up attempt).
+type AllStats = Arc<Mutex<Vec<Arc<Stats>>>>;
+
+fn report(event: &'static str, stats: &AllStats, observed: &Observed) {
+    let (mut received, mut processed, mut duplicates) = (0, 0, 0);
+    let (mut failed, mut commit_failed, mut rejected) = (0, 0, 0);
+    let (mut retried_in_process, mut dead_lettered, mut dead_letter_failed) = (0, 0, 0);
+    for s in stats.lock().expect("stats lock").iter() {
+        received += s.received();
+        processed += s.processed();
+        duplicates += s.duplicates();
+        failed += s.failed();
+        commit_failed += s.commit_failed();
+        rejected += s.rejected();
+        retried_in_process += s.retried_in_process();
+        dead_lettered += s.dead_lettered();
+        dead_letter_failed += s.dead_letter_failed();
+    }
+    let settled = processed + duplicates + failed + commit_failed + rejected;
+    let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+    let line = Report {
+        event,
+        pid: std::process::id(),
+        received,
+        processed,
+        duplicates,
+        failed,
+        commit_failed,
+        rejected,
+        retried_in_process,
+        dead_lettered,
+        dead_letter_failed,
+        in_flight: received.saturating_sub(settled),
+        nats_connects: load(&observed.nats_connects),
+        nats_disconnects: load(&observed.nats_disconnects),
+        nats_reconnects: load(&observed.nats_reconnects),
+        pg_probe_ok: load(&observed.pg_probe_ok),
+        pg_probe_failures: load(&observed.pg_probe_failures),
+        pg_outages: load(&observed.pg_outages),
+        pg_recoveries: load(&observed.pg_recoveries),
+        startup_failures: load(&observed.startup_failures),
+    };
+    println!(
+        "{}",
+        serde_json::to_string(&line).expect("a report serializes")
+    );
+}
+
+/// Runs `SELECT 1` every 100 ms on a connection of its own (not the router's
+/// pool, so it never competes with handlers) and counts outages and
+/// recoveries.
+async fn probe_postgres(url: String, observed: Arc<Observed>) {
+    const TIMEOUT: Duration = Duration::from_secs(1);
+    let mut conn: Option<PgConnection> = None;
+    let mut was_up: Option<bool> = None;
+    let mut had_outage = false;
+    loop {
+        if conn.is_none() {
+            conn = tokio::time::timeout(TIMEOUT, PgConnection::connect(&url))
+                .await
+                .ok()
+                .and_then(Result::ok);
+        }
+        let up = match conn.as_mut() {
+            Some(c) => {
+                let ok = matches!(
+                    tokio::time::timeout(TIMEOUT, sqlx::query("SELECT 1").execute(&mut *c)).await,
+                    Ok(Ok(_))
+                );
+                if !ok {
+                    conn = None;
+                }
+                ok
+            }
+            None => false,
+        };
+        if up {
+            observed.pg_probe_ok.fetch_add(1, Ordering::Relaxed);
+        } else {
+            observed.pg_probe_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        match (was_up, up) {
+            (Some(true), false) => {
+                had_outage = true;
+                observed.pg_outages.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("postgres probe: down");
+            }
+            (Some(false), true) if had_outage => {
+                observed.pg_recoveries.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("postgres probe: back up");
+            }
+            _ => {}
+        }
+        was_up = Some(up);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C, for the whole life of the process. The
+/// router gets it through `run_until` (what `Router::run` does with its own
+/// listener), because a listener of our own also covers the pauses between
+/// start-up attempts.
+async fn os_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut sigterm = signal(SignalKind::terminate()).expect("SIGTERM handler installs");
+    tokio::select! {
+        _ = sigterm.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+/// Retries `attempt` every 300 ms until it succeeds or the worker is told to
+/// stop (then `None`).
+async fn retry<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
+    what: &str,
+    stop: &watch::Receiver<bool>,
+    mut attempt: impl FnMut() -> F,
+) -> Option<T> {
+    loop {
+        match attempt().await {
+            Ok(value) => return Some(value),
+            Err(error) => tracing::warn!(%error, "{what} failed; retrying"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+            _ = stopped(stop.clone()) => return None,
+        }
+    }
+}
+
+async fn prepare_database(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    idem_runtime::schema::migrate(pool).await?;
+    sqlx::raw_sql(SCHEMA).execute(pool).await?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,idem_runtime=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    let config = Config::from_env()?;
+    HANDLER_DELAY
+        .set(config.handler_delay)
+        .expect("set once at start-up");
+
+    let (stop_tx, stop) = watch::channel(false);
+    tokio::spawn(async move {
+        os_signal().await;
+        tracing::info!("SIGTERM or Ctrl-C: shutting down");
+        stop_tx.send_replace(true);
+    });
+
+    let observed = Arc::new(Observed::default());
+    let events = observed.clone();
+    // Reconnect every 100 ms rather than with the default backoff (up to
+    // 4 s), so that the test's NATS outages stay short.
+    let nats = async_nats::ConnectOptions::new()
+        .name("idem-chaos-worker")
+        .retry_on_initial_connect()
+        .reconnect_delay_callback(|attempts| {
+            Duration::from_millis(if attempts <= 1 { 0 } else { 100 })
+        })
+        .event_callback(move |event| {
+            events.on_nats_event(&event);
+            std::future::ready(())
+        })
+        .connect(&config.nats_url)
+        .await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(config.concurrency as u32 + 2)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect_lazy(&config.database_url)?;
+    tokio::spawn(probe_postgres(
+        config.database_url.clone(),
+        observed.clone(),
+    ));
+
+    let all_stats: AllStats = Arc::default();
+    if retry("preparing the database", &stop, || prepare_database(&pool))
+        .await
+        .is_none()
+    {
+        report("stopped", &all_stats, &observed);
+        return Ok(());
+    }
+    report("started", &all_stats, &observed);
+    let reporter = {
+        let (all_stats, observed) = (all_stats.clone(), observed.clone());
+        let every = config.report_every;
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            loop {
+                ticks.tick().await;
+                report("stats", &all_stats, &observed);
+            }
+        })
+    };
+
+    // Start-up fails while a server is down (schema check, consumer
+    // creation); try again until it succeeds or we are told to stop.
+    loop {
+        let router = Router::new()
+            .route(config.route(), credit)
+            .shutdown_grace(config.shutdown_grace);
+        let stats = router
+            .handle()
+            .stats(&config.durable)
+            .expect("the route is bound");
+        all_stats.lock().expect("stats lock").push(stats);
+        match router
+            .run_until(nats.clone(), pool.clone(), stopped(stop.clone()))
+            .await
+        {
+            Ok(()) => break,
+            Err(error) => {
+                observed.startup_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%error, "router start-up failed; retrying");
+            }
+        }
+        if *stop.borrow() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    reporter.abort();
+    report("stopped", &all_stats, &observed);
+    tracing::info!(handler = HANDLER, "stopped");
+    Ok(())
+}
