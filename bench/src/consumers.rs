@@ -7,7 +7,8 @@
 //!   COMMIT, ack. Hand-written effectively-once, against the same dedup table
 //!   the runtime uses, so that the database work equals idem's.
 //! - `idem`: an `#[idempotent]` handler run by `idem_runtime::Router`.
-//! - `idem-batch`: the same, batched; see [`batch_route`].
+//! - `idem-batch`: the same, batched (`Route::batch(B)`): `concurrency`
+//!   batches of up to B messages in flight, one transaction each.
 //!
 //! The hand-written modes pull the way an async-nats user would by default:
 //! `consumer.messages()` (pull requests of 200, refilled ahead of need) fed
@@ -113,23 +114,10 @@ async fn effect(tx: &mut sqlx::PgTransaction<'_>, msg: Payload) -> Result<(), sq
     insert_effect(tx, &msg).await
 }
 
-/// The route for `idem-batch`: the only place that knows the runtime has no
-/// batch mode yet. When `Route::batch(B)` lands, replace the body with
-/// `Ok(route.batch(batch))`.
-pub fn batch_route(route: Route, batch: usize) -> Result<Route, BenchError> {
-    let _ = route;
-    Err(BenchError::NotAvailable(format!(
-        "idem-batch (batch {batch}) is not available yet: idem-runtime has no batch mode \
-         (Route::batch(B)); until it does, run `idem` for the per-message framework"
-    )))
-}
-
-/// Fails at once if `mode` cannot run, before any message is published.
-pub fn check_available(mode: Mode, batch: usize) -> Result<(), BenchError> {
-    if mode == Mode::IdemBatch {
-        batch_route(Route::new("CHECK", "check"), batch)?;
-    }
-    Ok(())
+/// The route for `idem-batch`: the one place that knows how the runtime
+/// batches.
+fn batch_route(route: Route, batch: usize) -> Route {
+    route.batch(batch)
 }
 
 /// Where a consumer reads from.
@@ -139,9 +127,9 @@ pub struct Source<'a> {
 }
 
 /// JetStream's max_ack_pending for every mode: the runtime's default,
-/// raised if the concurrency is higher (the runtime refuses less).
-fn max_ack_pending(concurrency: usize) -> i64 {
-    (concurrency as i64).max(1000)
+/// raised if more messages can be in flight (the runtime refuses less).
+fn max_ack_pending(in_flight: usize) -> i64 {
+    (in_flight as i64).max(1000)
 }
 
 /// A running consumer of any mode.
@@ -225,9 +213,9 @@ impl Consumer {
                     .filter_subject(source.subject)
                     .ack_wait(ACK_WAIT)
                     .concurrency(concurrency)
-                    .max_ack_pending(max_ack_pending(concurrency));
+                    .max_ack_pending(max_ack_pending(concurrency * mode.batch(batch)));
                 if mode == Mode::IdemBatch {
-                    route = batch_route(route, batch)?;
+                    route = batch_route(route, batch);
                 }
                 let router = Router::new().route(route, effect);
                 let handle = router.handle();

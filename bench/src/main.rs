@@ -19,7 +19,6 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use consumers::{Mode, Pull};
-use report::Outcome;
 use run::{Context, Measurement, Plan};
 use servers::Servers;
 
@@ -32,7 +31,7 @@ start to the last commit):
   naive        async-nats + sqlx, BEGIN / INSERT / COMMIT / ack, no dedup
   manual       as naive, with a dedup INSERT .. ON CONFLICT DO NOTHING first
   idem         an #[idempotent] handler run by idem_runtime::Router
-  idem-batch   the framework, batched (not available yet in the runtime)
+  idem-batch   the framework, batched: Route::batch(B), C batches in flight
   compare      all of the above, one after another, and a table
 
 scenarios:
@@ -69,8 +68,6 @@ pub enum BenchError {
     Usage(String),
     /// Servers, connections, fixtures.
     Setup(String),
-    /// A mode the runtime cannot run yet.
-    NotAvailable(String),
     /// A run went wrong or its end state is wrong.
     Failed(String),
     Interrupted,
@@ -88,7 +85,6 @@ impl BenchError {
     fn exit_code(&self) -> u8 {
         match self {
             BenchError::Usage(_) => 2,
-            BenchError::NotAvailable(_) => 3,
             BenchError::Interrupted => 130,
             BenchError::Setup(_) | BenchError::Failed(_) => 1,
         }
@@ -100,7 +96,6 @@ impl fmt::Display for BenchError {
         match self {
             BenchError::Usage(m) => write!(f, "{m}\n\n{USAGE}"),
             BenchError::Setup(m) => write!(f, "set-up failed: {m}"),
-            BenchError::NotAvailable(m) => f.write_str(m),
             BenchError::Failed(m) => write!(f, "FAILED: {m}"),
             BenchError::Interrupted => f.write_str("interrupted"),
         }
@@ -249,7 +244,12 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
     if let Some(url) = &servers.database_url {
         describe_database(url).await?;
     }
-    let ctx = Context::connect(&servers.nats_url, servers.database_url.clone()).await?;
+    let ctx = Context::connect(
+        &servers.nats_url,
+        servers.database_url.clone(),
+        servers.owned_pids(),
+    )
+    .await?;
     let messages = |default: usize| options.messages.unwrap_or(default);
     match options.command {
         Command::Mode(mode) => {
@@ -288,50 +288,38 @@ fn plan(options: &Options, mode: Mode, scenario: &'static str, messages: usize) 
     }
 }
 
-/// Runs `plan` and prints its JSON line; a mode that is not available yet
-/// is reported and skipped, anything else that fails stops the bench.
-async fn run_and_print(ctx: &Context, plan: Plan) -> Result<(Plan, Outcome), BenchError> {
-    match run::run(ctx, &plan).await {
-        Err(e @ BenchError::NotAvailable(_)) => {
-            eprintln!("idem-bench: [{} {}] {e}", plan.scenario, plan.mode.name());
-            let outcome = Err(e);
-            report::print_outcome(&plan, &outcome);
-            Ok((plan, outcome))
-        }
-        Err(e) => Err(e),
-        Ok(measured) => {
-            eprintln!(
-                "idem-bench: [{} {}] {:.0} msgs/s, p50 {:.1} ms, p99 {:.1} ms, effects {}",
-                plan.scenario,
-                plan.mode.name(),
-                measured.msgs_per_sec,
-                measured.p50_ms,
-                measured.p99_ms,
-                measured.effects
-            );
-            let outcome = Ok(measured);
-            report::print_outcome(&plan, &outcome);
-            Ok((plan, outcome))
-        }
-    }
+/// Runs `plan` and prints its JSON line.
+async fn run_and_print(ctx: &Context, plan: Plan) -> Result<Measurement, BenchError> {
+    let measured = run::run(ctx, &plan).await?;
+    eprintln!(
+        "idem-bench: [{} {}] {:.0} msgs/s, p50 {:.1} ms, p99 {:.1} ms, effects {}",
+        plan.scenario,
+        plan.mode.name(),
+        measured.msgs_per_sec,
+        measured.p50_ms,
+        measured.p99_ms,
+        measured.effects
+    );
+    println!("{}", report::json_line(&measured));
+    Ok(measured)
 }
 
 async fn compare(
     ctx: &Context,
     options: &Options,
     messages: usize,
-) -> Result<Vec<(Plan, Outcome)>, BenchError> {
-    let mut outcomes = Vec::new();
+) -> Result<Vec<Measurement>, BenchError> {
+    let mut runs = Vec::new();
     for mode in Mode::ALL {
-        outcomes.push(run_and_print(ctx, plan(options, mode, "throughput", messages)).await?);
+        runs.push(run_and_print(ctx, plan(options, mode, "throughput", messages)).await?);
     }
     // The table goes to stderr with the other human-readable lines: stdout
     // holds only JSON, one object per line.
     eprintln!();
-    eprint!("{}", report::compare_table(&outcomes));
-    eprintln!("{}", report::compare_targets(&outcomes));
-    println!("{}", report::compare_summary(&outcomes));
-    Ok(outcomes)
+    eprint!("{}", report::compare_table(&runs));
+    eprintln!("{}", report::compare_targets(&runs));
+    println!("{}", report::compare_summary(&runs));
+    Ok(runs)
 }
 
 async fn latency(
@@ -339,19 +327,19 @@ async fn latency(
     options: &Options,
     messages: usize,
     rate: f64,
-) -> Result<Vec<(Plan, Outcome)>, BenchError> {
-    let mut outcomes = Vec::new();
+) -> Result<Vec<Measurement>, BenchError> {
+    let mut runs = Vec::new();
     for mode in [Mode::Naive, Mode::Idem] {
         let plan = Plan {
             rate: Some(rate),
             ..plan(options, mode, "latency", messages)
         };
-        outcomes.push(run_and_print(ctx, plan).await?);
+        runs.push(run_and_print(ctx, plan).await?);
     }
-    let p99 = outcomes.iter().find_map(|(plan, outcome)| match outcome {
-        Ok(m) if plan.mode == Mode::Idem => Some(m.p99_ms),
-        _ => None,
-    });
+    let p99 = runs
+        .iter()
+        .find(|m| m.plan.mode == Mode::Idem)
+        .map(|m| m.p99_ms);
     eprintln!(
         "{}",
         report::target(
@@ -361,7 +349,7 @@ async fn latency(
             |v| v <= 10.0
         )
     );
-    Ok(outcomes)
+    Ok(runs)
 }
 
 async fn backlog(
@@ -369,7 +357,7 @@ async fn backlog(
     options: &Options,
     messages: usize,
 ) -> Result<Measurement, BenchError> {
-    let measured = run::run(ctx, &plan(options, Mode::Idem, "backlog", messages)).await?;
+    let measured = run_and_print(ctx, plan(options, Mode::Idem, "backlog", messages)).await?;
     eprintln!(
         "{}",
         report::target(
@@ -379,7 +367,6 @@ async fn backlog(
             |v| v <= 100.0
         )
     );
-    println!("{}", report::json_line(&measured));
     Ok(measured)
 }
 
@@ -388,9 +375,9 @@ async fn prefilled(
     options: &Options,
     messages: usize,
     rows: u64,
-) -> Result<Vec<(Plan, Outcome)>, BenchError> {
-    let mut outcomes = Vec::new();
-    let mut lines = Vec::new();
+) -> Result<Vec<Measurement>, BenchError> {
+    let mut runs = Vec::new();
+    let mut targets = Vec::new();
     for mode in [Mode::Manual, Mode::Idem] {
         let mut rates = [0.0; 2];
         for (i, prefill) in [0, rows].into_iter().enumerate() {
@@ -398,23 +385,21 @@ async fn prefilled(
                 prefill,
                 ..plan(options, mode, "prefilled", messages)
             };
-            let (plan, outcome) = run_and_print(ctx, plan).await?;
-            rates[i] = outcome.as_ref().map_or(f64::NAN, |m| m.msgs_per_sec);
-            outcomes.push((plan, outcome));
+            let measured = run_and_print(ctx, plan).await?;
+            rates[i] = measured.msgs_per_sec;
+            runs.push(measured);
         }
-        let ratio = rates[1] / rates[0];
-        let line = report::target(
+        targets.push(report::target(
             &format!("{} with {rows} dedup rows >= 0.9x empty", mode.name()),
-            Some(ratio),
+            Some(rates[1] / rates[0]),
             "x",
             |v| v >= 0.9,
-        );
-        lines.push(line);
+        ));
     }
-    for line in lines {
+    for line in targets {
         eprintln!("{line}");
     }
-    Ok(outcomes)
+    Ok(runs)
 }
 
 /// Every mode and scenario with small numbers: checks that each run ends
@@ -424,22 +409,12 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
     let n = options.messages.unwrap_or(500);
     let mut runs = compare(ctx, options, n).await?;
     runs.extend(latency(ctx, options, n.min(250), options.rate).await?);
-    runs.push((
-        plan(options, Mode::Idem, "backlog", n),
-        Ok(backlog(ctx, options, n).await?),
-    ));
+    runs.push(backlog(ctx, options, n).await?);
     runs.extend(prefilled(ctx, options, n, 20_000).await?);
-    let correct = runs.iter().filter(|(_, o)| o.is_ok()).count();
-    let skipped: Vec<&str> = runs
-        .iter()
-        .filter(|(_, o)| o.is_err())
-        .map(|(p, _)| p.mode.name())
-        .collect();
+    let wall = started.elapsed().as_secs_f64();
     eprintln!(
-        "idem-bench: smoke passed: {correct} runs with effects = messages, {} not available yet ({}), in {:.1} s",
-        skipped.len(),
-        skipped.join(", "),
-        started.elapsed().as_secs_f64()
+        "idem-bench: smoke passed: {} runs, each with effects = messages, in {wall:.1} s",
+        runs.len()
     );
     println!(
         "{}",
@@ -448,9 +423,8 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
             "messages": n,
             "concurrency": options.concurrency,
             "batch": options.batch,
-            "runs_correct": correct,
-            "not_available": skipped,
-            "wall_s": (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+            "runs_correct": runs.len(),
+            "wall_s": (wall * 10.0).round() / 10.0,
         })
     );
     Ok(())

@@ -250,6 +250,71 @@ fn acked_sequence(subject: &str, stream: &str) -> Option<u64> {
     (name == stream).then(|| seq.parse().ok()).flatten()
 }
 
+/// CPU time used so far by this process and by the servers, in clock
+/// ticks (USER_HZ).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuSample {
+    process: u64,
+    /// nats-server, the postmaster and all its children (backends, WAL
+    /// writer, checkpointer); `None` unless the bench runs both servers.
+    servers: Option<u64>,
+}
+
+/// Linux reports /proc times in USER_HZ, which is 100 on every architecture
+/// the kernel supports today.
+const TICKS_PER_SEC: f64 = 100.0;
+
+impl CpuSample {
+    pub fn now(server_pids: Option<&[u32]>) -> CpuSample {
+        let process = proc_stat("self").map_or(0, |(_, ticks)| ticks);
+        let servers = server_pids.map(|pids| {
+            let mut ticks = 0;
+            let entries = std::fs::read_dir("/proc").into_iter().flatten().flatten();
+            for entry in entries {
+                let name = entry.file_name();
+                let Some(name) = name
+                    .to_str()
+                    .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+                else {
+                    continue;
+                };
+                let Some((ppid, used)) = proc_stat(name) else {
+                    continue;
+                };
+                let pid: u32 = name.parse().unwrap_or(0);
+                if pids.contains(&pid) || pids.contains(&ppid) {
+                    ticks += used;
+                }
+            }
+            ticks
+        });
+        CpuSample { process, servers }
+    }
+
+    /// CPU seconds since `earlier`: (this process, the servers).
+    pub fn since(self, earlier: CpuSample) -> (f64, Option<f64>) {
+        let seconds =
+            |later: u64, earlier: u64| later.saturating_sub(earlier) as f64 / TICKS_PER_SEC;
+        (
+            seconds(self.process, earlier.process),
+            self.servers
+                .zip(earlier.servers)
+                .map(|(later, earlier)| seconds(later, earlier)),
+        )
+    }
+}
+
+/// (parent pid, utime + stime) of /proc/`pid`/stat.
+fn proc_stat(pid: &str) -> Option<(u32, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is parenthesised and may contain spaces.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ppid = fields.get(1)?.parse().ok()?;
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((ppid, utime + stime))
+}
+
 /// Resets the process's peak RSS (VmHWM) to its current RSS, so that a
 /// run's peak excludes what earlier phases held. Linux ≥ 4.0.
 pub fn reset_peak_rss() -> bool {

@@ -1,15 +1,11 @@
 //! What the bench prints: one JSON object per run on stdout (the last line
-//! of each mode's output), the compare table, and the targets the project
-//! reports against.
+//! of each mode's output), and on stderr the compare table and the targets
+//! the project reports against.
 
 use serde::Serialize;
 
-use crate::BenchError;
 use crate::consumers::Mode;
-use crate::run::{Measurement, Plan};
-
-/// A run's outcome: measured, or a mode that cannot run yet.
-pub type Outcome = Result<Measurement, BenchError>;
+use crate::run::Measurement;
 
 #[derive(Serialize)]
 struct Line<'a> {
@@ -36,21 +32,16 @@ struct Line<'a> {
     offered_rate: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     publish_lag_ms: Option<f64>,
+    /// CPU µs per message of this process, and of the servers when the
+    /// bench runs them.
+    client_cpu_us_per_msg: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    servers_cpu_us_per_msg: Option<f64>,
     prefill_rows: u64,
     pool_ping: bool,
     /// How a hand-written mode fetched (`prefetch` or `slots`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pull: Option<&'a str>,
-}
-
-#[derive(Serialize)]
-struct Unavailable<'a> {
-    mode: &'a str,
-    scenario: &'a str,
-    messages: usize,
-    concurrency: usize,
-    batch: usize,
-    error: String,
 }
 
 fn round(value: f64, digits: i32) -> f64 {
@@ -79,6 +70,8 @@ pub fn json_line(m: &Measurement) -> String {
         rss_at_start_mib: round(m.rss_at_start_mib, 1),
         offered_rate: plan.rate,
         publish_lag_ms: m.publish_lag_ms.map(|lag| round(lag, 3)),
+        client_cpu_us_per_msg: round(m.client_cpu_us_per_msg, 1),
+        servers_cpu_us_per_msg: m.servers_cpu_us_per_msg.map(|cpu| round(cpu, 1)),
         prefill_rows: plan.prefill,
         pool_ping: plan.ping,
         pull: plan.mode.hand_written().then(|| plan.pull.name()),
@@ -86,64 +79,48 @@ pub fn json_line(m: &Measurement) -> String {
     .expect("a report serializes")
 }
 
-/// The JSON line of a mode that cannot run yet.
-pub fn unavailable_line(plan: &Plan, error: &BenchError) -> String {
-    serde_json::to_string(&Unavailable {
-        mode: plan.mode.name(),
-        scenario: plan.scenario,
-        messages: plan.messages,
-        concurrency: plan.concurrency,
-        batch: plan.mode.batch(plan.batch),
-        error: error.to_string(),
-    })
-    .expect("a report serializes")
+fn rate_of(runs: &[Measurement], mode: Mode) -> Option<f64> {
+    runs.iter()
+        .find(|m| m.plan.mode == mode)
+        .map(|m| m.msgs_per_sec)
 }
 
-/// Prints an outcome's JSON line on stdout.
-pub fn print_outcome(plan: &Plan, outcome: &Outcome) {
-    match outcome {
-        Ok(m) => println!("{}", json_line(m)),
-        Err(e) => println!("{}", unavailable_line(plan, e)),
-    }
-}
-
-fn rate_of(outcomes: &[(Plan, Outcome)], mode: Mode) -> Option<f64> {
-    outcomes.iter().find_map(|(plan, outcome)| match outcome {
-        Ok(m) if plan.mode == mode => Some(m.msgs_per_sec),
-        _ => None,
-    })
-}
-
-/// The compare table: msgs/s and the ratios to `naive` and `manual`.
-pub fn compare_table(outcomes: &[(Plan, Outcome)]) -> String {
-    let naive = rate_of(outcomes, Mode::Naive);
-    let manual = rate_of(outcomes, Mode::Manual);
+/// The compare table: msgs/s and the ratios to `naive` and `manual`, and
+/// CPU µs per message of the client process and of the servers.
+pub fn compare_table(runs: &[Measurement]) -> String {
+    let naive = rate_of(runs, Mode::Naive);
+    let manual = rate_of(runs, Mode::Manual);
     let ratio = |rate: f64, base: Option<f64>| {
         base.map_or_else(|| "-".to_owned(), |base| format!("{:.2}x", rate / base))
     };
     let mut out = format!(
-        "{:<11} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8}\n",
-        "mode", "msgs/s", "vs naive", "vs manual", "p50 ms", "p99 ms", "RSS MiB", "effects"
+        "{:<11} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8}\n",
+        "mode",
+        "msgs/s",
+        "vs naive",
+        "vs manual",
+        "p50 ms",
+        "p99 ms",
+        "RSS MiB",
+        "client µs",
+        "server µs",
+        "effects"
     );
-    for (plan, outcome) in outcomes {
-        match outcome {
-            Ok(m) => out.push_str(&format!(
-                "{:<11} {:>9.0} {:>9} {:>9} {:>8.1} {:>8.1} {:>9.1} {:>8}\n",
-                plan.mode.name(),
-                m.msgs_per_sec,
-                ratio(m.msgs_per_sec, naive),
-                ratio(m.msgs_per_sec, manual),
-                m.p50_ms,
-                m.p99_ms,
-                m.peak_rss_mib,
-                m.effects,
-            )),
-            Err(_) => out.push_str(&format!(
-                "{:<11} {:>9}\n",
-                plan.mode.name(),
-                "not available yet"
-            )),
-        }
+    for m in runs {
+        out.push_str(&format!(
+            "{:<11} {:>9.0} {:>9} {:>9} {:>8.1} {:>8.1} {:>8.1} {:>9.0} {:>9} {:>8}\n",
+            m.plan.mode.name(),
+            m.msgs_per_sec,
+            ratio(m.msgs_per_sec, naive),
+            ratio(m.msgs_per_sec, manual),
+            m.p50_ms,
+            m.p99_ms,
+            m.peak_rss_mib,
+            m.client_cpu_us_per_msg,
+            m.servers_cpu_us_per_msg
+                .map_or_else(|| "-".to_owned(), |cpu| format!("{cpu:.0}")),
+            m.effects,
+        ));
     }
     out
 }
@@ -160,11 +137,11 @@ pub fn target(name: &str, value: Option<f64>, unit: &str, pass: impl Fn(f64) -> 
 }
 
 /// The targets a compare run measures.
-pub fn compare_targets(outcomes: &[(Plan, Outcome)]) -> String {
-    let naive = rate_of(outcomes, Mode::Naive);
-    let manual = rate_of(outcomes, Mode::Manual);
-    let idem = rate_of(outcomes, Mode::Idem);
-    let batch = rate_of(outcomes, Mode::IdemBatch);
+pub fn compare_targets(runs: &[Measurement]) -> String {
+    let naive = rate_of(runs, Mode::Naive);
+    let manual = rate_of(runs, Mode::Manual);
+    let idem = rate_of(runs, Mode::Idem);
+    let batch = rate_of(runs, Mode::IdemBatch);
     let over = |a: Option<f64>, b: Option<f64>| Some(a? / b?);
     [
         "targets:".to_owned(),
@@ -177,14 +154,14 @@ pub fn compare_targets(outcomes: &[(Plan, Outcome)]) -> String {
 }
 
 /// The last line of `compare`: every mode's msgs/s and the ratios.
-pub fn compare_summary(outcomes: &[(Plan, Outcome)]) -> String {
+pub fn compare_summary(runs: &[Measurement]) -> String {
     #[derive(Serialize)]
     struct Summary {
         mode: &'static str,
         messages: usize,
         concurrency: usize,
         batch: usize,
-        /// Per mode; `null` for a mode that is not available yet.
+        /// Per mode, in run order.
         msgs_per_sec: Rates,
         idem_vs_manual: Option<f64>,
         idem_vs_naive: Option<f64>,
@@ -192,22 +169,16 @@ pub fn compare_summary(outcomes: &[(Plan, Outcome)]) -> String {
         idem_batch_vs_naive: Option<f64>,
         idem_batch_vs_manual: Option<f64>,
     }
-    let ratio = |a: Mode, b: Mode| Some(round(rate_of(outcomes, a)? / rate_of(outcomes, b)?, 3));
-    let first = &outcomes[0].0;
+    let ratio = |a: Mode, b: Mode| Some(round(rate_of(runs, a)? / rate_of(runs, b)?, 3));
+    let first = &runs[0].plan;
     let summary = Summary {
         mode: "compare",
         messages: first.messages,
         concurrency: first.concurrency,
         batch: first.batch,
         msgs_per_sec: Rates(
-            outcomes
-                .iter()
-                .map(|(plan, outcome)| {
-                    (
-                        plan.mode.name(),
-                        outcome.as_ref().ok().map(|m| round(m.msgs_per_sec, 1)),
-                    )
-                })
+            runs.iter()
+                .map(|m| (m.plan.mode.name(), round(m.msgs_per_sec, 1)))
                 .collect(),
         ),
         idem_vs_manual: ratio(Mode::Idem, Mode::Manual),
@@ -220,7 +191,7 @@ pub fn compare_summary(outcomes: &[(Plan, Outcome)]) -> String {
 }
 
 /// `{mode: rate}` in run order (a `serde_json::Map` would sort the keys).
-struct Rates(Vec<(&'static str, Option<f64>)>);
+struct Rates(Vec<(&'static str, f64)>);
 
 impl Serialize for Rates {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {

@@ -49,6 +49,12 @@ pub struct Measurement {
     pub effects: u64,
     pub duplicates: u64,
     pub publish_lag_ms: Option<f64>,
+    /// CPU microseconds per message while consuming: this process (the
+    /// consumer, the framework, the bench's probes) and the servers (when
+    /// the bench runs them). On a machine with few cores throughput is
+    /// bounded by their sum, whatever else runs there.
+    pub client_cpu_us_per_msg: f64,
+    pub servers_cpu_us_per_msg: Option<f64>,
 }
 
 /// The connections every run shares. Publisher, consumer and ack observer
@@ -58,6 +64,8 @@ pub struct Context {
     pub consumer: async_nats::Client,
     pub observer: async_nats::Client,
     pub database_url: Option<String>,
+    /// The servers' pids, when the bench runs them (for their CPU time).
+    pub server_pids: Option<Vec<u32>>,
     runs: AtomicU32,
 }
 
@@ -65,6 +73,7 @@ impl Context {
     pub async fn connect(
         nats_url: &str,
         database_url: Option<String>,
+        server_pids: Option<Vec<u32>>,
     ) -> Result<Context, BenchError> {
         let connect = |name: &'static str| async move {
             async_nats::ConnectOptions::new()
@@ -80,6 +89,7 @@ impl Context {
             consumer: connect("consumer").await?,
             observer: connect("ack observer").await?,
             database_url,
+            server_pids,
             runs: AtomicU32::new(0),
         })
     }
@@ -93,7 +103,6 @@ impl Context {
 
 /// Runs `plan` on fresh fixtures and removes them afterwards.
 pub async fn run(ctx: &Context, plan: &Plan) -> Result<Measurement, BenchError> {
-    consumers::check_available(plan.mode, plan.batch)?;
     let tag = ctx.next_tag();
     let stream_name = format!("BENCH_{tag}");
     let subject = format!("bench.{tag}");
@@ -150,6 +159,7 @@ async fn measure(
     let observer = AckObserver::start(&ctx.observer, stream, n).await?;
     let source = || Source { stream, subject };
     let pool = db.map(|db| &db.pool);
+    let cpu_now = || probe::CpuSample::now(ctx.server_pids.as_deref());
     let start_consumer = || {
         Consumer::start(
             plan.mode,
@@ -162,7 +172,7 @@ async fn measure(
         )
     };
 
-    let (published, consumer, started, rss_at_start) = match plan.rate {
+    let (published, consumer, started, rss_at_start, cpu_at_start) = match plan.rate {
         None => {
             progress(plan, &format!("publishing a backlog of {n} messages"));
             let publishing = Instant::now();
@@ -176,13 +186,15 @@ async fn measure(
             );
             probe::reset_peak_rss();
             let rss_at_start = probe::status_mib("VmRSS");
+            let cpu_at_start = cpu_now();
             let started = Instant::now();
             let consumer = start_consumer().await?;
-            (published, consumer, started, rss_at_start)
+            (published, consumer, started, rss_at_start, cpu_at_start)
         }
         Some(rate) => {
             probe::reset_peak_rss();
             let rss_at_start = probe::status_mib("VmRSS");
+            let cpu_at_start = cpu_now();
             let started = Instant::now();
             let consumer = start_consumer().await?;
             progress(
@@ -190,11 +202,12 @@ async fn measure(
                 &format!("publishing {n} messages at {rate} msgs/s while consuming"),
             );
             let published = probe::publish(&ctx.publisher, subject, &keys, Some(rate)).await?;
-            (published, consumer, started, rss_at_start)
+            (published, consumer, started, rss_at_start, cpu_at_start)
         }
     };
     let waited = observer.wait_for_all(n, &consumer).await;
     let peak_rss_mib = probe::status_mib("VmHWM");
+    let (client_cpu, servers_cpu) = cpu_now().since(cpu_at_start);
     let stopping = Instant::now();
     let stopped = consumer.stop().await;
     progress(
@@ -231,6 +244,8 @@ async fn measure(
         effects,
         duplicates: report.duplicates,
         publish_lag_ms: plan.rate.map(|_| published.max_lag.as_secs_f64() * 1000.0),
+        client_cpu_us_per_msg: client_cpu * 1e6 / n as f64,
+        servers_cpu_us_per_msg: servers_cpu.map(|cpu| cpu * 1e6 / n as f64),
     })
 }
 

@@ -129,6 +129,18 @@ impl Servers {
     }
 }
 
+impl Servers {
+    /// The pids of the servers when the bench runs all it uses itself (for
+    /// their CPU time); `None` when one came from `NATS_URL`/`DATABASE_URL`.
+    pub fn owned_pids(&self) -> Option<Vec<u32>> {
+        let mut pids = vec![self.nats.as_ref()?.child.id()];
+        if self.database_url.is_some() {
+            pids.push(self.postgres.as_ref()?.child.id());
+        }
+        Some(pids)
+    }
+}
+
 impl Drop for Servers {
     fn drop(&mut self) {
         for process in [self.nats.take(), self.postgres.take()]

@@ -21,6 +21,9 @@ use crate::shutdown::Signal;
 /// How long to wait before pulling again after the server refused a pull.
 const PULL_RETRY: Duration = Duration::from_millis(500);
 
+/// How long past its expiry a pull may wait for the server's expiry reply.
+const PULL_MARGIN: Duration = Duration::from_millis(500);
+
 /// Pulls and processes messages until shutdown, then waits up to `grace` for
 /// in-flight ones. Returns how many it had to abandon.
 pub(crate) async fn pull_until_shutdown<H: Handler>(
@@ -33,9 +36,12 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
     let slots = Arc::new(Semaphore::new(route.concurrency));
     let mut in_flight = JoinSet::new();
     loop {
+        // Shutdown first: with a free slot ready too, an unbiased select
+        // could go on pulling after shutdown.
         let first = tokio::select! {
-            slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
+            biased;
             _ = shutdown.fired() => break,
+            slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
         };
         let mut free = vec![first];
         while let Ok(slot) = slots.clone().try_acquire_owned() {
@@ -62,9 +68,22 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
                 }
             }
         };
-        // A pull lasts at most `pull_expires`, so shutdown waits at most that
-        // long for it to end.
-        while let Some(next) = pull.next().await {
+        // A pull lasts `pull_expires`; the server's expiry reply ends it. If
+        // the server restarted meanwhile that reply never comes, so the pull
+        // is also bounded here, and shutdown never waits longer than this.
+        let deadline = tokio::time::Instant::now() + route.pull_expires + PULL_MARGIN;
+        loop {
+            let next = match tokio::time::timeout_at(deadline, pull.next()).await {
+                Ok(Some(next)) => next,
+                Ok(None) => break,
+                Err(_) => {
+                    tracing::debug!(
+                        route = route.durable,
+                        "pull outlived its expiry; pulling again"
+                    );
+                    break;
+                }
+            };
             let first = match next {
                 Ok(message) => message,
                 Err(error) => {

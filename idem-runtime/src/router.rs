@@ -125,7 +125,10 @@ impl Router {
 
     /// Runs until Ctrl-C or SIGTERM, then shuts down gracefully.
     pub async fn run(self, nats: async_nats::Client, pool: PgPool) -> Result<(), Error> {
-        self.run_until(nats, pool, shutdown::os_signal()).await
+        let listener = shutdown::fire_on_os_signal(self.trigger.clone());
+        let result = self.run_until(nats, pool, std::future::pending()).await;
+        listener.abort();
+        result
     }
 
     /// Runs until `shutdown` resolves (or [`RouterHandle::shutdown`] is

@@ -34,26 +34,36 @@ impl Signal {
     }
 }
 
-/// Resolves on Ctrl-C (SIGINT) or SIGTERM.
-pub(crate) async fn os_signal() {
+/// Listens for Ctrl-C (SIGINT) and SIGTERM from the moment it is called, and
+/// fires `trigger` on the first. The handlers are installed before this
+/// returns, so a signal that arrives during start-up is not lost.
+pub(crate) fn fire_on_os_signal(trigger: Trigger) -> tokio::task::JoinHandle<()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut sigterm) => {
+        match (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) {
+            (Ok(mut interrupt), Ok(mut terminate)) => tokio::spawn(async move {
                 tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = sigterm.recv() => {}
+                    _ = interrupt.recv() => {}
+                    _ = terminate.recv() => {}
                 }
-            }
-            Err(error) => {
-                tracing::warn!(%error, "cannot listen for SIGTERM; only Ctrl-C stops the router");
-                let _ = tokio::signal::ctrl_c().await;
+                tracing::info!("signal received; shutting down");
+                trigger.fire();
+            }),
+            (Err(error), _) | (_, Err(error)) => {
+                tracing::warn!(%error, "cannot listen for SIGINT/SIGTERM; only RouterHandle::shutdown stops the router");
+                tokio::spawn(std::future::pending())
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        tokio::spawn(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            trigger.fire();
+        })
     }
 }

@@ -11,9 +11,25 @@
 //! worker that had processed messages, and the worker that lived through each
 //! server restart reports that it saw the server go and come back.
 //!
+//! Faults are placed by progress, not by the clock: each is due once the
+//! ledger holds a given number of rows (evenly spread, with jitter), plus a
+//! random delay. The publisher may run only half a fault-spacing ahead of
+//! the next fault, so every fault meets messages in flight, and every new
+//! worker has work waiting.
+//!
+//! A second test sends SIGTERM to a busy worker: it must exit 0 within its
+//! grace period having settled what it started, and a fresh worker finishes
+//! the rest, each message applied once.
+//!
 //! # Modes
 //!
-//! Quick by default (2,000 messages, 12 kills; CI runs it). The long mode:
+//! Quick by default (2,000 messages, 12 kills, about 30 s; CI runs it):
+//!
+//! ```sh
+//! cargo nextest run -p idem-tests --test chaos
+//! ```
+//!
+//! The long mode:
 //!
 //! ```sh
 //! IDEM_CHAOS_MESSAGES=50000 cargo test -p idem-tests --test chaos -- --nocapture --test-threads 1
@@ -484,21 +500,31 @@ struct Published {
 }
 
 /// Publishes messages `0..messages` at `rate` per second (0: as fast as
-/// JetStream acks), each until it gets a PubAck, so that publishing survives
-/// a NATS restart. A retry keeps its `Nats-Msg-Id`, which JetStream
-/// dedups within the stream's duplicate window.
+/// JetStream acks), but never message `gate` or later until the gate moves.
+/// Each is published until it gets a PubAck, so that publishing survives a
+/// NATS restart; a retry keeps its `Nats-Msg-Id`, which JetStream dedups
+/// within the stream's duplicate window.
 async fn publish_all(
     js: jetstream::Context,
     subject: String,
     messages: u64,
     rate: f64,
+    gate: Arc<AtomicU64>,
     progress: Arc<AtomicU64>,
 ) -> Published {
     let started = Instant::now();
     let mut report = Published::default();
+    let mut paced_from = (started, 0);
     for i in 0..messages {
+        if i >= gate.load(Ordering::Relaxed) {
+            while i >= gate.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // No catching up on the time spent at the gate.
+            paced_from = (Instant::now(), i);
+        }
         if rate > 0.0 {
-            let due = started + Duration::from_secs_f64(i as f64 / rate);
+            let due = paced_from.0 + Duration::from_secs_f64((i - paced_from.1) as f64 / rate);
             tokio::time::sleep_until(due.into()).await;
         }
         let (account, amount) = credit(i);
@@ -550,23 +576,23 @@ enum Fault {
 }
 
 /// The faults in order, each due once the ledger holds that many rows:
-/// spread evenly over the run with some jitter, the PostgreSQL restart a
-/// third of the way in and the NATS restart two thirds in.
-fn schedule(messages: u64, kills: usize, rng: &mut Rng) -> Vec<(u64, Fault)> {
+/// spread evenly over the run, ±20 % of their spacing at random, with the
+/// PostgreSQL restart a third of the way in and the NATS restart two thirds
+/// in. Returns the spacing too.
+fn schedule(messages: u64, kills: usize, rng: &mut Rng) -> (Vec<(u64, Fault)>, u64) {
     let mut faults = vec![Fault::KillWorker; kills];
     faults.insert(faults.len() / 3, Fault::RestartPostgres);
     faults.insert(faults.len() * 2 / 3, Fault::RestartNats);
     let spacing = messages / (faults.len() as u64 + 1);
-    let mut at = 0;
-    faults
+    let faults = faults
         .into_iter()
         .enumerate()
         .map(|(k, fault)| {
-            let jitter = rng.between(0, spacing / 2);
-            at = (spacing * (k as u64 + 1) + jitter - spacing / 4).max(at + 1);
+            let at = spacing * (k as u64 + 1) + rng.between(0, spacing * 2 / 5) - spacing / 5;
             (at, fault)
         })
-        .collect()
+        .collect();
+    (faults, spacing)
 }
 
 /// Figures of one chaos run, printed at the end.
@@ -615,6 +641,8 @@ struct FaultDriver<'a> {
     worker: Option<Worker>,
     tally: Tally,
     rng: Rng,
+    /// How far the publisher may go.
+    gate: Arc<AtomicU64>,
     published: Arc<AtomicU64>,
 }
 
@@ -783,8 +811,14 @@ impl FaultDriver<'_> {
         }
     }
 
-    async fn run(&mut self, faults: &[(u64, Fault)]) {
+    /// Runs the faults in order. The publisher may run half a spacing ahead
+    /// of the next fault and no further: messages are still flowing when the
+    /// fault strikes, and the new worker has work waiting. (Consecutive
+    /// faults are at least 0.6 spacings apart, so the ledger must grow past
+    /// the previous gate, through the new worker, to reach the next one.)
+    async fn run(&mut self, faults: &[(u64, Fault)], spacing: u64) {
         for &(at, fault) in faults {
+            self.gate.store(at + spacing / 2, Ordering::Relaxed);
             self.wait_for_progress(at).await;
             tokio::time::sleep(self.rng.millis(0, 300)).await;
             match fault {
@@ -793,6 +827,7 @@ impl FaultDriver<'_> {
                 Fault::RestartNats => self.restart_nats().await,
             }
         }
+        self.gate.store(u64::MAX, Ordering::Relaxed);
     }
 }
 
@@ -825,19 +860,23 @@ async fn worker_kills_and_server_crashes_apply_every_message_once() {
         kills >= 10,
         "the run must kill the worker at least 10 times"
     );
-    let Some(mut setup) = setup("kills", &[]).await else {
+    // 5 ms inside each transaction, so that a kill often finds messages
+    // mid-transaction or committed and not yet acked.
+    let Some(mut setup) = setup("kills", &[("CHAOS_HANDLER_DELAY_MS", "5")]).await else {
         return;
     };
     let expected = Expected::for_messages(messages);
     let mut rng = Rng(seed);
-    let faults = schedule(messages, kills, &mut rng);
+    let (faults, spacing) = schedule(messages, kills, &mut rng);
 
     let published = Arc::new(AtomicU64::new(0));
+    let gate = Arc::new(AtomicU64::new(0));
     let publisher = publish_all(
         setup.js.clone(),
         setup.subject.clone(),
         messages,
         rate,
+        gate.clone(),
         published.clone(),
     );
     let mut driver = FaultDriver {
@@ -845,10 +884,11 @@ async fn worker_kills_and_server_crashes_apply_every_message_once() {
         worker: None,
         tally: Tally::default(),
         rng,
+        gate,
         published: published.clone(),
     };
     driver.start_worker().await;
-    let (publish_report, ()) = tokio::join!(publisher, driver.run(&faults));
+    let (publish_report, ()) = tokio::join!(publisher, driver.run(&faults, spacing));
     let faults_done = started.elapsed();
 
     // Drain with the last worker, then stop it gracefully.
@@ -970,6 +1010,7 @@ async fn sigterm_during_load_exits_zero_and_loses_nothing() {
         setup.subject.clone(),
         MESSAGES,
         0.0,
+        Arc::new(AtomicU64::new(u64::MAX)),
         Arc::default(),
     )
     .await;
@@ -1042,6 +1083,10 @@ async fn sigterm_during_load_exits_zero_and_loses_nothing() {
         violations.join("\n  ")
     );
     assert!(consumer.is_drained(), "consumer: {consumer:?}");
+    assert_eq!(
+        second_report.duplicates, 0,
+        "the stopped worker acked everything it committed, so nothing it did comes back"
+    );
     assert!(
         took < SIGTERM_GRACE,
         "shutdown took {took:?}, grace {SIGTERM_GRACE:?}"

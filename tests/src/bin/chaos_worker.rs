@@ -448,6 +448,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     reporter.abort();
+    // The router has acked every message it finished; make sure those acks
+    // leave the process before it exits.
+    match tokio::time::timeout(Duration::from_secs(5), nats.flush()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::warn!(%error, "flushing the NATS connection at exit failed"),
+        Err(_) => tracing::warn!("flushing the NATS connection at exit timed out"),
+    }
     report("stopped", &all_stats, &observed);
     tracing::info!(handler = HANDLER, "stopped");
     Ok(())

@@ -1,7 +1,7 @@
 //! The `chaos_worker` binary as a child process of the test: start it, read
 //! the JSON lines it prints, SIGKILL or SIGTERM it.
 
-use std::io::{self, BufRead, BufReader};
+use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -105,12 +105,17 @@ impl Worker {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start the chaos worker: {e}"));
         let stdout = child.stdout.take().expect("stdout is piped");
+        // Every report is also kept, next to the log, for a post-mortem.
+        let reports_path = log.with_extension("jsonl");
+        let mut reports = std::fs::File::create(&reports_path)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", reports_path.display()));
         let seen = Arc::new(Mutex::new(Seen::default()));
         let reader = {
             let seen = seen.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(stdout).lines() {
                     let Ok(line) = line else { break };
+                    let _ = writeln!(reports, "{line}");
                     let mut seen = seen.lock().expect("reader lock");
                     match serde_json::from_str::<Report>(&line) {
                         Ok(report) => {
