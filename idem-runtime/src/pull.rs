@@ -1,9 +1,11 @@
-//! The pull loop: fetch only as many messages as there are free slots.
+//! The pull loop: one long-lived pull per route, processed as slots free up.
 //!
-//! A message fetched ahead of a free slot would age against ack_wait while it
-//! waits locally, and could be redelivered elsewhere before it starts. So each
-//! pull asks for exactly the number of idle slots, and waits for one to free
-//! up before asking again.
+//! The pull (async-nats's `Consumer::stream`) keeps at most about
+//! `concurrency × batch` messages requested ahead, re-requesting at half, and
+//! sends idle heartbeats so that a dead server is noticed and the pull
+//! re-issued after a reconnect. A message is taken off it only once a slot
+//! is free, so what waits locally is bounded; one that waited past ack_wait
+//! is redelivered, and its claim skips whichever copy comes second.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,8 +23,12 @@ use crate::shutdown::Signal;
 /// How long to wait before pulling again after the server refused a pull.
 const PULL_RETRY: Duration = Duration::from_millis(500);
 
-/// How long past its expiry a pull may wait for the server's expiry reply.
-const PULL_MARGIN: Duration = Duration::from_millis(500);
+/// How long one pull request lives on the server before it is renewed.
+const PULL_EXPIRES: Duration = Duration::from_secs(10);
+
+/// How often an idle server must say it is alive; two misses re-issue the
+/// pull (after a server restart, say).
+const PULL_HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// Pulls and processes messages until shutdown, then waits up to `grace` for
 /// in-flight ones. Returns how many it had to abandon.
@@ -35,94 +41,91 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
     let route = &pipeline.route;
     let slots = Arc::new(Semaphore::new(route.concurrency));
     let mut in_flight = JoinSet::new();
-    loop {
-        // Shutdown first: with a free slot ready too, an unbiased select
-        // could go on pulling after shutdown.
-        let first = tokio::select! {
+    let mut pull = None;
+    'pulling: loop {
+        let messages = match &mut pull {
+            Some(messages) => messages,
+            None => {
+                let opened = consumer
+                    .stream()
+                    .max_messages_per_batch(route.concurrency * route.batch)
+                    .expires(PULL_EXPIRES)
+                    .heartbeat(PULL_HEARTBEAT)
+                    .messages()
+                    .await;
+                match opened {
+                    Ok(messages) => pull.insert(messages),
+                    Err(error) => {
+                        tracing::warn!(%error, route = route.durable, "pull request failed; retrying");
+                        tokio::select! {
+                            biased;
+                            _ = shutdown.fired() => break 'pulling,
+                            _ = tokio::time::sleep(PULL_RETRY) => continue 'pulling,
+                        }
+                    }
+                }
+            }
+        };
+        // A free slot first, so that a message is taken only when it can
+        // start. Shutdown first: with both ready, an unbiased select could go
+        // on taking messages after shutdown.
+        let slot = tokio::select! {
             biased;
-            _ = shutdown.fired() => break,
+            _ = shutdown.fired() => break 'pulling,
             slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
         };
-        let mut free = vec![first];
-        while let Ok(slot) = slots.clone().try_acquire_owned() {
-            free.push(slot);
-        }
         while let Some(finished) = in_flight.try_join_next() {
             report_panic(finished);
         }
-
-        // In batch mode each free slot takes up to `batch` messages.
-        let mut pull = match consumer
-            .batch()
-            .max_messages(free.len() * route.batch)
-            .expires(route.pull_expires)
-            .messages()
-            .await
-        {
-            Ok(pull) => pull,
-            Err(error) => {
-                tracing::warn!(%error, route = route.durable, "pull request failed; retrying");
-                tokio::select! {
-                    _ = tokio::time::sleep(PULL_RETRY) => continue,
-                    _ = shutdown.fired() => break,
+        let first = tokio::select! {
+            biased;
+            _ = shutdown.fired() => break 'pulling,
+            next = messages.next() => match next {
+                Some(Ok(message)) => message,
+                Some(Err(error)) => {
+                    // Missed heartbeats, a reconnect, a server-side limit:
+                    // the pull re-issues itself.
+                    tracing::debug!(%error, route = route.durable, "pull interrupted");
+                    continue 'pulling;
                 }
-            }
+                None => {
+                    tracing::debug!(route = route.durable, "pull ended; opening a new one");
+                    pull = None;
+                    continue 'pulling;
+                }
+            },
         };
-        // A pull lasts `pull_expires`; the server's expiry reply ends it. If
-        // the server restarted meanwhile that reply never comes, so the pull
-        // is also bounded here, and shutdown never waits longer than this.
-        let deadline = tokio::time::Instant::now() + route.pull_expires + PULL_MARGIN;
-        loop {
-            let next = match tokio::time::timeout_at(deadline, pull.next()).await {
-                Ok(Some(next)) => next,
-                Ok(None) => break,
-                Err(_) => {
-                    tracing::debug!(
-                        route = route.durable,
-                        "pull outlived its expiry; pulling again"
-                    );
-                    break;
-                }
-            };
-            let first = match next {
-                Ok(message) => message,
-                Err(error) => {
-                    tracing::debug!(%error, route = route.durable, "pull ended early");
-                    break;
-                }
-            };
-            if shutdown.is_fired() {
-                // Fetched but not started: give it back at once, so another
-                // worker takes it without waiting for ack_wait.
-                ack::nak(&first, Duration::ZERO).await;
-                continue;
-            }
-            // Whatever else has already arrived joins the batch; never wait
-            // to fill it.
-            let mut group = vec![first];
-            while group.len() < route.batch {
-                match pull.next().now_or_never() {
-                    Some(Some(Ok(message))) => group.push(message),
-                    _ => break,
-                }
-            }
-            let slot = match free.pop() {
-                Some(slot) => slot,
-                // More groups than free slots (messages trickled in): wait
-                // for one; a batch takes milliseconds.
-                None => slots
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .expect("the slot semaphore is never closed"),
-            };
-            if route.batch == 1 {
-                let message = group.pop().expect("a group has its first message");
-                in_flight.spawn(pipeline.clone().process(message, slot));
-            } else {
-                in_flight.spawn(pipeline.clone().process_batch(group, slot));
+        // Whatever else has already arrived joins the batch; never wait to
+        // fill it.
+        let mut group = vec![first];
+        while group.len() < route.batch {
+            match messages.next().now_or_never() {
+                Some(Some(Ok(message))) => group.push(message),
+                _ => break,
             }
         }
+        if route.batch == 1 {
+            let message = group.pop().expect("a group has its first message");
+            in_flight.spawn(pipeline.clone().process(message, slot));
+        } else {
+            in_flight.spawn(pipeline.clone().process_batch(group, slot));
+        }
+    }
+
+    // Fetched but not started: give them back at once, so another worker
+    // takes them without waiting for ack_wait. Unsubscribe first (by
+    // dropping the pull), so that the server cannot redeliver them into this
+    // pull, and finds no interest left in it.
+    let mut unstarted = Vec::new();
+    if let Some(mut messages) = pull {
+        while let Some(Some(next)) = messages.next().now_or_never() {
+            if let Ok(message) = next {
+                unstarted.push(message);
+            }
+        }
+    }
+    for message in &unstarted {
+        ack::nak(message, Duration::ZERO).await;
     }
     while let Some(finished) = in_flight.try_join_next() {
         report_panic(finished);

@@ -70,7 +70,6 @@ pub struct Route {
     pub(crate) retry: RetryPolicy,
     pub(crate) dead_letter_subject: Option<String>,
     pub(crate) update_consumer: bool,
-    pub(crate) pull_expires: Duration,
 }
 
 impl Route {
@@ -94,7 +93,6 @@ impl Route {
             retry: RetryPolicy::default(),
             dead_letter_subject: None,
             update_consumer: false,
-            pull_expires: Duration::from_secs(2),
         }
     }
 

@@ -28,10 +28,6 @@ impl Signal {
         // router is being torn down: treat it as shutdown.
         let _ = self.0.wait_for(|fired| *fired).await;
     }
-
-    pub(crate) fn is_fired(&self) -> bool {
-        *self.0.borrow()
-    }
 }
 
 /// Listens for Ctrl-C (SIGINT) and SIGTERM from the moment it is called, and

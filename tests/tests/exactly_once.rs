@@ -244,9 +244,10 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: usize)
         second.stats("credit").unwrap(),
     );
     assert_eq!(a.processed() + b.processed(), 1);
-    assert_eq!(
-        a.duplicates() + b.duplicates(),
-        1,
+    // With heartbeats off, ack_wait can expire again while the blocked
+    // redelivery waits, so there may be more than one; each one skipped.
+    assert!(
+        a.duplicates() + b.duplicates() >= 1,
         "the blocked redelivery skipped"
     );
     assert_eq!(a.failed() + b.failed(), 0);
