@@ -427,9 +427,9 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
 
             // `Handler::handle` claims the message first and calls this
             // only when the claim is fresh.
-            fn run_claimed<'a>(
+            fn run_claimed<'a, 'c>(
                 &'a self,
-                __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'static>,
+                __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'c>,
                 __idem_payload: Self::Payload,
                 __idem_delivery: &'a ::idem_runtime::Delivery,
             ) -> ::idem_runtime::HandlerFuture<'a> {
@@ -577,9 +577,9 @@ mod tests {
                         Self::NAME
                     }
 
-                    fn run_claimed<'a>(
+                    fn run_claimed<'a, 'c>(
                         &'a self,
-                        __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'static>,
+                        __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'c>,
                         __idem_payload: Self::Payload,
                         __idem_delivery: &'a ::idem_runtime::Delivery,
                     ) -> ::idem_runtime::HandlerFuture<'a> {

@@ -136,7 +136,8 @@ impl<H: Handler> Pipeline<H> {
         &self,
         ready: &mut [Ready<H::Payload>],
     ) -> Result<Vec<bool>, BatchFailure> {
-        let mut tx = self.pool.begin().await?;
+        let mut connection = self.connections.take().await?;
+        let mut tx = sqlx::Connection::begin(&mut *connection).await?;
         let ids: Vec<&str> = ready
             .iter()
             .map(|item| item.delivery.message_id().as_str())
@@ -173,6 +174,7 @@ impl<H: Handler> Pipeline<H> {
             }
         }
         tx.commit().await.map_err(BatchFailure::Commit)?;
+        self.connections.put_back(connection);
         Ok(fresh)
     }
 }

@@ -66,9 +66,9 @@ pub trait Handler: Send + Sync + 'static {
     /// then runs the body if the claim is fresh. A duplicate never runs the
     /// body. The runtime begins `tx` before and commits or rolls it back
     /// after.
-    fn handle<'a>(
+    fn handle<'a, 'c>(
         &'a self,
-        tx: &'a mut PgTransaction<'static>,
+        tx: &'a mut PgTransaction<'c>,
         payload: Self::Payload,
         delivery: &'a Delivery,
     ) -> HandlerFuture<'a> {
@@ -86,9 +86,9 @@ pub trait Handler: Send + Sync + 'static {
     /// Runs the body, in `tx`, for a message already claimed in `tx`: by
     /// [`handle`](Handler::handle), or by the batch claim that claims many
     /// messages in one statement. `#[idempotent]` generates it.
-    fn run_claimed<'a>(
+    fn run_claimed<'a, 'c>(
         &'a self,
-        tx: &'a mut PgTransaction<'static>,
+        tx: &'a mut PgTransaction<'c>,
         payload: Self::Payload,
         delivery: &'a Delivery,
     ) -> HandlerFuture<'a>;

@@ -39,6 +39,7 @@
 mod ack;
 mod batch;
 mod claim;
+mod connections;
 pub mod dead_letter;
 mod delivery;
 mod error;

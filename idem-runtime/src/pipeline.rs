@@ -10,6 +10,7 @@ use tracing::Instrument;
 
 use crate::ack;
 use crate::claim;
+use crate::connections::Connections;
 use crate::dead_letter::{self, Failure};
 use crate::delivery::Delivery;
 use crate::error::{HandlerError, RejectedMessage};
@@ -25,6 +26,7 @@ pub(crate) struct Pipeline<H> {
     pub(crate) route: Route,
     pub(crate) handler: H,
     pub(crate) pool: PgPool,
+    pub(crate) connections: Arc<Connections>,
     pub(crate) stats: Arc<Stats>,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::fault::FaultHooks,
@@ -166,7 +168,11 @@ impl<H: Handler> Pipeline<H> {
     /// transaction (sqlx#4393), and a cancelled COMMIT has an unknown outcome.
     /// The handler timeout covers the handler alone.
     async fn transact(&self, payload: H::Payload, delivery: &Delivery) -> Verdict {
-        let mut tx = match self.pool.begin().await {
+        let mut connection = match self.connections.take().await {
+            Ok(connection) => connection,
+            Err(error) => return Verdict::Failed(HandlerError::Claim(error)),
+        };
+        let mut tx = match sqlx::Connection::begin(&mut *connection).await {
             Ok(tx) => tx,
             Err(error) => return Verdict::Failed(HandlerError::Claim(error)),
         };
@@ -177,20 +183,23 @@ impl<H: Handler> Pipeline<H> {
                 .unwrap_or(Err(HandlerError::TimedOut(limit))),
             None => handled.await,
         };
-        match outcome {
+        // Only a connection whose transaction ended cleanly is reused; after
+        // a failure it goes back to the pool, which checks it first.
+        let (verdict, clean) = match outcome {
             Ok(Outcome::Processed) => match tx.commit().await {
-                Ok(()) => Verdict::Processed,
-                Err(error) => Verdict::CommitUnknown(error),
+                Ok(()) => (Verdict::Processed, true),
+                Err(error) => (Verdict::CommitUnknown(error), false),
             },
-            Ok(Outcome::Duplicate) => {
-                rollback(tx).await;
-                Verdict::Duplicate
-            }
+            Ok(Outcome::Duplicate) => (Verdict::Duplicate, rollback(tx).await),
             Err(error) => {
                 rollback(tx).await;
-                Verdict::Failed(error)
+                (Verdict::Failed(error), false)
             }
+        };
+        if clean {
+            self.connections.put_back(connection);
         }
+        verdict
     }
 
     /// Tells JetStream how the delivery ended.
@@ -301,10 +310,15 @@ impl<H: Handler> Pipeline<H> {
     }
 }
 
-pub(crate) async fn rollback(tx: PgTransaction<'static>) {
-    if let Err(error) = tx.rollback().await {
-        // sqlx closes a connection whose ROLLBACK failed rather than return
-        // it to the pool in an unknown state.
-        tracing::warn!(%error, "ROLLBACK failed");
+/// Rolls back; says whether the connection is known to be clean.
+pub(crate) async fn rollback(tx: PgTransaction<'_>) -> bool {
+    match tx.rollback().await {
+        Ok(()) => true,
+        Err(error) => {
+            // sqlx closes a connection whose ROLLBACK failed rather than
+            // return it to the pool in an unknown state.
+            tracing::warn!(%error, "ROLLBACK failed");
+            false
+        }
     }
 }

@@ -160,6 +160,10 @@ impl Router {
             consumers.push(bind_consumer(&js, bound.route()).await?);
         }
 
+        // Each route may keep at most its share of the pool's connections
+        // between messages (see connections.rs).
+        let share =
+            (pool.options().get_max_connections() as usize / self.routes.len().max(1)).max(1);
         let mut running = JoinSet::new();
         for (bound, consumer) in self.routes.into_iter().zip(consumers) {
             tracing::info!(
@@ -170,6 +174,7 @@ impl Router {
             running.spawn(bound.start(
                 consumer,
                 pool.clone(),
+                share,
                 self.signal.clone(),
                 self.grace,
                 #[cfg(feature = "fault-injection")]
@@ -298,6 +303,7 @@ trait Bind: Send + Sync {
         self: Box<Self>,
         consumer: PullConsumer,
         pool: PgPool,
+        keep_connections: usize,
         shutdown: Signal,
         grace: Duration,
         #[cfg(feature = "fault-injection")] faults: crate::fault::FaultHooks,
@@ -319,6 +325,7 @@ impl<H: Handler> Bind for Bound<H> {
         self: Box<Self>,
         consumer: PullConsumer,
         pool: PgPool,
+        keep_connections: usize,
         shutdown: Signal,
         grace: Duration,
         #[cfg(feature = "fault-injection")] faults: crate::fault::FaultHooks,
@@ -326,6 +333,7 @@ impl<H: Handler> Bind for Bound<H> {
         let pipeline = Arc::new(Pipeline {
             route: self.route,
             handler: self.handler,
+            connections: crate::connections::Connections::start(pool.clone(), keep_connections),
             pool,
             stats: self.stats,
             #[cfg(feature = "fault-injection")]

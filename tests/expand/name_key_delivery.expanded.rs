@@ -89,9 +89,9 @@ impl ::idem_runtime::Handler for credit {
             ::idem_runtime::__private::ToString::to_string(&(cmd.transfer_id)),
         )
     }
-    fn run_claimed<'a>(
+    fn run_claimed<'a, 'c>(
         &'a self,
-        __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'static>,
+        __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'c>,
         __idem_payload: Self::Payload,
         __idem_delivery: &'a ::idem_runtime::Delivery,
     ) -> ::idem_runtime::HandlerFuture<'a> {
