@@ -47,6 +47,12 @@ cargo clippy --workspace --all-targets "${locked[@]}" -- -D warnings
 step "cargo nextest run (profile $profile)"
 cargo nextest run --workspace "${locked[@]}" --profile "$profile" "$@"
 
+# The benchmark's smoke pass: every mode with a small N, checking effects =
+# messages, so the bench keeps compiling and stays correct. Not timed, and in
+# the test profile's build (debug), which reuses the dependencies built above.
+step "idem-bench smoke"
+cargo run -q -p idem-bench "${locked[@]}" -- smoke
+
 # nextest does not run doctests.
 step "cargo test --doc"
 cargo test --workspace --doc "${locked[@]}" "${doc_fail_fast[@]}"
