@@ -838,6 +838,16 @@ impl FaultDriver<'_> {
 /// consumer ends with nothing pending.
 #[tokio::test]
 async fn worker_kills_and_server_crashes_apply_every_message_once() {
+    chaos_run("kills", "1").await;
+}
+
+/// The same chaos, with the worker in batch mode (batches of up to 16).
+#[tokio::test]
+async fn worker_kills_and_server_crashes_apply_every_message_once_in_batch_mode() {
+    chaos_run("kills-batch", "16").await;
+}
+
+async fn chaos_run(test: &str, batch: &str) {
     let started = Instant::now();
     let messages: u64 = env_or("IDEM_CHAOS_MESSAGES", 2_000);
     let kills: usize = env_or("IDEM_CHAOS_KILLS", 12.max(messages as usize / 2_000));
@@ -862,7 +872,12 @@ async fn worker_kills_and_server_crashes_apply_every_message_once() {
     );
     // 5 ms inside each transaction, so that a kill often finds messages
     // mid-transaction or committed and not yet acked.
-    let Some(mut setup) = setup("kills", &[("CHAOS_HANDLER_DELAY_MS", "5")]).await else {
+    let Some(mut setup) = setup(
+        test,
+        &[("CHAOS_HANDLER_DELAY_MS", "5"), ("CHAOS_BATCH", batch)],
+    )
+    .await
+    else {
         return;
     };
     let expected = Expected::for_messages(messages);

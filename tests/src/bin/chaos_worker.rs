@@ -24,6 +24,7 @@
 //! | `CHAOS_DURABLE` | `chaos-credit` | the durable consumer, created or updated at start |
 //! | `CHAOS_ACK_WAIT_MS` | 2000 | short, so a killed worker's messages come back fast |
 //! | `CHAOS_CONCURRENCY` | 8 | |
+//! | `CHAOS_BATCH` | 1 | `Route::batch`: 1 is per-message mode |
 //! | `CHAOS_HANDLER_DELAY_MS` | 0 | extra time each handler spends inside its transaction |
 //! | `CHAOS_REPORT_MS` | 200 | |
 //! | `CHAOS_SHUTDOWN_GRACE_MS` | 10000 | how long shutdown waits for in-flight messages |
@@ -113,6 +114,7 @@ struct Config {
     durable: String,
     ack_wait: Duration,
     concurrency: usize,
+    batch: usize,
     handler_delay: Duration,
     report_every: Duration,
     shutdown_grace: Duration,
@@ -128,6 +130,7 @@ impl Config {
             durable: env_or("CHAOS_DURABLE", "chaos-credit".to_owned())?,
             ack_wait: Duration::from_millis(env_or("CHAOS_ACK_WAIT_MS", 2000)?),
             concurrency: env_or("CHAOS_CONCURRENCY", 8)?,
+            batch: env_or("CHAOS_BATCH", 1)?,
             handler_delay: Duration::from_millis(env_or("CHAOS_HANDLER_DELAY_MS", 0)?),
             report_every: Duration::from_millis(env_or("CHAOS_REPORT_MS", 200)?),
             shutdown_grace: Duration::from_millis(env_or("CHAOS_SHUTDOWN_GRACE_MS", 10_000)?),
@@ -138,6 +141,7 @@ impl Config {
         Route::new(&self.stream, &self.durable)
             .ack_wait(self.ack_wait)
             .concurrency(self.concurrency)
+            .batch(self.batch)
     }
 }
 
