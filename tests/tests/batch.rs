@@ -6,31 +6,8 @@ mod common;
 
 use std::time::Duration;
 
-use async_nats::jetstream;
 use common::*;
 use idem_runtime::{Delivery, Permanent, Route, Router, idempotent};
-use idem_tests::TestEnv;
-
-async fn setup(
-    prefix: &str,
-) -> (
-    TestEnv,
-    sqlx::PgPool,
-    async_nats::Client,
-    jetstream::Context,
-    String,
-    String,
-) {
-    let env = TestEnv::start().await;
-    let pool = env.pool().await;
-    prepare_database(&pool).await;
-    let nats = env.nats().await;
-    let js = jetstream::new(nats.clone());
-    let stream = unique(prefix);
-    let subject = format!("{stream}.deposit");
-    create_stream(&js, &stream, &subject, Duration::from_secs(120)).await;
-    (env, pool, nats, js, stream, subject)
-}
 
 #[idempotent(name = "picky")]
 async fn picky(
@@ -51,7 +28,14 @@ async fn picky(
 /// every other one is applied once.
 #[tokio::test]
 async fn a_failing_message_does_not_fail_its_batch_neighbours() {
-    let (_env, pool, nats, js, stream, subject) = setup("NEIGHBOURS").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("NEIGHBOURS", Duration::from_secs(120)).await;
     const MESSAGES: i64 = 40;
     // Publish before the router starts, so that batches are full.
     for i in 0..MESSAGES {
@@ -112,7 +96,14 @@ async fn by_account(
 /// batch statement: each id is applied once and every message is acked.
 #[tokio::test]
 async fn duplicates_within_and_across_batches_apply_once() {
-    let (_env, pool, nats, js, stream, subject) = setup("BATCHDUP").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("BATCHDUP", Duration::from_secs(120)).await;
     const MESSAGES: usize = 100;
     const ACCOUNTS: usize = 30;
     for i in 0..MESSAGES {

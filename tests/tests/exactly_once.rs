@@ -8,34 +8,9 @@ mod common;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use async_nats::jetstream;
 use common::*;
 use idem_runtime::fault::{AfterCommit, FaultHooks};
 use idem_runtime::{Delivery, Route, Router, idempotent};
-use idem_tests::TestEnv;
-
-/// Starts servers, prepares the database and a stream with `duplicate_window`.
-async fn setup(
-    prefix: &str,
-    duplicate_window: Duration,
-) -> (
-    TestEnv,
-    sqlx::PgPool,
-    async_nats::Client,
-    jetstream::Context,
-    String,
-    String,
-) {
-    let env = TestEnv::start().await;
-    let pool = env.pool().await;
-    prepare_database(&pool).await;
-    let nats = env.nats().await;
-    let js = jetstream::new(nats.clone());
-    let stream = unique(prefix);
-    let subject = format!("{stream}.deposit");
-    create_stream(&js, &stream, &subject, duplicate_window).await;
-    (env, pool, nats, js, stream, subject)
-}
 
 fn deposit(amount: i64) -> Deposit {
     Deposit {
@@ -56,7 +31,14 @@ async fn retry_window(
 /// Scenario 1: a publisher retries after JetStream's duplicate window, so the
 /// same `Nats-Msg-Id` is stored twice. One effect; both messages acked.
 async fn publisher_retry_after_duplicate_window_is_applied_once(batch: usize) {
-    let (_env, pool, nats, js, stream, subject) = setup("RETRY", Duration::from_millis(300)).await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("RETRY", Duration::from_millis(300)).await;
 
     let first = publish(&js, &subject, &deposit(10), Some("payment-1")).await;
     assert!(!first.duplicate);
@@ -107,7 +89,14 @@ async fn crash_after_commit(
 /// the runtime drop each message after its first COMMIT without any ack, as
 /// a crash would; JetStream redelivers after ack_wait. One effect each.
 async fn crash_after_commit_before_ack_is_applied_once(batch: usize) {
-    let (_env, pool, nats, js, stream, subject) = setup("CRASH", Duration::from_secs(120)).await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("CRASH", Duration::from_secs(120)).await;
     const MESSAGES: usize = 5;
     for i in 0..MESSAGES {
         publish(
@@ -210,7 +199,14 @@ async fn racing_redelivery(
 /// transaction (heartbeats off), and a second worker on the same consumer
 /// takes the redelivery. It waits on the unique key, then skips.
 async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: usize) {
-    let (_env, pool, nats, js, stream, subject) = setup("RACE", Duration::from_secs(120)).await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("RACE", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit(7), Some("race-1")).await;
 
     let route = || {
@@ -298,7 +294,14 @@ async fn fails_once(
 /// Scenario 4: the handler writes, then fails. Nothing of its writes and no
 /// dedup row survive; the redelivery then applies the message once.
 async fn handler_error_leaves_nothing_and_redelivery_applies_once(batch: usize) {
-    let (_env, pool, nats, js, stream, subject) = setup("FAIL", Duration::from_secs(120)).await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("FAIL", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit(3), Some("fail-1")).await;
 
     let router = Router::new().route(
@@ -365,7 +368,14 @@ async fn notify(
 /// durable consumers. The handler name keeps their claims apart: one effect
 /// each, per message.
 async fn two_handlers_on_one_message_apply_once_each(batch: usize) {
-    let (_env, pool, nats, js, stream, subject) = setup("FANOUT", Duration::from_secs(120)).await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("FANOUT", Duration::from_secs(120)).await;
     const MESSAGES: i64 = 20;
     for i in 0..MESSAGES {
         publish(&js, &subject, &deposit(i), Some(&format!("fan-{i}"))).await;
@@ -413,7 +423,14 @@ async fn run_slow_handler(
     heartbeat: bool,
     batch: usize,
 ) -> (std::sync::Arc<idem_runtime::Stats>, common::Ledger) {
-    let (_env, pool, nats, js, stream, subject) = setup("SLOW", Duration::from_secs(120)).await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("SLOW", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit(1), Some("slow-1")).await;
     let mut route = Route::new(&stream, "credit")
         .batch(batch)

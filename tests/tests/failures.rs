@@ -14,28 +14,6 @@ use common::*;
 use idem_runtime::{
     Classify, Delivery, Error, ErrorClass, Route, Router, Transient, dead_letter, idempotent,
 };
-use idem_tests::TestEnv;
-
-async fn setup(
-    prefix: &str,
-) -> (
-    TestEnv,
-    sqlx::PgPool,
-    async_nats::Client,
-    jetstream::Context,
-    String,
-    String,
-) {
-    let env = TestEnv::start().await;
-    let pool = env.pool().await;
-    prepare_database(&pool).await;
-    let nats = env.nats().await;
-    let js = jetstream::new(nats.clone());
-    let stream = unique(prefix);
-    let subject = format!("{stream}.deposit");
-    create_stream(&js, &stream, &subject, Duration::from_secs(120)).await;
-    (env, pool, nats, js, stream, subject)
-}
 
 fn deposit(account: &str, amount: i64) -> Deposit {
     Deposit {
@@ -63,7 +41,14 @@ async fn plain(
 /// around it are all processed.
 #[tokio::test]
 async fn poison_payload_is_dead_lettered_once_and_good_messages_flow() {
-    let (_env, pool, nats, js, stream, subject) = setup("POISON").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("POISON", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit("a", 1), Some("good-1")).await;
     let poison = js
         .publish(subject.clone(), "{not json".into())
@@ -125,7 +110,14 @@ async fn keyed(
 /// runtime goes on.
 #[tokio::test]
 async fn bad_message_ids_are_dead_lettered_with_a_reason() {
-    let (_env, pool, nats, js, stream, subject) = setup("BADID").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("BADID", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit("a", 1), Some("")).await;
     let oversized = "x".repeat(idem_runtime::MAX_MESSAGE_ID_LEN + 1);
     publish(&js, &subject, &deposit("b", 1), Some(&oversized)).await;
@@ -189,7 +181,14 @@ async fn flaky(
 /// the third delivery.
 #[tokio::test]
 async fn transient_failures_are_retried_until_one_effect_on_the_third_delivery() {
-    let (_env, pool, nats, js, stream, subject) = setup("FLAKY").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("FLAKY", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit("a", 5), Some("flaky-1")).await;
     let (handle, task) = spawn(
         Router::new().route(fast(Route::new(&stream, "c")), flaky),
@@ -234,7 +233,14 @@ async fn always_fails(
 /// delivery, with its context, then TERMed: it is not delivered again.
 #[tokio::test]
 async fn exhausted_deliveries_are_dead_lettered_and_not_redelivered() {
-    let (_env, pool, nats, js, stream, subject) = setup("EXHAUST").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("EXHAUST", Duration::from_secs(120)).await;
     let original = publish(&js, &subject, &deposit("a", 5), Some("doomed-1")).await;
     let (handle, task) = spawn(
         Router::new().route(fast(Route::new(&stream, "c")).max_deliver(3), always_fails),
@@ -307,7 +313,14 @@ async fn closed_accounts(
 /// it once; a second replay inside JetStream's window is refused.
 #[tokio::test]
 async fn permanent_error_is_dead_lettered_at_once_and_replay_applies_it_once() {
-    let (_env, pool, nats, js, stream, subject) = setup("REPLAY").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("REPLAY", Duration::from_secs(120)).await;
     // No Nats-Msg-Id: the id is `<stream>:1`, and the replay must keep it.
     publish(&js, &subject, &deposit("a", 9), None).await;
     let router = Router::new().route(fast(Route::new(&stream, "c")), closed_accounts);
@@ -382,7 +395,14 @@ async fn conflicted(
 /// A serialization failure is retried in-process, inside the same delivery.
 #[tokio::test]
 async fn serialization_failure_is_retried_in_process() {
-    let (_env, pool, nats, js, stream, subject) = setup("SERIAL").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("SERIAL", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit("a", 1), Some("serial-1")).await;
     let (handle, task) = spawn(
         Router::new().route(Route::new(&stream, "c"), conflicted),
@@ -415,7 +435,14 @@ async fn serialization_failure_is_retried_in_process() {
 /// and is skipped, and the pool stays healthy.
 #[tokio::test]
 async fn ambiguous_commit_is_not_acked_and_the_redelivery_is_skipped() {
-    let (env, pool, nats, js, stream, subject) = setup("AMBIGUOUS").await;
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("AMBIGUOUS", Duration::from_secs(120)).await;
     let proxy = PgProxy::start(upstream_of(env.database_url())).await;
     let proxied = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
@@ -474,7 +501,14 @@ async fn ambiguous_commit_is_not_acked_and_the_redelivery_is_skipped() {
 /// reused or overwritten.
 #[tokio::test]
 async fn conflicting_consumer_is_refused_unless_update_is_asked_for() {
-    let (_env, pool, nats, js, stream, _subject) = setup("CONFLICT").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject: _subject,
+    } = scenario("CONFLICT", Duration::from_secs(120)).await;
     js.get_stream(&stream)
         .await
         .unwrap()
@@ -518,7 +552,14 @@ async fn conflicting_consumer_is_refused_unless_update_is_asked_for() {
 /// stores it; without one it is refused at start-up.
 #[tokio::test]
 async fn missing_dead_letter_stream_is_refused_at_startup() {
-    let (_env, pool, nats, _js, stream, _subject) = setup("NODLQ").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js: _js,
+        stream,
+        subject: _subject,
+    } = scenario("NODLQ", Duration::from_secs(120)).await;
     let error = Router::new()
         .route(
             Route::new(&stream, "c").dead_letter_subject("nowhere.dead"),

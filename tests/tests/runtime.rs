@@ -10,27 +10,6 @@ use common::*;
 use idem_runtime::{Delivery, Error, MessageIdSource, Route, Router, idempotent};
 use idem_tests::TestEnv;
 
-async fn setup(
-    prefix: &str,
-) -> (
-    TestEnv,
-    sqlx::PgPool,
-    async_nats::Client,
-    jetstream::Context,
-    String,
-    String,
-) {
-    let env = TestEnv::start().await;
-    let pool = env.pool().await;
-    prepare_database(&pool).await;
-    let nats = env.nats().await;
-    let js = jetstream::new(nats.clone());
-    let stream = unique(prefix);
-    let subject = format!("{stream}.deposit");
-    create_stream(&js, &stream, &subject, Duration::from_secs(120)).await;
-    (env, pool, nats, js, stream, subject)
-}
-
 fn deposit(account: &str, amount: i64) -> Deposit {
     Deposit {
         account: account.into(),
@@ -52,7 +31,14 @@ async fn by_account(
 /// different header ids but the same key are applied once.
 #[tokio::test]
 async fn explicit_key_dedups_across_different_nats_msg_ids() {
-    let (_env, pool, nats, js, stream, subject) = setup("KEY").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("KEY", Duration::from_secs(120)).await;
     for (i, account) in ["a", "b", "a", "a", "b", "c"].iter().enumerate() {
         publish(
             &js,
@@ -92,7 +78,14 @@ async fn ids(
 /// `<stream>:<sequence>`.
 #[tokio::test]
 async fn header_then_stream_sequence_are_the_fallback_ids() {
-    let (_env, pool, nats, js, stream, subject) = setup("IDS").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("IDS", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit("a", 1), Some("from-header")).await;
     publish(&js, &subject, &deposit("b", 1), None).await;
     let (handle, task) = spawn(
@@ -126,7 +119,14 @@ async fn held(
 /// would have run out. Every message is applied once.
 #[tokio::test]
 async fn shutdown_finishes_in_flight_and_hands_back_the_rest() {
-    let (_env, pool, nats, js, stream, subject) = setup("SHUTDOWN").await;
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("SHUTDOWN", Duration::from_secs(120)).await;
     const IN_FLIGHT: u64 = 4;
     const MESSAGES: u64 = 10;
     for i in 0..MESSAGES {

@@ -22,6 +22,37 @@ pub struct Deposit {
     pub amount: i64,
 }
 
+/// What a scenario starts with: servers, a prepared database, a client, and
+/// a fresh stream that stores `<stream>.deposit`.
+pub struct Scenario {
+    pub env: idem_tests::TestEnv,
+    pub pool: PgPool,
+    pub nats: async_nats::Client,
+    pub js: jetstream::Context,
+    pub stream: String,
+    pub subject: String,
+}
+
+/// Starts a [`Scenario`] whose stream has the given publish-dedup window.
+pub async fn scenario(prefix: &str, duplicate_window: Duration) -> Scenario {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let stream = unique(prefix);
+    let subject = format!("{stream}.deposit");
+    create_stream(&js, &stream, &subject, duplicate_window).await;
+    Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    }
+}
+
 /// Creates the business table and installs the idem schema.
 pub async fn prepare_database(pool: &PgPool) {
     idem_runtime::schema::migrate(pool)
