@@ -66,14 +66,7 @@ async fn publisher_retry_after_duplicate_window_is_applied_once(batch: usize) {
 
     let stats = handle.stats("credit").unwrap();
     assert_eq!((stats.processed(), stats.duplicates()), (1, 1));
-    assert_eq!(
-        ledger(&pool, "retry-window").await,
-        Ledger {
-            effects: 1,
-            distinct_messages: 1,
-            dedup_rows: 1
-        }
-    );
+    assert_eq!(ledger(&pool, "retry-window").await, Ledger::once_each(1));
 }
 
 #[idempotent(name = "crash-after-commit")]
@@ -141,11 +134,7 @@ async fn crash_after_commit_before_ack_is_applied_once(batch: usize) {
     );
     assert_eq!(
         ledger(&pool, "crash-after-commit").await,
-        Ledger {
-            effects: MESSAGES as i64,
-            distinct_messages: MESSAGES as i64,
-            dedup_rows: MESSAGES as i64
-        }
+        Ledger::once_each(MESSAGES as i64)
     );
     let redelivered_effects: i64 =
         sqlx::query_scalar("SELECT count(*) FROM effects WHERE delivered > 1")
@@ -249,11 +238,7 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: usize)
     assert_eq!(a.failed() + b.failed(), 0);
     assert_eq!(
         ledger(&pool, "racing-redelivery").await,
-        Ledger {
-            effects: 1,
-            distinct_messages: 1,
-            dedup_rows: 1
-        }
+        Ledger::once_each(1)
     );
 }
 
@@ -331,14 +316,7 @@ async fn handler_error_leaves_nothing_and_redelivery_applies_once(batch: usize) 
         vec![(0, 1)],
         "the retry saw no effect of the failed attempt, and only its own claim"
     );
-    assert_eq!(
-        ledger(&pool, "fails-once").await,
-        Ledger {
-            effects: 1,
-            distinct_messages: 1,
-            dedup_rows: 1
-        }
-    );
+    assert_eq!(ledger(&pool, "fails-once").await, Ledger::once_each(1));
     let delivered: i64 = sqlx::query_scalar("SELECT delivered FROM effects")
         .fetch_one(&pool)
         .await
@@ -396,11 +374,7 @@ async fn two_handlers_on_one_message_apply_once_each(batch: usize) {
         );
         assert_eq!(
             ledger(&pool, handler).await,
-            Ledger {
-                effects: MESSAGES,
-                distinct_messages: MESSAGES,
-                dedup_rows: MESSAGES
-            },
+            Ledger::once_each(MESSAGES),
             "handler {handler}"
         );
     }
@@ -451,14 +425,7 @@ async fn heartbeats_keep_a_long_handler_from_redelivery(batch: usize) {
     let (stats, ledger) = run_slow_handler(true, batch).await;
     assert_eq!(stats.received(), 1, "delivered exactly once");
     assert_eq!((stats.processed(), stats.duplicates()), (1, 0));
-    assert_eq!(
-        ledger,
-        Ledger {
-            effects: 1,
-            distinct_messages: 1,
-            dedup_rows: 1
-        }
-    );
+    assert_eq!(ledger, Ledger::once_each(1));
 }
 
 /// The control for scenario 6: without heartbeats the same handler is
@@ -471,14 +438,7 @@ async fn without_heartbeats_a_long_handler_is_redelivered_but_applied_once(batch
     );
     assert_eq!(stats.processed(), 1);
     assert_eq!(stats.duplicates(), stats.received() - 1);
-    assert_eq!(
-        ledger,
-        Ledger {
-            effects: 1,
-            distinct_messages: 1,
-            dedup_rows: 1
-        }
-    );
+    assert_eq!(ledger, Ledger::once_each(1));
 }
 
 /// Every scenario runs in per-message mode and in batch mode.

@@ -209,14 +209,7 @@ async fn transient_failures_are_retried_until_one_effect_on_the_third_delivery()
         .await
         .unwrap();
     assert_eq!(delivered, 3);
-    assert_eq!(
-        ledger(&pool, "flaky").await,
-        Ledger {
-            effects: 1,
-            distinct_messages: 1,
-            dedup_rows: 1
-        }
-    );
+    assert_eq!(ledger(&pool, "flaky").await, Ledger::once_each(1));
     assert!(dead_letters(&js, &stream).await.is_empty());
 }
 
@@ -356,14 +349,7 @@ async fn permanent_error_is_dead_lettered_at_once_and_replay_applies_it_once() {
     stop(handle, task).await;
 
     let ledger = ledger(&pool, "closed-accounts").await;
-    assert_eq!(
-        ledger,
-        Ledger {
-            effects: 1,
-            distinct_messages: 1,
-            dedup_rows: 1
-        }
-    );
+    assert_eq!(ledger, Ledger::once_each(1));
     let id: String = sqlx::query_scalar("SELECT message_id FROM effects")
         .fetch_one(&pool)
         .await
@@ -487,14 +473,7 @@ async fn ambiguous_commit_is_not_acked_and_the_redelivery_is_skipped() {
     assert_eq!(stuck, 0);
     stop(handle, task).await;
     assert_eq!(stats.processed(), 10);
-    assert_eq!(
-        ledger(&pool, "plain").await,
-        Ledger {
-            effects: 11,
-            distinct_messages: 11,
-            dedup_rows: 11
-        }
-    );
+    assert_eq!(ledger(&pool, "plain").await, Ledger::once_each(11));
 }
 
 /// A durable consumer that exists with other settings is not silently

@@ -103,6 +103,17 @@ pub struct Ledger {
     pub dedup_rows: i64,
 }
 
+impl Ledger {
+    /// Exactly once: `n` effects, all of distinct messages, and `n` claims.
+    pub fn once_each(n: i64) -> Ledger {
+        Ledger {
+            effects: n,
+            distinct_messages: n,
+            dedup_rows: n,
+        }
+    }
+}
+
 pub async fn ledger(pool: &PgPool, handler: &str) -> Ledger {
     let (effects, distinct_messages): (i64, i64) = sqlx::query_as(
         "SELECT count(*), count(DISTINCT message_id) FROM effects WHERE handler = $1",
