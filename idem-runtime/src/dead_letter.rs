@@ -14,7 +14,7 @@
 //! | `Idem-Message-Id` | the dedup id it resolved to (empty if none) |
 //! | `Idem-Handler` | the handler name |
 //! | `Idem-Delivered` | how many times it was delivered |
-//! | `Idem-Failure` | `permanent`, `exhausted`, `undecodable` or `bad-message-id` |
+//! | `Idem-Failure` | `permanent`, `exhausted`, `undecodable`, `bad-message-id` or `undeliverable` |
 //! | `Idem-Error` | the last error's text (one line, at most 1 KiB) |
 //! | `Idem-Dead-Lettered-At` | RFC 3339 time |
 //!
@@ -54,6 +54,9 @@ pub enum Failure {
     Undecodable,
     /// The message id is empty or too long.
     BadMessageId,
+    /// JetStream stopped redelivering it before it ever reached the handler
+    /// (a header that is not UTF-8 makes the client drop the connection).
+    Undeliverable,
 }
 
 impl Failure {
@@ -64,6 +67,7 @@ impl Failure {
             Failure::Exhausted => "exhausted",
             Failure::Undecodable => "undecodable",
             Failure::BadMessageId => "bad-message-id",
+            Failure::Undeliverable => "undeliverable",
         }
     }
 }
@@ -101,7 +105,57 @@ pub(crate) async fn ensure_stream(js: &jetstream::Context, route: &Route) -> Res
     }
 }
 
-/// Publishes `message` as a dead letter and waits for JetStream's ack.
+/// Where a dead letter came from: the context its headers record.
+pub(crate) struct Origin<'a> {
+    pub(crate) subject: &'a str,
+    pub(crate) stream: &'a str,
+    pub(crate) sequence: u64,
+    pub(crate) message_id: &'a str,
+    pub(crate) handler: &'a str,
+    pub(crate) delivered: u64,
+}
+
+/// Publishes a dead letter of `payload` to `subject` and waits for
+/// JetStream's ack. `headers` are the original's (without its `Nats-*`
+/// ones, which steer JetStream); the `Idem-*` context headers are added.
+pub(crate) async fn publish_letter(
+    js: &jetstream::Context,
+    subject: String,
+    origin: Origin<'_>,
+    mut headers: HeaderMap,
+    payload: bytes::Bytes,
+    failure: Failure,
+    error: &str,
+) -> Result<(), async_nats::Error> {
+    headers.insert("Idem-Original-Subject", origin.subject);
+    headers.insert("Idem-Original-Stream", origin.stream);
+    headers.insert(
+        "Idem-Original-Sequence",
+        origin.sequence.to_string().as_str(),
+    );
+    headers.insert("Idem-Message-Id", origin.message_id);
+    headers.insert("Idem-Handler", origin.handler);
+    headers.insert("Idem-Delivered", origin.delivered.to_string().as_str());
+    headers.insert("Idem-Failure", failure.as_str());
+    headers.insert("Idem-Error", one_line(error).as_str());
+    headers.insert("Idem-Dead-Lettered-At", now_rfc3339().as_str());
+    // A retried dead-letter publish (after a lost PubAck, or by a second
+    // worker) is dropped by JetStream's own dedup inside its window.
+    headers.insert(
+        NATS_MESSAGE_ID,
+        format!(
+            "idem-dead:{}:{}:{}",
+            origin.handler, origin.stream, origin.sequence
+        )
+        .as_str(),
+    );
+    js.publish_with_headers(subject, headers, payload)
+        .await?
+        .await?;
+    Ok(())
+}
+
+/// Publishes a delivered `message` as a dead letter.
 pub(crate) async fn publish(
     message: &Message,
     delivery: &Delivery,
@@ -112,7 +166,6 @@ pub(crate) async fn publish(
 ) -> Result<(), async_nats::Error> {
     let mut headers = HeaderMap::new();
     for (name, values) in delivery.headers().iter() {
-        // Nats-* headers steer JetStream (dedup, expectations); keep them out.
         let name_str: &str = name.as_ref();
         if name_str.starts_with("Nats-") {
             continue;
@@ -121,35 +174,24 @@ pub(crate) async fn publish(
             headers.append(name.clone(), value.clone());
         }
     }
-    headers.insert("Idem-Original-Subject", delivery.subject());
-    headers.insert("Idem-Original-Stream", delivery.stream());
-    headers.insert(
-        "Idem-Original-Sequence",
-        delivery.stream_sequence().to_string().as_str(),
-    );
-    headers.insert("Idem-Message-Id", delivery.message_id().as_str());
-    headers.insert("Idem-Handler", handler);
-    headers.insert("Idem-Delivered", delivery.delivered().to_string().as_str());
-    headers.insert("Idem-Failure", failure.as_str());
-    headers.insert("Idem-Error", one_line(error).as_str());
-    headers.insert("Idem-Dead-Lettered-At", now_rfc3339().as_str());
-    // A retried dead-letter publish (after a lost PubAck) is dropped by
-    // JetStream's own dedup inside its window.
-    headers.insert(
-        NATS_MESSAGE_ID,
-        format!(
-            "idem-dead:{handler}:{}:{}",
-            delivery.stream(),
-            delivery.stream_sequence()
-        )
-        .as_str(),
-    );
-    message
-        .context
-        .publish_with_headers(subject, headers, message.payload.clone())
-        .await?
-        .await?;
-    Ok(())
+    let origin = Origin {
+        subject: delivery.subject(),
+        stream: delivery.stream(),
+        sequence: delivery.stream_sequence(),
+        message_id: delivery.message_id().as_str(),
+        handler,
+        delivered: delivery.delivered(),
+    };
+    publish_letter(
+        &message.context,
+        subject,
+        origin,
+        headers,
+        message.payload.clone(),
+        failure,
+        error,
+    )
+    .await
 }
 
 fn one_line(text: &str) -> String {

@@ -57,6 +57,7 @@ mod router;
 pub mod schema;
 mod shutdown;
 mod stats;
+mod undeliverable;
 
 pub use ack::AckMode;
 pub use claim::Claim;

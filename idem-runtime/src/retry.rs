@@ -13,8 +13,9 @@ use std::time::Duration;
 ///
 /// The limit is enforced by the runtime, so that a dead-letter publish that
 /// fails can still be NAKed and retried: nothing is dropped. The consumer's
-/// server-side `max_deliver` is set 10 further out, as a backstop for a
-/// message that never reaches the runtime (see the README's failure table). A message that arrives past the
+/// server-side `max_deliver` is set 3 further out, as a backstop for a
+/// message that never reaches the runtime; the router dead-letters what that
+/// backstop stops (see the README's failure table). A message that arrives past the
 /// limit (its earlier attempts crashed the worker) is dead-lettered without
 /// running, unless its dedup row shows it was processed, in which case it is
 /// acked.

@@ -14,7 +14,7 @@ const MAX_BATCH: usize = 1000;
 
 /// Deliveries past the retry policy's limit after which JetStream itself
 /// stops redelivering a message.
-const SERVER_BACKSTOP: u64 = 10;
+const SERVER_BACKSTOP: u64 = 3;
 
 /// How progress heartbeats are sent while a handler runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -314,10 +314,12 @@ impl Route {
             ack_wait: self.ack_wait,
             // The runtime enforces the retry policy's limit itself, so that a
             // failed dead-letter publish can be NAKed and tried again. The
-            // server-side limit is a backstop, further out, for a message
-            // that never reaches the runtime: async-nats drops the whole
-            // connection on a header that is not UTF-8, so without it such a
-            // message would reset the connection every ack_wait, forever.
+            // server-side limit is a backstop, a little further out, for a
+            // message that never reaches the runtime: async-nats drops the
+            // whole connection on a header that is not UTF-8, so without it
+            // such a message would reset the connection every ack_wait,
+            // forever. The advisory JetStream then sends is dead-lettered by
+            // undeliverable.rs.
             max_deliver: i64::try_from(self.retry.max_deliver.saturating_add(SERVER_BACKSTOP))
                 .unwrap_or(i64::MAX),
             max_ack_pending: self.max_ack_pending,

@@ -17,6 +17,7 @@ use crate::route::Route;
 use crate::schema;
 use crate::shutdown::{self, Signal, Trigger};
 use crate::stats::Stats;
+use crate::undeliverable;
 
 /// Binds `#[idempotent]` handlers to JetStream durable pull consumers.
 ///
@@ -153,11 +154,32 @@ impl Router {
         }
         schema::verify(&pool).await?;
 
-        let js = jetstream::new(nats);
+        let js = jetstream::new(nats.clone());
         let mut consumers = Vec::with_capacity(self.routes.len());
+        let mut watchers = JoinSet::new();
         for bound in &self.routes {
-            crate::dead_letter::ensure_stream(&js, bound.route()).await?;
-            consumers.push(bind_consumer(&js, bound.route()).await?);
+            let route = bound.route();
+            crate::dead_letter::ensure_stream(&js, route).await?;
+            let watch = undeliverable::Watch {
+                stream: route.stream.clone(),
+                durable: route.durable.clone(),
+                handler: bound.handler_name(),
+                dead_letter_subject: route.dead_letter_target(),
+            };
+            let advisories =
+                undeliverable::subscribe(&nats, &watch)
+                    .await
+                    .map_err(|e| Error::JetStream {
+                        route: route.durable.clone(),
+                        source: e.into(),
+                    })?;
+            watchers.spawn(undeliverable::run(
+                js.clone(),
+                advisories,
+                watch,
+                self.signal.clone(),
+            ));
+            consumers.push(bind_consumer(&js, route).await?);
         }
 
         // Each route may keep at most its share of the pool's connections
@@ -198,6 +220,7 @@ impl Router {
         if abandoned > 0 {
             pool.close().await;
         }
+        watchers.shutdown().await;
         tracing::info!("shut down");
         Ok(())
     }
@@ -299,6 +322,7 @@ fn consumer_differences(existing: &consumer::Config, wanted: &pull::Config) -> V
 /// A route with its handler, type-erased so one router holds many handlers.
 trait Bind: Send + Sync {
     fn route(&self) -> &Route;
+    fn handler_name(&self) -> &'static str;
     fn start(
         self: Box<Self>,
         consumer: PullConsumer,
@@ -319,6 +343,10 @@ struct Bound<H> {
 impl<H: Handler> Bind for Bound<H> {
     fn route(&self) -> &Route {
         &self.route
+    }
+
+    fn handler_name(&self) -> &'static str {
+        self.handler.name()
     }
 
     fn start(

@@ -553,3 +553,116 @@ async fn missing_dead_letter_stream_is_refused_at_startup() {
     );
     assert!(error.to_string().contains("nowhere.dead"), "{error}");
 }
+
+/// Publishes `payload` with a `Nats-Msg-Id` header that is not UTF-8, over a
+/// raw connection: no NATS client library would send it.
+async fn publish_non_utf8_header(nats_url: &str, subject: &str, payload: &[u8]) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let address = nats_url.trim_start_matches("nats://");
+    let mut socket = tokio::net::TcpStream::connect(address).await.unwrap();
+    let mut info = [0u8; 4096];
+    let _ = socket.read(&mut info).await.unwrap();
+    let header = b"NATS/1.0\r\nNats-Msg-Id: \xff\xfe-not-utf8\r\n\r\n";
+    let mut frame = format!(
+        "CONNECT {{\"verbose\":false,\"headers\":true,\"protocol\":1}}\r\nHPUB {subject} {} {}\r\n",
+        header.len(),
+        header.len() + payload.len()
+    )
+    .into_bytes();
+    frame.extend_from_slice(header);
+    frame.extend_from_slice(payload);
+    frame.extend_from_slice(b"\r\nPING\r\n");
+    socket.write_all(&frame).await.unwrap();
+    let mut pong = [0u8; 64];
+    let read = socket.read(&mut pong).await.unwrap();
+    assert!(
+        String::from_utf8_lossy(&pong[..read]).contains("PONG"),
+        "the server took the raw publish"
+    );
+}
+
+/// A header that is not UTF-8 never reaches the handler: the client drops
+/// its connection on it, and every message delivered with it is redelivered
+/// too. JetStream stops after the backstop limit, and the router
+/// dead-letters what it gave up on, raw headers kept. Nothing is lost: the
+/// good message is either processed or dead-lettered beside it and replayed.
+#[tokio::test]
+async fn a_header_that_is_not_utf8_is_dead_lettered_and_nothing_is_lost() {
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("NONUTF8", Duration::from_secs(120)).await;
+    let poison = br#"{"account":"x","amount":1}"#;
+    publish_non_utf8_header(env.nats_url(), &subject, poison).await;
+    // No Nats-Msg-Id, so that a replay is not caught by JetStream's window.
+    publish(&js, &subject, &deposit("a", 2), None).await;
+    assert_eq!(
+        js.get_stream(&stream)
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .state
+            .messages,
+        2,
+        "both messages are stored"
+    );
+
+    // The poison drops the router's connection again and again; the checks
+    // below use a connection of their own.
+    let js = jetstream::new(env.nats().await);
+    let route = Route::new(&stream, "c")
+        .ack_wait(Duration::from_secs(1))
+        .max_deliver(1);
+    let (handle, task) = spawn(Router::new().route(route, plain), nats, pool.clone());
+    let stats = handle.stats("c").unwrap();
+    let letter_of = |letters: &[jetstream::message::StreamMessage], sequence: &str| {
+        letters
+            .iter()
+            .find(|letter| header(letter, "Idem-Original-Sequence") == sequence)
+            .cloned()
+    };
+    eventually(
+        "the poison is dead-lettered, and the good message processed or dead-lettered",
+        Duration::from_secs(60),
+        || async {
+            let letters = dead_letters(&js, &stream).await;
+            letter_of(&letters, "1").is_some()
+                && (stats.processed() == 1 || letter_of(&letters, "2").is_some())
+        },
+    )
+    .await;
+
+    let letters = dead_letters(&js, &stream).await;
+    let letter = letter_of(&letters, "1").unwrap();
+    assert_eq!(header(&letter, "Idem-Failure"), "undeliverable");
+    assert_eq!(&letter.payload[..], poison);
+    use base64::Engine;
+    let original_headers = base64::engine::general_purpose::STANDARD
+        .decode(header(&letter, "Idem-Original-Headers-Base64"))
+        .unwrap();
+    assert!(
+        original_headers.windows(2).any(|pair| pair == b"\xff\xfe"),
+        "the raw header block is kept"
+    );
+    if let Some(good) = letter_of(&letters, "2") {
+        // Redelivered with the poison each time, it ran out of deliveries
+        // too; replayed, it is processed.
+        dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, good.sequence)
+            .await
+            .unwrap();
+    }
+    eventually(
+        "the good message is processed",
+        Duration::from_secs(30),
+        || async { stats.processed() == 1 },
+    )
+    .await;
+    stop(handle, task).await;
+    assert_eq!(ledger(&pool, "plain").await, Ledger::once_each(1));
+}
