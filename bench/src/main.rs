@@ -51,8 +51,8 @@ options:
   --prefill ROWS    dedup rows of `prefilled` (default 5000000)
   --no-ping         pools skip sqlx's liveness check on acquire
                     (test_before_acquire(false)), in every mode
-  --pull slots      the hand-written modes fetch like the runtime (only as
-                    many messages as free slots, a task per message)
+  --pull slots      the hand-written modes pull only as many messages as
+                    there are free slots, a task per message
                     instead of async-nats' prefetching messages() (default:
                     --pull prefetch); for attributing differences
 

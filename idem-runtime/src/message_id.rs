@@ -22,7 +22,8 @@ pub const MAX_MESSAGE_ID_LEN: usize = 512;
 ///
 /// An explicit key or a `Nats-Msg-Id` that is empty, or longer than
 /// [`MAX_MESSAGE_ID_LEN`] bytes, is an [`InvalidMessageId`] error: the message
-/// is terminated (not retried), because no retry can change its id.
+/// is dead-lettered on its first delivery (not retried), because no retry
+/// can change its id.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MessageId {
     value: String,
