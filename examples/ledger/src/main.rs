@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};
-use idem_runtime::{Route, Router, idempotent};
+use idem_runtime::{Classify, ErrorClass, Route, Router, idempotent};
 use serde::{Deserialize, Serialize};
 
 const STREAM: &str = "LEDGER";
@@ -37,6 +37,17 @@ enum LedgerError {
     UnknownAccount(i64),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+}
+
+/// An unknown account will not appear on a retry, so that error is
+/// permanent: the credit is dead-lettered at once instead of retried.
+impl Classify for LedgerError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            LedgerError::UnknownAccount(_) => ErrorClass::Permanent,
+            LedgerError::Database(error) => ErrorClass::of_sqlx(error),
+        }
+    }
 }
 
 /// Credits an account. The dedup key is the transfer id, so a credit
