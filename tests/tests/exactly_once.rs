@@ -380,18 +380,22 @@ async fn two_handlers_on_one_message_apply_once_each(batch: usize) {
     }
 }
 
+/// ack_wait for the heartbeat scenario: 2 s leaves heartbeats (every 667 ms)
+/// a margin even on a loaded 2-core CI machine.
+const SLOW_ACK_WAIT: Duration = Duration::from_secs(2);
+
 #[idempotent(name = "slow")]
 async fn slow(
     tx: &mut sqlx::PgTransaction<'_>,
     d: Deposit,
     delivery: &Delivery,
 ) -> Result<(), sqlx::Error> {
-    // Three times the test's ack_wait of 1 s.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Three times the test's ack_wait.
+    tokio::time::sleep(SLOW_ACK_WAIT * 3).await;
     record_effect(tx, "slow", &d, delivery).await
 }
 
-/// Runs `slow` on one message with ack_wait 1 s and returns the route's
+/// Runs `slow` on one message with ack_wait 2 s and returns the route's
 /// stats. `heartbeat` turns `+WPI` heartbeats on or off.
 async fn run_slow_handler(
     heartbeat: bool,
@@ -408,7 +412,7 @@ async fn run_slow_handler(
     publish(&js, &subject, &deposit(1), Some("slow-1")).await;
     let mut route = Route::new(&stream, "credit")
         .batch(batch)
-        .ack_wait(Duration::from_secs(1))
+        .ack_wait(SLOW_ACK_WAIT)
         .concurrency(4);
     if !heartbeat {
         route = route.without_heartbeat().allow_redelivery_while_running();

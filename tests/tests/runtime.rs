@@ -109,7 +109,8 @@ async fn held(
     d: Deposit,
     delivery: &Delivery,
 ) -> Result<(), sqlx::Error> {
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Long enough that the test sees them all in flight, even on a loaded machine.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     record_effect(tx, "held", &d, delivery).await
 }
 
