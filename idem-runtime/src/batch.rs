@@ -20,7 +20,6 @@ use async_nats::jetstream::Message;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
-use crate::ack;
 use crate::claim;
 use crate::delivery::Delivery;
 use crate::error::HandlerError;
@@ -67,14 +66,8 @@ impl<H: Handler> Pipeline<H> {
         let mut ready = Vec::with_capacity(messages.len());
         for message in messages {
             Stats::bump(&self.stats.received);
-            let mut delivery = match Delivery::from_message(&message) {
-                Ok(delivery) => delivery,
-                Err(error) => {
-                    tracing::error!(%error, subject = %message.subject, "not a JetStream delivery; terminating it");
-                    Stats::bump(&self.stats.rejected);
-                    ack::term(&message).await;
-                    continue;
-                }
+            let Some(mut delivery) = self.delivery_of(&message).await else {
+                continue;
             };
             match self.prepare(&message, &mut delivery) {
                 Err(rejected) => {
@@ -158,13 +151,9 @@ impl<H: Handler> Pipeline<H> {
                 continue;
             }
             let payload = item.payload.take().expect("each payload is used once");
-            let handled = self.handler.run_claimed(&mut tx, payload, &item.delivery);
-            let outcome = match self.route.handler_timeout {
-                Some(limit) => tokio::time::timeout(limit, handled)
-                    .await
-                    .unwrap_or(Err(HandlerError::TimedOut(limit))),
-                None => handled.await,
-            };
+            let outcome = self
+                .within_timeout(self.handler.run_claimed(&mut tx, payload, &item.delivery))
+                .await;
             match outcome {
                 Ok(Outcome::Processed | Outcome::Duplicate) => {}
                 Err(error) => {

@@ -56,16 +56,8 @@ impl<H: Handler> Pipeline<H> {
     /// the message is settled.
     pub(crate) async fn process(self: Arc<Self>, message: Message, _slot: OwnedSemaphorePermit) {
         Stats::bump(&self.stats.received);
-        let delivery = match Delivery::from_message(&message) {
-            Ok(delivery) => delivery,
-            Err(error) => {
-                // Without delivery metadata this is not a JetStream consumer
-                // delivery; there is nothing to dedup by or redeliver.
-                tracing::error!(%error, subject = %message.subject, "not a JetStream delivery; terminating it");
-                Stats::bump(&self.stats.rejected);
-                ack::term(&message).await;
-                return;
-            }
+        let Some(delivery) = self.delivery_of(&message).await else {
+            return;
         };
         let span = tracing::info_span!(
             "idem.message",
@@ -76,6 +68,35 @@ impl<H: Handler> Pipeline<H> {
             delivered = delivery.delivered(),
         );
         self.run(message, delivery).instrument(span).await;
+    }
+
+    /// The delivery metadata of `message`, or `None` after terminating a
+    /// message that has none: it is not a JetStream consumer delivery, so
+    /// there is nothing to dedup it by or redeliver.
+    pub(crate) async fn delivery_of(&self, message: &Message) -> Option<Delivery> {
+        match Delivery::from_message(message) {
+            Ok(delivery) => Some(delivery),
+            Err(error) => {
+                tracing::error!(%error, subject = %message.subject, "not a JetStream delivery; terminating it");
+                Stats::bump(&self.stats.rejected);
+                ack::term(message).await;
+                None
+            }
+        }
+    }
+
+    /// Runs a handler call under the route's handler timeout, which covers
+    /// the handler alone, never BEGIN or COMMIT.
+    pub(crate) async fn within_timeout(
+        &self,
+        handled: impl Future<Output = Result<Outcome, HandlerError>>,
+    ) -> Result<Outcome, HandlerError> {
+        match self.route.handler_timeout {
+            Some(limit) => tokio::time::timeout(limit, handled)
+                .await
+                .unwrap_or(Err(HandlerError::TimedOut(limit))),
+            None => handled.await,
+        }
     }
 
     async fn run(&self, message: Message, mut delivery: Delivery) {
@@ -176,13 +197,9 @@ impl<H: Handler> Pipeline<H> {
             Ok(tx) => tx,
             Err(error) => return Verdict::Failed(HandlerError::Claim(error)),
         };
-        let handled = self.handler.handle(&mut tx, payload, delivery);
-        let outcome = match self.route.handler_timeout {
-            Some(limit) => tokio::time::timeout(limit, handled)
-                .await
-                .unwrap_or(Err(HandlerError::TimedOut(limit))),
-            None => handled.await,
-        };
+        let outcome = self
+            .within_timeout(self.handler.handle(&mut tx, payload, delivery))
+            .await;
         // Only a connection whose transaction ended cleanly is reused; after
         // a failure it goes back to the pool, which checks it first.
         let (verdict, clean) = match outcome {
