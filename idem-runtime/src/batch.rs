@@ -95,7 +95,7 @@ impl<H: Handler> Pipeline<H> {
         match self.transact_batch(&mut ready).await {
             Ok(fresh) => {
                 heartbeat.stop().await;
-                Stats::bump(&self.stats.batches);
+                self.stats.record_batch(ready.len());
                 for (item, fresh) in ready.into_iter().zip(fresh) {
                     let verdict = if fresh {
                         Verdict::Processed

@@ -17,11 +17,18 @@ pub struct Stats {
     pub(crate) dropped_by_fault: AtomicU64,
     pub(crate) batches: AtomicU64,
     pub(crate) batch_fallbacks: AtomicU64,
+    pub(crate) largest_batch: AtomicU64,
 }
 
 impl Stats {
     pub(crate) fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records a committed batch of `size` messages.
+    pub(crate) fn record_batch(&self, size: usize) {
+        Stats::bump(&self.batches);
+        self.largest_batch.fetch_max(size as u64, Ordering::Relaxed);
     }
 
     /// Messages taken from the consumer.
@@ -66,6 +73,11 @@ impl Stats {
     /// Batches committed in one transaction (batch mode).
     pub fn batches(&self) -> u64 {
         self.batches.load(Ordering::Relaxed)
+    }
+    /// The most messages one committed batch transaction held (batch mode):
+    /// above 1 shows that batching really happened.
+    pub fn largest_batch(&self) -> u64 {
+        self.largest_batch.load(Ordering::Relaxed)
     }
     /// Batches rolled back and rerun one message per transaction.
     pub fn batch_fallbacks(&self) -> u64 {
