@@ -18,6 +18,7 @@ pub struct Stats {
     pub(crate) batches: AtomicU64,
     pub(crate) batch_fallbacks: AtomicU64,
     pub(crate) largest_batch: AtomicU64,
+    pub(crate) infrastructure_errors: AtomicU64,
 }
 
 impl Stats {
@@ -78,6 +79,11 @@ impl Stats {
     /// above 1 shows that batching really happened.
     pub fn largest_batch(&self) -> u64 {
         self.largest_batch.load(Ordering::Relaxed)
+    }
+    /// Attempts that failed before the handler ran, because the database
+    /// could not be used: BEGIN, the claim, or getting a connection.
+    pub fn infrastructure_errors(&self) -> u64 {
+        self.infrastructure_errors.load(Ordering::Relaxed)
     }
     /// Batches rolled back and rerun one message per transaction.
     pub fn batch_fallbacks(&self) -> u64 {

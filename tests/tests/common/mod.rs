@@ -317,3 +317,84 @@ pub fn header(message: &jetstream::message::StreamMessage, name: &str) -> String
         .map(|value| value.as_str().to_owned())
         .unwrap_or_default()
 }
+
+/// Everything the workers told JetStream about each delivery of one stream
+/// (`+ACK`, `-NAK`, `+WPI`, `+TERM`, ...), in the order the server got it,
+/// seen by a plain subscriber on the ack subjects.
+pub struct AckLog {
+    entries: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    task: JoinHandle<()>,
+}
+
+impl AckLog {
+    /// Starts listening to the acks of `stream`'s consumers.
+    pub async fn start(nats: &async_nats::Client, stream: &str) -> AckLog {
+        use futures_util::StreamExt;
+        // `$JS.ACK.<stream>.<consumer>...`, or with a domain and account
+        // hash in front in the newer format: filtered by token below.
+        let mut acks = nats
+            .subscribe("$JS.ACK.>")
+            .await
+            .expect("subscribed to the ack subjects");
+        let stream = stream.to_owned();
+        nats.flush().await.expect("the subscription is in place");
+        let entries = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = entries.clone();
+        let task = tokio::spawn(async move {
+            while let Some(ack) = acks.next().await {
+                if !ack.subject.split('.').any(|token| token == stream) {
+                    continue;
+                }
+                let kind = String::from_utf8_lossy(&ack.payload)
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned();
+                sink.lock().unwrap().push((ack.subject.to_string(), kind));
+            }
+        });
+        AckLog { entries, task }
+    }
+
+    /// The deliveries that got a progress heartbeat after they were settled
+    /// (acked, NAKed or terminated): each as its ack subject and its log.
+    pub fn heartbeats_after_settling(&self) -> Vec<(String, Vec<String>)> {
+        let entries = self.entries.lock().unwrap();
+        let mut per_delivery: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        for (subject, kind) in entries.iter() {
+            per_delivery
+                .entry(subject)
+                .or_default()
+                .push(kind.clone());
+        }
+        per_delivery
+            .into_iter()
+            .filter(|(_, kinds)| {
+                let settled = kinds
+                    .iter()
+                    .position(|kind| kind != "+WPI")
+                    .unwrap_or(kinds.len());
+                kinds[settled..].iter().any(|kind| kind == "+WPI")
+            })
+            .map(|(subject, kinds)| (subject.to_owned(), kinds))
+            .collect()
+    }
+
+    /// How many messages of each kind were seen.
+    pub fn count(&self, kind: &str) -> usize {
+        self.entries
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, k)| k == kind)
+            .count()
+    }
+}
+
+impl Drop for AckLog {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+use std::collections::BTreeMap;

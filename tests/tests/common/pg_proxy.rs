@@ -1,9 +1,12 @@
 //! A TCP proxy in front of PostgreSQL that can cut a connection right after
 //! the server has executed a COMMIT, before the client hears the result: the
-//! ambiguous commit, for real.
+//! ambiguous commit, for real. It can also orphan a transaction: drop the
+//! COMMIT and the client's connection, but keep the server's side open, as a
+//! network partition leaves a backend that never hears from its client again.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -20,6 +23,10 @@ struct Control {
     armed: AtomicBool,
     /// Connections cut after their COMMIT reached the server.
     cuts: AtomicUsize,
+    /// Orphan the connection that sends the next COMMIT.
+    orphan: AtomicBool,
+    /// The server sides of orphaned connections, kept open.
+    orphaned: Mutex<Vec<OwnedWriteHalf>>,
 }
 
 /// The proxy; stops accepting when dropped.
@@ -73,6 +80,19 @@ impl PgProxy {
     /// How many connections were cut after a COMMIT.
     pub fn cuts(&self) -> usize {
         self.control.cuts.load(Ordering::SeqCst)
+    }
+
+    /// Orphans the transaction that sends the next COMMIT: the COMMIT is not
+    /// forwarded, the client's connection is closed, and the server's is
+    /// kept open (so its backend stays in the transaction, holding its
+    /// locks, until the server itself ends it).
+    pub fn orphan_next_commit(&self) {
+        self.control.orphan.store(true, Ordering::SeqCst);
+    }
+
+    /// How many transactions were orphaned.
+    pub fn orphans(&self) -> usize {
+        self.control.orphaned.lock().unwrap().len()
     }
 }
 
@@ -140,7 +160,17 @@ async fn client_to_server(
         let length = from.read_u32().await?;
         let mut body = vec![0; length as usize - 4];
         from.read_exact(&mut body).await?;
-        let is_commit = kind == b'Q' && body.to_ascii_uppercase().starts_with(b"COMMIT");
+        // A simple query that commits: `COMMIT`, or several statements one
+        // of which is.
+        let is_commit = kind == b'Q'
+            && body
+                .to_ascii_uppercase()
+                .windows(6)
+                .any(|window| window == b"COMMIT");
+        if is_commit && control.orphan.swap(false, Ordering::SeqCst) {
+            control.orphaned.lock().unwrap().push(to);
+            return Ok(());
+        }
         // Flag it before the server can answer, so the answer is never
         // forwarded.
         if is_commit && control.armed.swap(false, Ordering::SeqCst) {

@@ -1,0 +1,1401 @@
+//! Hardening: paths that once broke the promise "nothing lost, nothing
+//! applied twice" without any test noticing. Each test here was written
+//! first, failed against the runtime of the time, and passes since its fix.
+//! The README's "Failure handling" table points at them.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use common::pg_proxy::{PgProxy, upstream_of};
+use common::*;
+use futures_util::StreamExt;
+use idem_runtime::{Delivery, Permanent, Route, Router, Transient, dead_letter, idempotent};
+use sqlx::Connection as _;
+
+fn deposit(account: &str, amount: i64) -> Deposit {
+    Deposit {
+        account: account.into(),
+        amount,
+    }
+}
+
+/// Quick retries, so the tests wait milliseconds rather than seconds.
+fn fast(route: Route) -> Route {
+    route.backoff(Duration::from_millis(50), Duration::from_millis(200))
+}
+
+// --- 1. A handler that swallows a failed statement -------------------------
+
+#[idempotent(name = "swallows")]
+async fn swallows(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "swallows", &d, delivery).await?;
+    // The classic mistake: "insert, and ignore it if it fails". PostgreSQL
+    // has now aborted the whole transaction, effect and claim included.
+    let _ = sqlx::query("INSERT INTO effects (handler) VALUES (NULL)")
+        .execute(&mut **tx)
+        .await;
+    Ok(())
+}
+
+/// A handler that ignores a failed statement and returns `Ok` has lost its
+/// transaction: PostgreSQL turns the COMMIT into a rollback and reports
+/// success. No such message may be acked as processed: each one is
+/// dead-lettered with an error that says what happened, and nothing (no
+/// effect, no claim) is half-applied.
+async fn a_swallowed_sql_error_is_never_acked_as_processed(batch: usize) {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("SWALLOW", Duration::from_secs(120)).await;
+    const MESSAGES: usize = 10;
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit("a", 1), Some(&format!("sw-{i}"))).await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")).batch(batch), swallows),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(stats.processed(), 0, "nothing was acked as processed");
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), MESSAGES, "every message is dead-lettered");
+    for letter in &letters {
+        assert_eq!(header(letter, "Idem-Failure"), "permanent");
+        assert!(
+            header(letter, "Idem-Error").contains("aborted"),
+            "the error says what happened: {}",
+            header(letter, "Idem-Error")
+        );
+        assert_eq!(header(letter, "Idem-Delivered"), "1");
+    }
+    assert_eq!(ledger(&pool, "swallows").await, Ledger::once_each(0));
+}
+
+static SWALLOWED_ONCE: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+#[idempotent(name = "swallows-once")]
+async fn swallows_once(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "swallows-once", &d, delivery).await?;
+    let first = SWALLOWED_ONCE
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashSet::new)
+        .insert(delivery.message_id().to_string());
+    if first {
+        let _ = sqlx::query("INSERT INTO effects (handler) VALUES (NULL)")
+            .execute(&mut **tx)
+            .await;
+    }
+    Ok(())
+}
+
+/// A swallowed error that does not come back on a retry (a lost race, say)
+/// costs a retry, not the message: each message is applied once.
+async fn a_swallowed_error_that_clears_is_retried_and_applied_once(batch: usize) {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("SWALLOW1", Duration::from_secs(120)).await;
+    const MESSAGES: usize = 10;
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit("a", 1), Some(&format!("s1-{i}"))).await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(
+            fast(Route::new(&stream, "c")).batch(batch),
+            swallows_once,
+        ),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let seen = SWALLOWED_ONCE.lock().unwrap().clone().unwrap_or_default();
+    assert_eq!(seen.len(), MESSAGES, "each message swallowed an error once");
+    assert!(dead_letters(&js, &stream).await.is_empty());
+    assert_eq!(
+        ledger(&pool, "swallows-once").await,
+        Ledger::once_each(MESSAGES as i64)
+    );
+}
+
+// --- 2. A stream deleted and recreated --------------------------------------
+
+#[idempotent(name = "no-ids")]
+async fn no_ids(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "no-ids", &d, delivery).await
+}
+
+/// Messages without `Nats-Msg-Id` fall back to an id built from their stream
+/// sequence. Sequences restart at 1 when a stream is deleted and recreated:
+/// the new messages must not be mistaken for the old ones.
+#[tokio::test]
+async fn a_recreated_stream_does_not_skip_new_messages_without_ids() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("RECREATE", Duration::from_secs(120)).await;
+    for i in 0..5 {
+        publish(&js, &subject, &deposit("before", i), None).await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), no_ids),
+        nats.clone(),
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+
+    js.delete_stream(&stream).await.unwrap();
+    create_stream(&js, &stream, &subject, Duration::from_secs(120)).await;
+    for i in 0..5 {
+        let ack = publish(&js, &subject, &deposit("after", i), None).await;
+        assert_eq!(ack.sequence, i as u64 + 1, "the sequences start over");
+    }
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), no_ids),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("c").unwrap();
+    assert_eq!((stats.processed(), stats.duplicates()), (5, 0));
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(10));
+}
+
+#[idempotent(name = "always-refuses")]
+async fn always_refuses(
+    _tx: &mut sqlx::PgTransaction<'_>,
+    _d: Deposit,
+) -> Result<(), idem_runtime::BoxError> {
+    Err(Permanent::new("this handler refuses everything").into())
+}
+
+/// The same holds for dead letters, which JetStream deduplicates by an id
+/// built from the original's position: a message of the recreated stream
+/// must get a dead letter of its own, not be taken for the old one's.
+#[tokio::test]
+async fn a_recreated_stream_does_not_swallow_new_dead_letters() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("RECREATEDL", Duration::from_secs(120)).await;
+    publish(&js, &subject, &deposit("before", 1), None).await;
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")), always_refuses),
+        nats.clone(),
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+
+    js.delete_stream(&stream).await.unwrap();
+    create_stream(&js, &stream, &subject, Duration::from_secs(120)).await;
+    publish(&js, &subject, &deposit("after", 1), None).await;
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")), always_refuses),
+        nats,
+        pool,
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    assert_eq!(handle.stats("c").unwrap().dead_lettered(), 1);
+    let letters = dead_letters(&js, &stream).await;
+    let accounts: Vec<String> = letters
+        .iter()
+        .map(|letter| {
+            serde_json::from_slice::<Deposit>(&letter.payload)
+                .unwrap()
+                .account
+        })
+        .collect();
+    assert_eq!(accounts, ["before", "after"], "both dead letters are stored");
+}
+
+// --- 3. The dead-letter stream is unavailable -------------------------------
+
+/// The dead-letter stream is gone for longer than any number of redeliveries
+/// would cover. The message is held (its heartbeats keep it leased) and the
+/// publish retried until the stream is back: it is dead-lettered on its
+/// first delivery and never parked.
+#[tokio::test]
+async fn a_dead_letter_stream_outage_loses_nothing() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("DLOUTAGE", Duration::from_secs(120)).await;
+    let (handle, task) = spawn(
+        Router::new().route(
+            fast(Route::new(&stream, "c")).max_deliver(2),
+            always_refuses,
+        ),
+        nats,
+        pool.clone(),
+    );
+    let dead_letter_config = eventually_get_stream(&js, dead_letter::DEFAULT_STREAM).await;
+    js.delete_stream(dead_letter::DEFAULT_STREAM).await.unwrap();
+    publish(&js, &subject, &deposit("a", 1), Some("outage-1")).await;
+
+    let stats = handle.stats("c").unwrap();
+    // More failed publishes than the route's deliveries and JetStream's
+    // backstop together would ever allow: the outage outlasted them.
+    eventually(
+        "the dead-letter publish failed 10 times",
+        Duration::from_secs(30),
+        || async { stats.dead_letter_failed() >= 10 },
+    )
+    .await;
+    js.create_stream(dead_letter_config).await.unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    assert_eq!(stats.dead_lettered(), 1);
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(header(&letters[0], "Idem-Message-Id"), "outage-1");
+    assert_eq!(
+        header(&letters[0], "Idem-Delivered"),
+        "1",
+        "held, never redelivered"
+    );
+    let info = consumer_info(&js, &stream, "c").await;
+    assert_eq!(
+        (info.num_pending, info.num_ack_pending, info.num_redelivered),
+        (0, 0, 0)
+    );
+}
+
+/// The config of `name`, once the router has created it.
+async fn eventually_get_stream(
+    js: &jetstream::Context,
+    name: &str,
+) -> jetstream::stream::Config {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(mut stream) = js.get_stream(name).await {
+            return stream.info().await.unwrap().config.clone();
+        }
+        assert!(Instant::now() < deadline, "stream {name} never appeared");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Takes the deliveries of the route's durable consumer by hand, never
+/// acking them, as a worker would that crashes on each, until JetStream
+/// gives up on the message and says so in its `MAX_DELIVERIES` advisory
+/// (which it sends on the pull after the last delivery). Returns the last
+/// delivery count seen. No router listens meanwhile.
+async fn exhaust_deliveries(
+    nats: &async_nats::Client,
+    stream: &str,
+    durable: &str,
+) -> i64 {
+    let mut advisories = nats
+        .subscribe(format!(
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
+        ))
+        .await
+        .unwrap();
+    nats.flush().await.unwrap();
+    let js = jetstream::new(nats.clone());
+    let consumer: jetstream::consumer::PullConsumer = js
+        .get_stream(stream)
+        .await
+        .unwrap()
+        .get_consumer(durable)
+        .await
+        .unwrap();
+    let mut delivered = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(Instant::now() < deadline, "JetStream never gave up");
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_secs(1))
+            .messages()
+            .await
+            .unwrap();
+        if let Some(Ok(message)) = batch.next().await {
+            delivered = message.info().unwrap().delivered;
+            // Not acked: ack_wait runs out, as if the worker had died.
+        }
+        if let Ok(Some(_)) =
+            tokio::time::timeout(Duration::from_millis(10), advisories.next()).await
+        {
+            return delivered;
+        }
+    }
+}
+
+/// The route for the tests where JetStream gives up: one delivery allowed,
+/// so JetStream's own limit (the route's plus a margin of 3) is 4.
+fn given_up_route(stream: &str) -> Route {
+    fast(Route::new(stream, "c"))
+        .max_deliver(1)
+        .ack_wait(Duration::from_millis(500))
+        .heartbeat_every(Duration::from_millis(150))
+}
+
+/// JetStream stops redelivering a message (the workers that took it kept
+/// dying) while no router runs. Its advisory is stored, so a router started
+/// later still dead-letters the message: it is never silently parked.
+#[tokio::test]
+async fn a_message_jetstream_gave_up_on_while_no_router_ran_is_dead_lettered() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("GIVENUP", Duration::from_secs(120)).await;
+    // A first start creates the consumer (and whatever else idem needs).
+    let (handle, task) = spawn(
+        Router::new().route(given_up_route(&stream), no_ids),
+        nats.clone(),
+        pool.clone(),
+    );
+    eventually_get_stream(&js, dead_letter::DEFAULT_STREAM).await;
+    stop(handle, task).await;
+
+    publish(&js, &subject, &deposit("a", 1), Some("parked-1")).await;
+    assert_eq!(exhaust_deliveries(&nats, &stream, "c").await, 4);
+
+    let (handle, task) = spawn(
+        Router::new().route(given_up_route(&stream), no_ids),
+        nats,
+        pool.clone(),
+    );
+    eventually(
+        "the given-up message is dead-lettered",
+        Duration::from_secs(30),
+        || async { !dead_letters(&js, &stream).await.is_empty() },
+    )
+    .await;
+    stop(handle, task).await;
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(header(&letters[0], "Idem-Failure"), "undeliverable");
+    assert_eq!(header(&letters[0], "Idem-Original-Sequence"), "1");
+    assert_eq!(ledger(&pool, "no-ids").await.effects, 0);
+}
+
+// --- 4. Replaying what JetStream gave up on keeps the message id ------------
+
+/// A message is committed but its ack is lost, and JetStream then gives up
+/// on it. Its dead letter must carry the id it was deduplicated by, so that
+/// replaying it is a duplicate, not a second effect.
+#[tokio::test]
+async fn replaying_a_given_up_message_that_was_committed_applies_it_once() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("ACKLOST", Duration::from_millis(500)).await;
+    publish(&js, &subject, &deposit("a", 5), Some("acklost-1")).await;
+    // The first worker commits, then "dies" before its ack.
+    let committed = std::sync::Arc::new(AtomicU64::new(0));
+    let hook_committed = committed.clone();
+    let router = Router::new()
+        .route(given_up_route(&stream), no_ids)
+        .fault_hooks(
+            idem_runtime::fault::FaultHooks::default().after_commit(move |_| {
+                hook_committed.fetch_add(1, Ordering::SeqCst);
+                idem_runtime::fault::AfterCommit::DropWithoutAck
+            }),
+        );
+    let (handle, task) = spawn(router, nats.clone(), pool.clone());
+    eventually("the message committed", Duration::from_secs(30), || async {
+        committed.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    stop(handle, task).await;
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(1));
+
+    // Later workers keep dying on it until JetStream gives up.
+    exhaust_deliveries(&nats, &stream, "c").await;
+    let (handle, task) = spawn(
+        Router::new().route(given_up_route(&stream), no_ids),
+        nats,
+        pool.clone(),
+    );
+    eventually(
+        "the given-up message is dead-lettered",
+        Duration::from_secs(30),
+        || async { !dead_letters(&js, &stream).await.is_empty() },
+    )
+    .await;
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(header(&letters[0], "Idem-Message-Id"), "acklost-1");
+
+    // The stream's duplicate window (500 ms) is long past: JetStream stores
+    // the replay, and only the claim can tell it was processed.
+    dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, letters[0].sequence)
+        .await
+        .expect("the replay is stored");
+    let stats = handle.stats("c").unwrap();
+    eventually("the replay is skipped", Duration::from_secs(30), || async {
+        stats.duplicates() == 1
+    })
+    .await;
+    stop(handle, task).await;
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(1));
+}
+
+// --- 5. Undecodable messages keep their Nats-Msg-Id -------------------------
+
+#[idempotent(name = "shape")]
+async fn strict_shape(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "shape", &d, delivery).await
+}
+
+/// The same handler (same name, so same dedup rows) after a fix that
+/// accepts the old shape too.
+#[idempotent(name = "shape")]
+async fn lenient_shape(
+    tx: &mut sqlx::PgTransaction<'_>,
+    v: serde_json::Value,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    let d = deposit(v["acct"].as_str().unwrap_or("?"), 1);
+    record_effect(tx, "shape", &d, delivery).await
+}
+
+/// A payload the handler cannot decode is dead-lettered with its
+/// `Nats-Msg-Id`. Two stored copies of it (a publisher retry after
+/// JetStream's window) are both dead-lettered; replayed after the handler is
+/// fixed, they are one message and apply once.
+#[tokio::test]
+async fn two_copies_of_an_undecodable_message_apply_once_when_replayed() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("UNDECODABLE", Duration::from_millis(500)).await;
+    let publish_copy = || async {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, "old-shape-1");
+        js.publish_with_headers(subject.clone(), headers, r#"{"acct":"x"}"#.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap()
+    };
+    let first = publish_copy().await;
+    // Past the stream's duplicate window, the publisher's retry is stored
+    // again.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let second = publish_copy().await;
+    assert_eq!((first.sequence, second.sequence), (1, 2));
+    assert!(!second.duplicate);
+
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), strict_shape),
+        nats.clone(),
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), 2);
+    for letter in &letters {
+        assert_eq!(header(letter, "Idem-Failure"), "undecodable");
+        assert_eq!(header(letter, "Idem-Message-Id"), "old-shape-1");
+    }
+
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), lenient_shape),
+        nats,
+        pool.clone(),
+    );
+    for letter in &letters {
+        // Apart by more than the stream's window, so that JetStream stores
+        // both replays and the claim has to tell them apart.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, letter.sequence)
+            .await
+            .expect("the replay is stored");
+    }
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert_eq!((stats.processed(), stats.duplicates()), (1, 1));
+    assert_eq!(ledger(&pool, "shape").await, Ledger::once_each(1));
+}
+
+// --- 6. A statement stuck in the database -----------------------------------
+
+#[idempotent(name = "locker")]
+async fn locker(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    if d.account == "locked" {
+        sqlx::query("SELECT id FROM hot_rows WHERE id = 1 FOR UPDATE")
+            .execute(&mut **tx)
+            .await?;
+    }
+    record_effect(tx, "locker", &d, delivery).await
+}
+
+/// Backends of this database waiting on a lock, other than the caller's.
+async fn backends_waiting_on_a_lock(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'
+           AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A handler blocked on a row lock past `handler_timeout` is stopped in the
+/// database too: its statement does not go on waiting, holding the route's
+/// only slot and a connection, and the next message runs while the lock is
+/// still held. Once it is released the blocked message is applied once.
+#[tokio::test]
+async fn a_statement_stuck_on_a_lock_is_stopped_at_the_handler_timeout() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("STUCK", Duration::from_secs(120)).await;
+    sqlx::raw_sql("CREATE TABLE hot_rows (id int PRIMARY KEY); INSERT INTO hot_rows VALUES (1)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM hot_rows WHERE id = 1 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+
+    let (handle, task) = spawn(
+        Router::new().route(
+            fast(Route::new(&stream, "c"))
+                .handler_timeout(Duration::from_secs(1))
+                .concurrency(1),
+            locker,
+        ),
+        nats,
+        pool.clone(),
+    );
+    publish(&js, &subject, &deposit("locked", 1), Some("locked-1")).await;
+    eventually(
+        "the handler waits on the lock",
+        Duration::from_secs(30),
+        || async { backends_waiting_on_a_lock(&pool).await == 1 },
+    )
+    .await;
+    publish(&js, &subject, &deposit("free", 1), Some("free-1")).await;
+    let stats = handle.stats("c").unwrap();
+    eventually(
+        "the next message runs while the lock is held",
+        Duration::from_secs(20),
+        || async { ledger(&pool, "locker").await.effects == 1 },
+    )
+    .await;
+    assert!(stats.failed() >= 1, "the locked message timed out");
+
+    holder.rollback().await.unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+    assert_eq!(ledger(&pool, "locker").await, Ledger::once_each(2));
+}
+
+#[idempotent(name = "orphaned")]
+async fn orphaned(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "orphaned", &d, delivery).await
+}
+
+/// The connection is lost just as COMMIT is sent, and the COMMIT never
+/// reaches the server: its backend stays in the transaction, holding the
+/// claim, as behind a network partition. The redelivery's claim must not
+/// wait on it until TCP keepalive gives up: the server ends the orphan, and
+/// the message is applied once.
+#[tokio::test]
+async fn an_orphaned_backend_does_not_block_the_redelivery() {
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("ORPHAN", Duration::from_secs(120)).await;
+    let proxy = PgProxy::start(upstream_of(env.database_url())).await;
+    let proxied = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&proxy.url_for(env.database_url()))
+        .await
+        .unwrap();
+    proxy.orphan_next_commit();
+    publish(&js, &subject, &deposit("a", 1), Some("orphan-1")).await;
+    let (handle, task) = spawn(
+        Router::new().route(
+            fast(Route::new(&stream, "c")).handler_timeout(Duration::from_secs(1)),
+            orphaned,
+        ),
+        nats,
+        proxied,
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(proxy.orphans(), 1, "a backend was orphaned mid-transaction");
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(stats.commit_failed(), 1);
+    assert_eq!(stats.processed(), 1);
+    assert_eq!(ledger(&pool, "orphaned").await, Ledger::once_each(1));
+}
+
+// --- 7. Shutdown ----------------------------------------------------------
+
+#[idempotent(name = "never-ends")]
+async fn never_ends(
+    _tx: &mut sqlx::PgTransaction<'_>,
+    _d: Deposit,
+) -> Result<(), sqlx::Error> {
+    std::future::pending::<()>().await;
+    Ok(())
+}
+
+/// Shutdown with a handler that never finishes, while the application holds
+/// a connection of the same pool: `run` returns soon after the grace period,
+/// and the application's pool stays open and usable.
+#[tokio::test]
+async fn shutdown_ends_after_the_grace_period_and_leaves_the_pool_open() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("GRACE", Duration::from_secs(120)).await;
+    let mut held = pool.acquire().await.unwrap();
+    let (handle, task) = spawn(
+        Router::new()
+            .route(Route::new(&stream, "c"), never_ends)
+            .shutdown_grace(Duration::from_secs(1)),
+        nats,
+        pool.clone(),
+    );
+    publish(&js, &subject, &deposit("a", 1), Some("forever-1")).await;
+    let stats = handle.stats("c").unwrap();
+    eventually("the handler runs", Duration::from_secs(30), || async {
+        stats.received() == 1
+    })
+    .await;
+
+    handle.shutdown();
+    let returned = tokio::time::timeout(Duration::from_secs(10), task).await;
+    assert!(
+        returned.is_ok(),
+        "run returned within the 1 s grace period plus a small bound"
+    );
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *held)
+        .await
+        .unwrap();
+    assert_eq!(one, 1, "the application's own connection works");
+    assert!(!pool.is_closed(), "the application's pool is still open");
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(one, 1);
+    let stuck: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(stuck, 0, "the cancelled transaction is not left open");
+}
+
+// --- 8. Heartbeats in a batch fallback ---------------------------------------
+
+/// Whether the "fails" message's second delivery has started.
+static REDELIVERY_STARTED: AtomicBool = AtomicBool::new(false);
+/// Whether the slow neighbour ran in a transaction of its own (the batch's
+/// fallback) and saw the redelivery start before it finished.
+static SLOW_IN_FALLBACK: AtomicBool = AtomicBool::new(false);
+static SLOW_SAW_REDELIVERY: AtomicBool = AtomicBool::new(false);
+
+#[idempotent(name = "fallback")]
+async fn fallback(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), idem_runtime::BoxError> {
+    match d.account.as_str() {
+        "fails" if delivery.delivered() == 1 => {
+            return Err(Transient::new("fails on its first delivery").into());
+        }
+        "fails" => REDELIVERY_STARTED.store(true, Ordering::SeqCst),
+        "slow" => {
+            // The claims this transaction made: one in the fallback, where
+            // each message runs on its own.
+            let claims: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM idem_processed_messages
+                 WHERE xmin = pg_current_xact_id()::xid",
+            )
+            .fetch_one(&mut **tx)
+            .await?;
+            SLOW_IN_FALLBACK.store(claims == 1, Ordering::SeqCst);
+            // "fails" was NAKed with a 1 s backoff just before: it comes
+            // back long before ack_wait (20 s), while this still runs and
+            // heartbeats go out every 100 ms.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if REDELIVERY_STARTED.load(Ordering::SeqCst) {
+                    SLOW_SAW_REDELIVERY.store(true, Ordering::SeqCst);
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        _ => {}
+    }
+    record_effect(tx, "fallback", &d, delivery).await?;
+    Ok(())
+}
+
+/// In a batch's fallback, a message NAKed with a backoff is no longer
+/// heartbeaten (a `+WPI` after the NAK would push its redelivery out to
+/// ack_wait): it is redelivered after its backoff while its neighbours
+/// still run. Checked on the wire: no delivery gets a heartbeat after it
+/// was settled.
+#[tokio::test]
+async fn a_message_nacked_in_a_batch_fallback_is_redelivered_after_its_backoff() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("FALLBACKHB", Duration::from_secs(120)).await;
+    let acks = AckLog::start(&nats, &stream).await;
+    for (i, account) in ["ok", "fails", "slow", "ok"].iter().enumerate() {
+        publish(&js, &subject, &deposit(account, 1), Some(&format!("f-{i}"))).await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(
+            Route::new(&stream, "c")
+                .backoff(Duration::from_secs(1), Duration::from_secs(1))
+                .batch(4)
+                .concurrency(2)
+                .ack_wait(Duration::from_secs(20))
+                .heartbeat_every(Duration::from_millis(100)),
+            fallback,
+        ),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(handle.stats("c").unwrap().batch_fallbacks(), 1);
+    assert!(
+        SLOW_IN_FALLBACK.load(Ordering::SeqCst),
+        "the slow message ran in the fallback of the batch that failed"
+    );
+    assert!(acks.count("+WPI") > 0, "heartbeats were sent");
+    assert!(acks.count("-NAK") > 0, "the failing message was NAKed");
+    assert_eq!(
+        acks.heartbeats_after_settling(),
+        Vec::<(String, Vec<String>)>::new(),
+        "no heartbeat after a delivery was settled"
+    );
+    assert!(
+        SLOW_SAW_REDELIVERY.load(Ordering::SeqCst),
+        "the NAKed message was redelivered while its neighbour still ran"
+    );
+    assert_eq!(ledger(&pool, "fallback").await, Ledger::once_each(4));
+}
+
+// --- 9. Handler panics --------------------------------------------------------
+
+#[idempotent(name = "bomb")]
+async fn bomb(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "bomb", &d, delivery).await?;
+    assert!(d.account != "bomb", "the handler hit a bug");
+    Ok(())
+}
+
+/// A handler panics on one message. Its neighbours, in a batch or not, are
+/// applied once on their first delivery; the panicking message is retried
+/// with backoff (not after ack_wait) and dead-lettered with the panic's
+/// message once it runs out of deliveries.
+async fn a_panicking_handler_fails_only_its_own_message(batch: usize) {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("PANIC", Duration::from_secs(120)).await;
+    for i in 0..8 {
+        let account = if i == 3 { "bomb" } else { "ok" };
+        publish(&js, &subject, &deposit(account, i), Some(&format!("p-{i}"))).await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(
+            fast(Route::new(&stream, "c"))
+                .batch(batch)
+                .concurrency(1)
+                .max_deliver(3)
+                .ack_wait(Duration::from_secs(30)),
+            bomb,
+        ),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), 1, "only the panicking message");
+    assert_eq!(header(&letters[0], "Idem-Message-Id"), "p-3");
+    assert_eq!(header(&letters[0], "Idem-Failure"), "exhausted");
+    assert!(header(&letters[0], "Idem-Error").contains("the handler hit a bug"));
+    assert_eq!(ledger(&pool, "bomb").await, Ledger::once_each(7));
+    let late: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE delivered > 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(late, 0, "every neighbour applied on its first delivery");
+}
+
+// --- 10. Infrastructure errors and constraint races -------------------------
+
+/// The dedup table disappears (dropped, renamed, a wrong `search_path`):
+/// every claim fails with 42P01. That is the database's fault, not the
+/// messages': nothing is dead-lettered and no delivery is used up while it
+/// lasts, and once the table is back every message is applied once.
+#[tokio::test]
+async fn a_missing_dedup_table_dead_letters_nothing() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("NOTABLE", Duration::from_secs(120)).await;
+    let (handle, task) = spawn(
+        Router::new().route(
+            fast(Route::new(&stream, "c")).max_deliver(2).concurrency(2),
+            no_ids,
+        ),
+        nats,
+        pool.clone(),
+    );
+    eventually_get_stream(&js, dead_letter::DEFAULT_STREAM).await;
+    sqlx::query("ALTER TABLE idem_processed_messages RENAME TO idem_processed_messages_away")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for i in 0..6 {
+        publish(&js, &subject, &deposit("a", i), Some(&format!("nt-{i}"))).await;
+    }
+    let stats = handle.stats("c").unwrap();
+    eventually(
+        "the claims failed again and again",
+        Duration::from_secs(30),
+        || async { stats.infrastructure_errors() >= 20 },
+    )
+    .await;
+    assert!(dead_letters(&js, &stream).await.is_empty());
+    assert_eq!(stats.failed(), 0, "no delivery was used up");
+
+    sqlx::query("ALTER TABLE idem_processed_messages_away RENAME TO idem_processed_messages")
+        .execute(&pool)
+        .await
+        .unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+    assert!(dead_letters(&js, &stream).await.is_empty());
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(6));
+}
+
+static RACE_LOST: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+#[idempotent(name = "check-then-insert")]
+async fn check_then_insert(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM accounts WHERE id = $1)")
+        .bind(&d.account)
+        .fetch_one(&mut **tx)
+        .await?;
+    let first = RACE_LOST
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashSet::new)
+        .insert(delivery.message_id().to_string());
+    if first {
+        // Another transaction creates the account between our check and our
+        // insert, and commits: READ COMMITTED lets both through the check.
+        let mut other = sqlx::PgConnection::connect(&database_url(tx).await).await?;
+        sqlx::query("INSERT INTO accounts (id) VALUES ($1)")
+            .bind(&d.account)
+            .execute(&mut other)
+            .await?;
+    }
+    if !exists {
+        sqlx::query("INSERT INTO accounts (id) VALUES ($1)")
+            .bind(&d.account)
+            .execute(&mut **tx)
+            .await?;
+    }
+    record_effect(tx, "check-then-insert", &d, delivery).await
+}
+
+/// A URL for a second connection to the same database as `tx`.
+async fn database_url(tx: &mut sqlx::PgTransaction<'_>) -> String {
+    let (port, database): (i32, String) =
+        sqlx::query_as("SELECT current_setting('port')::int, current_database()")
+            .fetch_one(&mut **tx)
+            .await
+            .unwrap();
+    format!("postgres://postgres@127.0.0.1:{port}/{database}")
+}
+
+/// A unique violation from the handler's own insert, after a check that
+/// raced with another transaction, clears on a retry: it is retried in
+/// process instead of dead-lettered at once, and applied once.
+#[tokio::test]
+async fn a_unique_violation_from_a_lost_race_is_retried_and_applied_once() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("RACE23505", Duration::from_secs(120)).await;
+    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for i in 0..3 {
+        publish(&js, &subject, &deposit(&format!("acct-{i}"), 1), Some(&format!("r-{i}"))).await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")), check_then_insert),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert!(
+        stats.retried_in_process() >= 3,
+        "each message lost the race once"
+    );
+    assert!(dead_letters(&js, &stream).await.is_empty());
+    assert_eq!(
+        ledger(&pool, "check-then-insert").await,
+        Ledger::once_each(3)
+    );
+}
+
+#[idempotent(name = "always-duplicate")]
+async fn always_duplicate(
+    tx: &mut sqlx::PgTransaction<'_>,
+    _d: Deposit,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO accounts (id) VALUES ('taken')")
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// A unique violation that does not clear is dead-lettered after the
+/// in-process retries, on the message's first delivery.
+#[tokio::test]
+async fn a_unique_violation_that_persists_is_dead_lettered_after_its_retries() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("DUP23505", Duration::from_secs(120)).await;
+    sqlx::raw_sql("CREATE TABLE accounts (id text PRIMARY KEY); INSERT INTO accounts VALUES ('taken')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    publish(&js, &subject, &deposit("a", 1), Some("taken-1")).await;
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")), always_duplicate),
+        nats,
+        pool,
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(stats.retried_in_process(), 2, "three tries in all");
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(header(&letters[0], "Idem-Failure"), "permanent");
+    assert_eq!(header(&letters[0], "Idem-Delivered"), "1");
+    assert!(header(&letters[0], "Idem-Error").contains("23505"));
+}
+
+// --- 11. Past the delivery limit while an attempt still runs ---------------
+
+static PAST_LIMIT_WAITED: AtomicBool = AtomicBool::new(false);
+
+#[idempotent(name = "outlives-its-lease")]
+async fn outlives_its_lease(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    if delivery.delivered() == 1 {
+        // Stay in the transaction until the redelivery, past the limit of 1,
+        // waits on this claim.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            let waiters: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE pg_backend_pid() = ANY (pg_blocking_pids(pid))",
+            )
+            .fetch_one(&mut **tx)
+            .await?;
+            if waiters > 0 {
+                PAST_LIMIT_WAITED.store(true, Ordering::SeqCst);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    record_effect(tx, "outlives-its-lease", &d, delivery).await
+}
+
+/// A redelivery past the delivery limit arrives while the first attempt
+/// still runs (heartbeats off, ack_wait short). It must not dead-letter a
+/// message that is about to commit: its check waits on the claim, finds it
+/// committed, and acks.
+#[tokio::test]
+async fn a_message_past_its_limit_waits_for_an_attempt_still_running() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("PASTLIMIT", Duration::from_secs(120)).await;
+    publish(&js, &subject, &deposit("a", 1), Some("late-1")).await;
+    let route = || {
+        fast(Route::new(&stream, "c"))
+            .max_deliver(1)
+            .ack_wait(Duration::from_secs(1))
+            .without_heartbeat()
+            .allow_redelivery_while_running()
+            .concurrency(1)
+    };
+    let (first, first_task) = spawn(
+        Router::new().route(route(), outlives_its_lease),
+        nats.clone(),
+        pool.clone(),
+    );
+    let (second, second_task) = spawn(
+        Router::new().route(route(), outlives_its_lease),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(first, first_task).await;
+    stop(second, second_task).await;
+    assert!(
+        PAST_LIMIT_WAITED.load(Ordering::SeqCst),
+        "the past-limit redelivery waited on the running attempt's claim"
+    );
+    assert!(dead_letters(&js, &stream).await.is_empty());
+    assert_eq!(
+        ledger(&pool, "outlives-its-lease").await,
+        Ledger::once_each(1)
+    );
+}
+
+// --- 12. Smaller items ---------------------------------------------------------
+
+#[idempotent(name = "deferred")]
+async fn deferred(
+    tx: &mut sqlx::PgTransaction<'_>,
+    d: Deposit,
+    delivery: &Delivery,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "deferred", &d, delivery).await?;
+    // Checked only at COMMIT, which then fails: the server answered, so the
+    // outcome is known, and nothing was committed.
+    sqlx::query("INSERT INTO children (parent) VALUES (42)")
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// A COMMIT that the server refused (a deferred constraint) is a failure
+/// whose outcome is known: it is classed and counted like any other
+/// failure, not NAKed as "unknown" until the delivery limit runs out.
+#[tokio::test]
+async fn a_commit_refused_by_a_deferred_constraint_is_a_known_failure() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("DEFERRED", Duration::from_secs(120)).await;
+    sqlx::raw_sql(
+        "CREATE TABLE parents (id int PRIMARY KEY);
+         CREATE TABLE children (parent int REFERENCES parents DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    publish(&js, &subject, &deposit("a", 1), Some("orphan-child-1")).await;
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")).max_deliver(2), deferred),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(stats.commit_failed(), 0, "not an unknown outcome");
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(header(&letters[0], "Idem-Failure"), "permanent");
+    assert_eq!(header(&letters[0], "Idem-Delivered"), "1");
+    assert!(header(&letters[0], "Idem-Error").contains("23503"));
+    assert_eq!(ledger(&pool, "deferred").await, Ledger::once_each(0));
+}
+
+/// A PostgreSQL restart under steady traffic: the attempts that meet it are
+/// retried without using up deliveries.
+#[tokio::test]
+async fn a_postgres_restart_under_traffic_uses_up_no_delivery() {
+    let Scenario {
+        mut env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("PGRESTART", Duration::from_secs(120)).await;
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")).concurrency(8), no_ids),
+        nats,
+        worker_pool(env.database_url()).await,
+    );
+    let publisher = publish_steadily(&js, &subject, 300);
+    let stats = handle.stats("c").unwrap();
+    eventually("traffic flows", Duration::from_secs(30), || async {
+        stats.processed() >= 50
+    })
+    .await;
+    let before = stats.processed();
+    env.postgres_mut().restart_immediate().await;
+    publisher.await.unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert!(stats.processed() > before, "processing went on after the restart");
+    assert!(
+        stats.infrastructure_errors() + stats.retried_in_process() + stats.commit_failed() > 0,
+        "the router saw the restart"
+    );
+    assert_eq!(stats.failed(), 0, "no delivery was used up by the restart");
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(300));
+}
+
+/// The connections a route keeps between messages die (the server ended
+/// them). The next message must not take one dead kept connection after
+/// another until it runs out of tries: no delivery is used up, and every
+/// message is applied once.
+#[tokio::test]
+async fn dead_kept_connections_use_up_no_delivery() {
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("DEADCONN", Duration::from_secs(120)).await;
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")).concurrency(8), no_ids),
+        nats,
+        worker_pool(env.database_url()).await,
+    );
+    let stats = handle.stats("c").unwrap();
+    let (mut published, mut terminated) = (0, 0);
+    for _ in 0..5 {
+        // A burst leaves the route keeping several connections...
+        for _ in 0..16 {
+            publish(&js, &subject, &deposit("burst", published), Some(&format!("d-{published}")))
+                .await;
+            published += 1;
+        }
+        eventually("the burst is processed", Duration::from_secs(30), || async {
+            stats.processed() == published as u64
+        })
+        .await;
+        // ...which the server ends at once, before the route gives them
+        // back to the pool (after 250 ms unused).
+        let killed: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE application_name = 'idem-worker' AND state = 'idle'",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        terminated += killed.into_iter().filter(|&killed| killed).count();
+        // One message alone meets them.
+        publish(&js, &subject, &deposit("alone", published), Some(&format!("d-{published}")))
+            .await;
+        published += 1;
+        wait_all_acked(&js, &stream, "c").await;
+    }
+    stop(handle.clone(), task).await;
+    assert!(terminated >= 10, "the worker's connections were terminated");
+    assert!(
+        stats.infrastructure_errors() + stats.retried_in_process() > 0,
+        "the router met dead connections"
+    );
+    assert_eq!(stats.failed(), 0, "no delivery was used up");
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(published));
+}
+
+/// A pool of its own for the worker, named so the test can find its
+/// connections in `pg_stat_activity`.
+async fn worker_pool(database_url: &str) -> sqlx::PgPool {
+    let options: sqlx::postgres::PgConnectOptions = database_url.parse().unwrap();
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(options.application_name("idem-worker"))
+        .await
+        .unwrap()
+}
+
+/// Publishes `count` messages with distinct ids, one every 5 ms.
+fn publish_steadily(
+    js: &jetstream::Context,
+    subject: &str,
+    count: i64,
+) -> tokio::task::JoinHandle<()> {
+    let js = js.clone();
+    let subject = subject.to_owned();
+    tokio::spawn(async move {
+        for i in 0..count {
+            publish(&js, &subject, &deposit("a", i), Some(&format!("steady-{i}"))).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+}
+
+macro_rules! both_modes {
+    ($($scenario:ident),* $(,)?) => {
+        mod per_message {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    super::$scenario(1).await;
+                }
+            )*
+        }
+        mod batched {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    super::$scenario(8).await;
+                }
+            )*
+        }
+    };
+}
+
+both_modes!(
+    a_swallowed_sql_error_is_never_acked_as_processed,
+    a_swallowed_error_that_clears_is_retried_and_applied_once,
+    a_panicking_handler_fails_only_its_own_message,
+);
