@@ -1373,6 +1373,164 @@ fn publish_steadily(
     })
 }
 
+/// The route's consumer is deleted under it. The pull loop must not spin
+/// re-issuing pulls as fast as it can: it backs off, and picks up again
+/// once the consumer is back.
+#[tokio::test]
+async fn a_deleted_consumer_does_not_make_the_pull_loop_spin() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("NOCONSUMER", Duration::from_secs(120)).await;
+    let route = || Route::new(&stream, "c");
+    let (handle, task) = spawn(
+        Router::new().route(route(), no_ids),
+        nats.clone(),
+        pool.clone(),
+    );
+    publish(&js, &subject, &deposit("a", 1), Some("before")).await;
+    wait_all_acked(&js, &stream, "c").await;
+
+    let mut pulls = nats
+        .subscribe(format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.c"))
+        .await
+        .unwrap();
+    nats.flush().await.unwrap();
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .delete_consumer("c")
+        .await
+        .unwrap();
+    // Pull requests the route sends in 3 s without its consumer, and the
+    // CPU time this process (the router's) spends meanwhile.
+    let cpu_before = process_cpu_time();
+    let window = tokio::time::sleep(Duration::from_secs(3));
+    tokio::pin!(window);
+    let mut requests = 0;
+    loop {
+        tokio::select! {
+            _ = &mut window => break,
+            Some(_) = pulls.next() => requests += 1,
+        }
+    }
+    let cpu = process_cpu_time() - cpu_before;
+    assert!(requests >= 1, "the route kept trying to pull");
+    assert!(
+        cpu < Duration::from_millis(1500),
+        "{cpu:?} of CPU in 3 s: the pull loop spins"
+    );
+    assert!(
+        requests <= 30,
+        "{requests} pull requests in 3 s: the pull loop spins"
+    );
+
+    // An operator recreates the consumer; the route picks up again.
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .create_consumer(route_consumer_config())
+        .await
+        .unwrap();
+    publish(&js, &subject, &deposit("a", 2), Some("after")).await;
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(2));
+}
+
+/// The CPU time (user and system) this process has used.
+fn process_cpu_time() -> Duration {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::uninit();
+    // SAFETY: getrusage fills the struct it is given.
+    let usage = unsafe {
+        libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr());
+        usage.assume_init()
+    };
+    let time = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
+    time(usage.ru_utime) + time(usage.ru_stime)
+}
+
+/// The consumer `Route::new(_, "c")` creates, with its default settings.
+fn route_consumer_config() -> jetstream::consumer::pull::Config {
+    jetstream::consumer::pull::Config {
+        durable_name: Some("c".into()),
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(30),
+        max_deliver: 13,
+        ..Default::default()
+    }
+}
+
+/// Something that is not a JetStream delivery reaches the route's pull
+/// (here, a plain message published to the pull's reply inbox). It cannot
+/// be deduplicated or redelivered, so it is dead-lettered, not dropped.
+#[tokio::test]
+async fn a_message_that_is_not_a_jetstream_delivery_is_dead_lettered() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject: _subject,
+    } = scenario("NOTJS", Duration::from_secs(120)).await;
+    // The route's pull requests name the inbox its messages come to.
+    let mut pulls = nats
+        .subscribe(format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.c"))
+        .await
+        .unwrap();
+    nats.flush().await.unwrap();
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), no_ids),
+        nats.clone(),
+        pool.clone(),
+    );
+    let pull = tokio::time::timeout(Duration::from_secs(30), pulls.next())
+        .await
+        .expect("the route pulls")
+        .unwrap();
+    let inbox = pull.reply.expect("a pull request has a reply inbox");
+    nats.publish(inbox, r#"{"account":"stray","amount":1}"#.into())
+        .await
+        .unwrap();
+    nats.flush().await.unwrap();
+    eventually(
+        "the stray message is dead-lettered",
+        Duration::from_secs(30),
+        || async { handle.stats("c").unwrap().dead_lettered() == 1 },
+    )
+    .await;
+    stop(handle, task).await;
+    let letters = dead_letters_with_failure(&js, "not-a-jetstream-delivery").await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(&letters[0].payload[..], br#"{"account":"stray","amount":1}"#);
+    assert_eq!(ledger(&pool, "no-ids").await.effects, 0);
+}
+
+/// The dead letters with `Idem-Failure: failure`, from any stream.
+async fn dead_letters_with_failure(
+    js: &jetstream::Context,
+    failure: &str,
+) -> Vec<jetstream::message::StreamMessage> {
+    let mut dead = js.get_stream(dead_letter::DEFAULT_STREAM).await.unwrap();
+    let last = dead.info().await.unwrap().state.last_sequence;
+    let mut letters = Vec::new();
+    for sequence in 1..=last {
+        if let Ok(letter) = dead.get_raw_message(sequence).await
+            && header(&letter, "Idem-Failure") == failure
+        {
+            letters.push(letter);
+        }
+    }
+    letters
+}
+
 macro_rules! both_modes {
     ($($scenario:ident),* $(,)?) => {
         mod per_message {
