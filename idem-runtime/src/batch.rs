@@ -1,18 +1,21 @@
 //! Batch mode: claim many messages in one statement and commit them once.
 //!
-//! Per-message mode pays four round trips per message (pool check, BEGIN,
-//! claim, COMMIT) besides the handler's own statements. A batch pays them
-//! once for up to `batch` messages: one BEGIN, one claim statement
-//! (`INSERT ... SELECT unnest($2) ... ON CONFLICT DO NOTHING RETURNING`), the
-//! handler's statements for each fresh message, one COMMIT. No savepoints:
-//! more than 64 subtransactions overflow PostgreSQL's per-backend cache.
+//! Per-message mode pays BEGIN, the claim and COMMIT for every message. A
+//! batch pays them once for up to `batch` messages: one BEGIN, one claim
+//! statement (`INSERT ... SELECT unnest($2) ... ON CONFLICT DO NOTHING
+//! RETURNING`), the handler's statements for each fresh message, one COMMIT
+//! (checked like every COMMIT, see [`transaction`](crate::transaction)). No
+//! savepoints: more than 64 subtransactions overflow PostgreSQL's
+//! per-backend cache.
 //!
 //! A failure inside the batch must not fail its neighbours, so on any
-//! failure (a handler error, a timeout, the claim or the COMMIT) the whole
-//! batch is rolled back and each message is run again in a transaction of
-//! its own, where it takes the normal retry and dead-letter path. A COMMIT
-//! with an unknown outcome resolves the same way: each message's own claim
-//! finds its row if the batch did commit.
+//! failure of a handler (an error, a timeout, a panic) or of the COMMIT, the
+//! whole batch is rolled back and each message is run again in a
+//! transaction of its own, where it takes the normal retry and dead-letter
+//! path. A COMMIT with an unknown outcome resolves the same way: each
+//! message's own claim finds its row if the batch did commit. If the
+//! database cannot be used at all (BEGIN or the claim fails), the batch is
+//! held and retried whole, as one message would be.
 
 use std::sync::Arc;
 
@@ -23,27 +26,31 @@ use tracing::Instrument;
 use crate::claim;
 use crate::delivery::Delivery;
 use crate::error::HandlerError;
-use crate::handler::{Handler, Outcome};
-use crate::heartbeat::Heartbeat;
-use crate::pipeline::{Pipeline, Verdict, rollback};
+use crate::handler::Handler;
+use crate::heartbeat::Lease;
+use crate::pipeline::{Outage, Pipeline, Verdict};
 use crate::stats::Stats;
+use crate::transaction::{self, Ended};
 
-/// A message ready for the batch: decoded, with its id resolved.
+/// A message ready for the batch: decoded, with its id resolved, leased.
 struct Ready<P> {
     message: Message,
     delivery: Delivery,
     payload: Option<P>,
+    lease: Lease,
 }
 
-/// Why a batch fell back to one transaction per message.
+/// Why a batch did not commit.
 #[derive(Debug, thiserror::Error)]
 enum BatchFailure {
-    #[error("BEGIN or the batch claim failed: {0}")]
-    Claim(#[from] sqlx::Error),
+    #[error("the database could not be used: {0}")]
+    Infrastructure(sqlx::Error),
     #[error("a handler failed: {0}")]
     Handler(HandlerError),
+    #[error("the batch did not commit: {0}")]
+    NotCommitted(HandlerError),
     #[error("COMMIT failed, outcome unknown: {0}")]
-    Commit(sqlx::Error),
+    CommitUnknown(sqlx::Error),
 }
 
 impl<H: Handler> Pipeline<H> {
@@ -62,61 +69,85 @@ impl<H: Handler> Pipeline<H> {
     }
 
     async fn run_batch(&self, messages: Vec<Message>) {
-        let heartbeat = Heartbeat::start_many(&messages, self.route.heartbeat_interval());
         let mut ready = Vec::with_capacity(messages.len());
         for message in messages {
             Stats::bump(&self.stats.received);
             let Some(mut delivery) = self.delivery_of(&message).await else {
                 continue;
             };
+            let lease = self.heartbeats.lease(&message);
             match self.prepare(&message, &mut delivery) {
                 Err(rejected) => {
-                    self.settle(&message, &delivery, Verdict::Rejected(rejected))
-                        .await
+                    self.settle(&message, &delivery, Verdict::Rejected(rejected), lease)
+                        .await;
                 }
                 // Past its delivery limit: decided on its own, as in
                 // per-message mode.
                 Ok(payload) if delivery.delivered() > self.route.retry.max_deliver => {
                     let verdict = self.decide(&message, payload, &delivery).await;
-                    self.settle(&message, &delivery, verdict).await;
+                    self.settle(&message, &delivery, verdict, lease).await;
                 }
                 Ok(payload) => ready.push(Ready {
                     message,
                     delivery,
                     payload: Some(payload),
+                    lease,
                 }),
             }
         }
         if ready.is_empty() {
-            heartbeat.stop().await;
             return;
         }
 
-        match self.transact_batch(&mut ready).await {
-            Ok(fresh) => {
-                heartbeat.stop().await;
-                self.stats.record_batch(ready.len());
-                for (item, fresh) in ready.into_iter().zip(fresh) {
-                    let verdict = if fresh {
-                        Verdict::Processed
-                    } else {
-                        Verdict::Duplicate
-                    };
-                    self.settle(&item.message, &item.delivery, verdict).await;
+        let mut outage = Outage::default();
+        let failure = loop {
+            match self.transact_batch(&mut ready).await {
+                Ok(fresh) => {
+                    self.stats.record_batch(ready.len());
+                    for (item, fresh) in ready.into_iter().zip(fresh) {
+                        let verdict = if fresh {
+                            Verdict::Processed
+                        } else {
+                            Verdict::Duplicate
+                        };
+                        self.settle(&item.message, &item.delivery, verdict, item.lease)
+                            .await;
+                    }
+                    return;
                 }
-            }
-            Err(failure) => {
-                Stats::bump(&self.stats.batch_fallbacks);
-                tracing::warn!(%failure, size = ready.len(), "batch rolled back; running its messages one per transaction");
-                for item in ready {
-                    let verdict = match serde_json::from_slice(&item.message.payload) {
-                        Ok(payload) => self.decide(&item.message, payload, &item.delivery).await,
-                        Err(error) => Verdict::Rejected(error.into()),
-                    };
-                    self.settle(&item.message, &item.delivery, verdict).await;
+                Err(BatchFailure::Infrastructure(error)) => {
+                    let error = HandlerError::Infrastructure(error);
+                    if !self.hold_for_database(&error, &mut outage).await {
+                        for item in ready {
+                            self.settle(
+                                &item.message,
+                                &item.delivery,
+                                Verdict::Interrupted,
+                                item.lease,
+                            )
+                            .await;
+                        }
+                        return;
+                    }
                 }
-                heartbeat.stop().await;
+                Err(failure) => break failure,
             }
+        };
+
+        Stats::bump(&self.stats.batch_fallbacks);
+        tracing::warn!(%failure, size = ready.len(), "batch rolled back; running its messages one per transaction");
+        for item in ready {
+            // Each message settles, and its heartbeats stop, as soon as it is
+            // decided, not when the whole fallback ends.
+            let verdict = match item.payload {
+                Some(payload) => self.decide(&item.message, payload, &item.delivery).await,
+                None => match self.decode(&item.message) {
+                    Ok(payload) => self.decide(&item.message, payload, &item.delivery).await,
+                    Err(error) => Verdict::Rejected(error),
+                },
+            };
+            self.settle(&item.message, &item.delivery, verdict, item.lease)
+                .await;
         }
     }
 
@@ -129,19 +160,27 @@ impl<H: Handler> Pipeline<H> {
         &self,
         ready: &mut [Ready<H::Payload>],
     ) -> Result<Vec<bool>, BatchFailure> {
-        let mut connection = self.connections.take().await?;
-        let mut tx = sqlx::Connection::begin(&mut *connection).await?;
-        let ids: Vec<&str> = ready
-            .iter()
-            .map(|item| item.delivery.message_id().as_str())
-            .collect();
-        let mut unclaimed = match claim::claim_many(&mut tx, self.handler.name(), &ids).await {
-            Ok(fresh) => fresh,
-            Err(error) => {
-                rollback(tx).await;
-                return Err(error.into());
-            }
+        let name = self.handler.name();
+        let infrastructure = |error| {
+            self.connections.forget_idle();
+            BatchFailure::Infrastructure(error)
         };
+        let mut connection = self.connections.take().await.map_err(infrastructure)?;
+        let mut tx = self
+            .begin
+            .run(&mut connection)
+            .await
+            .map_err(infrastructure)?;
+        let mut unclaimed = {
+            let ids: Vec<&str> = ready
+                .iter()
+                .map(|item| item.delivery.message_id().as_str())
+                .collect();
+            claim::claim_many(&mut tx, name, &ids)
+                .await
+                .map_err(infrastructure)?
+        };
+        self.health.resume();
         let mut fresh = Vec::with_capacity(ready.len());
         for item in ready.iter_mut() {
             // An id twice in one batch: only its first message is fresh.
@@ -152,18 +191,46 @@ impl<H: Handler> Pipeline<H> {
             }
             let payload = item.payload.take().expect("each payload is used once");
             let outcome = self
-                .within_timeout(self.handler.run_claimed(&mut tx, payload, &item.delivery))
+                .run_handler(self.handler.run_claimed(&mut tx, payload, &item.delivery))
                 .await;
             match outcome {
-                Ok(Outcome::Processed | Outcome::Duplicate) => {}
+                Ok(_) => {}
+                // The connection is closed on drop rather than waited on.
+                Err(error @ (HandlerError::TimedOut(_) | HandlerError::Panicked(_))) => {
+                    return Err(BatchFailure::Handler(error));
+                }
                 Err(error) => {
-                    rollback(tx).await;
+                    if transaction::rollback(tx).await {
+                        connection.keep();
+                    }
                     return Err(BatchFailure::Handler(error));
                 }
             }
         }
-        tx.commit().await.map_err(BatchFailure::Commit)?;
-        self.connections.put_back(connection);
-        Ok(fresh)
+        let claimed: Vec<&str> = ready
+            .iter()
+            .zip(&fresh)
+            .filter(|(_, fresh)| **fresh)
+            .map(|(item, _)| item.delivery.message_id().as_str())
+            .collect();
+        if claimed.is_empty() {
+            // Every message was processed before: nothing to commit.
+            if transaction::rollback(tx).await {
+                connection.keep();
+            }
+            return Ok(fresh);
+        }
+        let (ended, reusable) = transaction::finish(tx, name, &claimed).await;
+        if reusable {
+            connection.keep();
+        }
+        match ended {
+            Ended::Committed => Ok(fresh),
+            Ended::NotCommitted(error) => Err(BatchFailure::NotCommitted(error)),
+            Ended::Unknown(error) => {
+                self.connections.forget_idle();
+                Err(BatchFailure::CommitUnknown(error))
+            }
+        }
     }
 }

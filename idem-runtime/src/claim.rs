@@ -7,7 +7,7 @@ use crate::message_id::MessageId;
 /// What the claim found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
-pub enum Claim {
+pub(crate) enum Claim {
     /// This transaction inserted the dedup row: run the handler body.
     Fresh,
     /// The row already existed: the message was processed before, skip it.
@@ -16,7 +16,7 @@ pub enum Claim {
 
 impl Claim {
     /// `true` when the message was already processed.
-    pub fn is_duplicate(self) -> bool {
+    pub(crate) fn is_duplicate(self) -> bool {
         self == Claim::Duplicate
     }
 }
@@ -28,7 +28,7 @@ impl Claim {
 /// holds an uncommitted claim on the same key, this statement waits for it:
 /// when it commits, this claim finds the row and reports [`Claim::Duplicate`];
 /// when it rolls back, this claim inserts the row and proceeds.
-pub async fn claim(
+pub(crate) async fn claim(
     tx: &mut PgTransaction<'_>,
     handler: &str,
     message_id: &MessageId,
@@ -47,23 +47,6 @@ pub async fn claim(
     } else {
         Claim::Duplicate
     })
-}
-
-/// Whether `(handler, message_id)` has a committed dedup row. Used for a
-/// message that arrives past its delivery limit: if an earlier attempt
-/// committed, it is acked rather than dead-lettered.
-pub(crate) async fn is_processed(
-    pool: &sqlx::PgPool,
-    handler: &str,
-    message_id: &MessageId,
-) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM idem_processed_messages WHERE handler = $1 AND message_id = $2)",
-    )
-    .bind(handler)
-    .bind(message_id.as_str())
-    .fetch_one(pool)
-    .await
 }
 
 /// Claims many messages in one statement, for batch mode. Returns the ids

@@ -11,19 +11,21 @@
 //! | `Idem-Original-Subject` | the subject it was published to |
 //! | `Idem-Original-Stream` | its stream |
 //! | `Idem-Original-Sequence` | its stream sequence |
-//! | `Idem-Message-Id` | the dedup id it resolved to (empty if none) |
+//! | `Idem-Message-Id` | the dedup id it resolved to (empty if none could be) |
+//! | `Idem-Message-Id-Source` | `key`, `header`, `stream-position`, or `unknown` |
 //! | `Idem-Handler` | the handler name |
 //! | `Idem-Delivered` | how many times it was delivered |
-//! | `Idem-Failure` | `permanent`, `exhausted`, `undecodable`, `bad-message-id` or `undeliverable` |
+//! | `Idem-Failure` | `permanent`, `exhausted`, `undecodable`, `bad-message-id`, `undeliverable` or `not-a-jetstream-delivery` |
 //! | `Idem-Error` | the last error's text (one line, at most 1 KiB) |
 //! | `Idem-Dead-Lettered-At` | RFC 3339 time |
 //!
-//! The original is TERMed only after JetStream acknowledges the dead letter;
-//! if that publish fails, the original is NAKed and tried again, so nothing
-//! is lost. [`replay`] sends a dead letter back to its subject once the cause
-//! is fixed.
-
-use std::time::Duration;
+//! The original is TERMed only after JetStream acknowledges the dead letter.
+//! While that publish fails, the original is held (its heartbeats keep it
+//! leased, no delivery is used up) and the publish retried, so nothing is
+//! lost however long the dead-letter stream is away. [`replay`] sends a dead
+//! letter back to its subject once the cause is fixed, under the id it was
+//! deduplicated by; a dead letter without one is replayed only when asked
+//! for explicitly ([`replay_with`]).
 
 use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
@@ -31,6 +33,7 @@ use async_nats::jetstream::{self, Message, stream};
 
 use crate::delivery::Delivery;
 use crate::error::Error;
+use crate::message_id::MessageId;
 use crate::route::Route;
 
 /// The stream that stores dead letters unless a route names its own subject.
@@ -54,9 +57,13 @@ pub enum Failure {
     Undecodable,
     /// The message id is empty or too long.
     BadMessageId,
-    /// JetStream stopped redelivering it before it ever reached the handler
-    /// (a header that is not UTF-8 makes the client drop the connection).
+    /// JetStream stopped redelivering it (its deliveries ran out without an
+    /// ack: the workers that took it died, or a header that is not UTF-8
+    /// made the client drop the connection each time).
     Undeliverable,
+    /// It reached the route without JetStream delivery metadata, so it can be
+    /// neither deduplicated nor redelivered.
+    NotADelivery,
 }
 
 impl Failure {
@@ -68,6 +75,7 @@ impl Failure {
             Failure::Undecodable => "undecodable",
             Failure::BadMessageId => "bad-message-id",
             Failure::Undeliverable => "undeliverable",
+            Failure::NotADelivery => "not-a-jetstream-delivery",
         }
     }
 }
@@ -108,11 +116,14 @@ pub(crate) async fn ensure_stream(js: &jetstream::Context, route: &Route) -> Res
 /// Where a dead letter came from: the context its headers record.
 pub(crate) struct Origin<'a> {
     pub(crate) subject: &'a str,
-    pub(crate) stream: &'a str,
-    pub(crate) sequence: u64,
-    pub(crate) message_id: &'a str,
+    /// The stream and sequence, when the message came from one.
+    pub(crate) position: Option<(&'a str, u64)>,
+    /// When the stream stored it, if known.
+    pub(crate) stored_at: Option<time::OffsetDateTime>,
+    /// The id it was (or would have been) deduplicated by, if known.
+    pub(crate) message_id: Option<&'a MessageId>,
     pub(crate) handler: &'a str,
-    pub(crate) delivered: u64,
+    pub(crate) delivered: Option<u64>,
 }
 
 /// Publishes a dead letter of `payload` to `subject` and waits for
@@ -128,31 +139,60 @@ pub(crate) async fn publish_letter(
     error: &str,
 ) -> Result<(), async_nats::Error> {
     headers.insert("Idem-Original-Subject", origin.subject);
-    headers.insert("Idem-Original-Stream", origin.stream);
-    headers.insert(
-        "Idem-Original-Sequence",
-        origin.sequence.to_string().as_str(),
-    );
-    headers.insert("Idem-Message-Id", origin.message_id);
+    if let Some((stream, sequence)) = origin.position {
+        headers.insert("Idem-Original-Stream", stream);
+        headers.insert("Idem-Original-Sequence", sequence.to_string().as_str());
+    }
+    let (id, source) = origin
+        .message_id
+        .map_or(("", "unknown"), |id| (id.as_str(), id.source().as_str()));
+    headers.insert("Idem-Message-Id", id);
+    headers.insert("Idem-Message-Id-Source", source);
     headers.insert("Idem-Handler", origin.handler);
-    headers.insert("Idem-Delivered", origin.delivered.to_string().as_str());
+    if let Some(delivered) = origin.delivered {
+        headers.insert("Idem-Delivered", delivered.to_string().as_str());
+    }
     headers.insert("Idem-Failure", failure.as_str());
     headers.insert("Idem-Error", one_line(error).as_str());
     headers.insert("Idem-Dead-Lettered-At", now_rfc3339().as_str());
     // A retried dead-letter publish (after a lost PubAck, or by a second
-    // worker) is dropped by JetStream's own dedup inside its window.
-    headers.insert(
-        NATS_MESSAGE_ID,
-        format!(
-            "idem-dead:{}:{}:{}",
-            origin.handler, origin.stream, origin.sequence
-        )
-        .as_str(),
-    );
-    js.publish_with_headers(subject, headers, payload)
+    // worker, or by the watcher of given-up messages) is dropped by
+    // JetStream's own dedup inside its window. The storage time keeps a
+    // recreated stream's messages apart from the old ones.
+    if let (Some((stream, sequence)), Some(stored_at)) = (origin.position, origin.stored_at) {
+        headers.insert(
+            NATS_MESSAGE_ID,
+            format!(
+                "idem-dead:{}:{stream}:{sequence}:{}",
+                origin.handler,
+                stored_at.unix_timestamp_nanos()
+            )
+            .as_str(),
+        );
+    }
+    let ack = js
+        .publish_with_headers(subject, headers, payload)
         .await?
         .await?;
+    if ack.duplicate {
+        tracing::debug!("the dead letter was stored before");
+    }
     Ok(())
+}
+
+/// The original's headers, without the `Nats-*` ones that steer JetStream.
+pub(crate) fn kept_headers(original: Option<&HeaderMap>) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (name, values) in original.into_iter().flat_map(|headers| headers.iter()) {
+        let name_str: &str = name.as_ref();
+        if name_str.starts_with("Nats-") {
+            continue;
+        }
+        for value in values {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+    headers
 }
 
 /// Publishes a delivered `message` as a dead letter.
@@ -164,29 +204,48 @@ pub(crate) async fn publish(
     failure: Failure,
     error: &str,
 ) -> Result<(), async_nats::Error> {
-    let mut headers = HeaderMap::new();
-    for (name, values) in delivery.headers().iter() {
-        let name_str: &str = name.as_ref();
-        if name_str.starts_with("Nats-") {
-            continue;
-        }
-        for value in values {
-            headers.append(name.clone(), value.clone());
-        }
-    }
     let origin = Origin {
         subject: delivery.subject(),
-        stream: delivery.stream(),
-        sequence: delivery.stream_sequence(),
-        message_id: delivery.message_id().as_str(),
+        position: Some((delivery.stream(), delivery.stream_sequence())),
+        stored_at: Some(delivery.stored_at()),
+        message_id: Some(delivery.message_id()),
         handler,
-        delivered: delivery.delivered(),
+        delivered: Some(delivery.delivered()),
     };
     publish_letter(
         &message.context,
         subject,
         origin,
-        headers,
+        kept_headers(Some(delivery.headers())),
+        message.payload.clone(),
+        failure,
+        error,
+    )
+    .await
+}
+
+/// Publishes a message that is not a JetStream delivery as a dead letter,
+/// with what little is known of it.
+pub(crate) async fn publish_stray(
+    message: &Message,
+    handler: &str,
+    subject: String,
+    failure: Failure,
+    error: &str,
+) -> Result<(), async_nats::Error> {
+    let origin = Origin {
+        subject: message.subject.as_str(),
+        position: None,
+        stored_at: None,
+        message_id: None,
+        handler,
+        delivered: None,
+    };
+    publish_letter(
+        &message.context,
+        subject,
+        origin,
+        kept_headers(message.headers.as_ref()),
         message.payload.clone(),
         failure,
         error,
@@ -241,19 +300,54 @@ pub enum ReplayError {
         "JetStream dropped the replay as a duplicate: the original's Nats-Msg-Id is still inside the stream's duplicate window; replay again after it passes"
     )]
     InsideDuplicateWindow,
+    /// The dead letter records no message id (its `Nats-Msg-Id` was not
+    /// UTF-8, say), so a replay would be deduplicated by a new one: if the
+    /// original was in fact processed, it would be applied again.
+    #[error(
+        "dead letter {0} records no message id, so a replay could apply an effect the original already applied; check that it was not processed, then replay with `ReplayOptions::allow_new_message_id`"
+    )]
+    NoMessageId(u64),
+}
+
+/// How [`replay_with`] replays.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct ReplayOptions {
+    allow_new_message_id: bool,
+}
+
+impl ReplayOptions {
+    /// Replay a dead letter that records no message id: it gets a new one,
+    /// so nothing can tell it from a message never processed. Only for dead
+    /// letters you know were not processed.
+    pub fn allow_new_message_id(mut self) -> Self {
+        self.allow_new_message_id = true;
+        self
+    }
 }
 
 /// Sends dead letter `sequence` of stream `dead_letter_stream` back to its
 /// original subject, with its original headers, and `Nats-Msg-Id` set to the
 /// message id it was deduplicated by, so that the replay is deduplicated
 /// exactly like the original: if the original was in fact processed, the
-/// replay is skipped.
+/// replay is skipped. A dead letter that records no id is refused
+/// ([`ReplayError::NoMessageId`]); see [`replay_with`].
 ///
 /// The dead letter itself stays in its stream; delete or purge it when done.
 pub async fn replay(
     js: &jetstream::Context,
     dead_letter_stream: &str,
     sequence: u64,
+) -> Result<jetstream::publish::PublishAck, ReplayError> {
+    replay_with(js, dead_letter_stream, sequence, ReplayOptions::default()).await
+}
+
+/// [`replay`], with options.
+pub async fn replay_with(
+    js: &jetstream::Context,
+    dead_letter_stream: &str,
+    sequence: u64,
+    options: ReplayOptions,
 ) -> Result<jetstream::publish::PublishAck, ReplayError> {
     let read_error = |source: async_nats::Error| ReplayError::Read {
         stream: dead_letter_stream.to_owned(),
@@ -277,6 +371,9 @@ pub async fn replay(
         .get("Idem-Message-Id")
         .map(|v| v.as_str().to_owned())
         .unwrap_or_default();
+    if message_id.is_empty() && !options.allow_new_message_id {
+        return Err(ReplayError::NoMessageId(sequence));
+    }
 
     let mut headers = HeaderMap::new();
     for (name, values) in stored.headers.iter() {
@@ -306,9 +403,6 @@ pub async fn replay(
     }
     Ok(ack)
 }
-
-/// How long to wait before retrying a failed dead-letter publish.
-pub(crate) const PUBLISH_RETRY: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests {

@@ -32,24 +32,27 @@ pub struct Delivery {
     pub(crate) consumer: String,
     pub(crate) stream_sequence: u64,
     pub(crate) delivered: u64,
+    pub(crate) stored_at: time::OffsetDateTime,
     pub(crate) headers: HeaderMap,
     pub(crate) message_id: MessageId,
 }
 
 impl Delivery {
     /// Reads the delivery metadata off a JetStream message. The message id is
-    /// resolved later, once the payload is decoded; until then it is the
-    /// stream-sequence fallback.
+    /// resolved later, by the pipeline; until then it is the stream-position
+    /// fallback.
     pub(crate) fn from_message(message: &Message) -> Result<Self, async_nats::Error> {
         let info = message.info()?;
         let stream = info.stream.to_owned();
         let stream_sequence = info.stream_sequence;
+        let stored_at = info.published;
         Ok(Self {
             subject: message.subject.to_string(),
             consumer: info.consumer.to_owned(),
             delivered: u64::try_from(info.delivered).unwrap_or(0),
+            stored_at,
             headers: message.headers.clone().unwrap_or_default(),
-            message_id: MessageId::from_stream_sequence(&stream, stream_sequence),
+            message_id: MessageId::from_stream_position(&stream, stream_sequence, stored_at),
             stream,
             stream_sequence,
         })
@@ -73,6 +76,11 @@ impl Delivery {
     /// The message's sequence number in its stream.
     pub fn stream_sequence(&self) -> u64 {
         self.stream_sequence
+    }
+
+    /// When JetStream stored the message.
+    pub fn stored_at(&self) -> time::OffsetDateTime {
+        self.stored_at
     }
 
     /// How many times the message has been delivered, this delivery included

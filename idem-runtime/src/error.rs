@@ -6,18 +6,26 @@ use crate::message_id::InvalidMessageId;
 /// Any error a handler body returns, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// Why a handler did not finish. The runtime rolls the transaction back,
-/// then retries, NAKs or dead-letters the message according to the error's
-/// [`ErrorClass`] and the route's [`RetryPolicy`](crate::RetryPolicy).
+/// Why a message's transaction did not commit. The runtime rolls the
+/// transaction back, then retries, NAKs or dead-letters the message
+/// according to the error's [`ErrorClass`] and the route's
+/// [`RetryPolicy`](crate::RetryPolicy); an [`Infrastructure`] error holds the
+/// message instead.
+///
+/// [`Infrastructure`]: HandlerError::Infrastructure
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HandlerError {
-    /// BEGIN or the claim statement failed (database unreachable, dedup table
-    /// missing).
-    #[error("claiming the message failed: {0}")]
-    Claim(#[from] sqlx::Error),
+    /// The database could not be used before the handler ran: no connection,
+    /// BEGIN failed, or the claim failed (the dedup table is missing, a
+    /// permission was revoked, the server is restarting). The message is not
+    /// to blame: it is held, with heartbeats, and retried with backoff; the
+    /// route stops taking new messages until the database answers again. No
+    /// delivery is used up and nothing is dead-lettered.
+    #[error("the database could not be used before the handler ran: {}", describe_sqlx(.0))]
+    Infrastructure(sqlx::Error),
     /// The handler body returned an error.
-    #[error("the handler failed: {error}")]
+    #[error("the handler failed: {}", describe(&**.error))]
     Handler {
         /// The error the body returned.
         error: BoxError,
@@ -28,6 +36,31 @@ pub enum HandlerError {
     /// The handler ran longer than the route's handler timeout.
     #[error("the handler did not finish within {0:?}")]
     TimedOut(std::time::Duration),
+    /// The handler panicked. Its transaction is dropped (rolled back) and the
+    /// message retried with backoff like a transient failure.
+    #[error("the handler panicked: {0}")]
+    Panicked(String),
+    /// The handler returned `Ok`, but PostgreSQL had aborted its transaction:
+    /// a statement failed and the handler ignored the error. A COMMIT would
+    /// have rolled everything back, the claim included, while reporting
+    /// success; idem never acks such a message. Retried now a few times (a
+    /// lost race may explain it), then dead-lettered.
+    #[error(
+        "the handler returned Ok, but PostgreSQL had aborted its transaction: a statement failed and the handler ignored the error, so nothing was committed; propagate the error with `?`, or run a statement that may fail in a savepoint (`tx.begin()`) or with ON CONFLICT"
+    )]
+    Aborted,
+    /// The claim was no longer in the transaction when it was to commit: the
+    /// handler ended the transaction itself (a raw `COMMIT` or `ROLLBACK`).
+    /// Retried now a few times, then dead-lettered.
+    #[error(
+        "the claim was no longer in the transaction at COMMIT: the handler ended the transaction itself (a raw COMMIT or ROLLBACK); never end `tx` in a handler, return Ok and let idem commit"
+    )]
+    ClaimLost,
+    /// PostgreSQL refused the COMMIT (a deferred constraint, a serialization
+    /// failure): nothing was committed. Classed by its SQLSTATE, like an
+    /// error of the handler's own statements.
+    #[error("COMMIT failed, nothing was committed: {}", describe_sqlx(.0))]
+    CommitRefused(sqlx::Error),
 }
 
 impl HandlerError {
@@ -46,16 +79,60 @@ impl HandlerError {
         }
     }
 
-    /// Whether, and how, the failure is worth retrying.
+    /// Whether, and how, the failure is worth retrying. An
+    /// [`Infrastructure`](HandlerError::Infrastructure) error has no class of
+    /// its own (it is held, not retried by class); this reports it as
+    /// [`ErrorClass::Transient`].
     pub fn class(&self) -> ErrorClass {
         match self {
-            HandlerError::Claim(error) => ErrorClass::of_sqlx(error),
+            HandlerError::Infrastructure(_)
+            | HandlerError::TimedOut(_)
+            | HandlerError::Panicked(_) => ErrorClass::Transient,
             HandlerError::Handler {
                 class: Some(class), ..
             } => *class,
             HandlerError::Handler { error, .. } => ErrorClass::of(&**error),
-            HandlerError::TimedOut(_) => ErrorClass::Transient,
+            HandlerError::Aborted | HandlerError::ClaimLost => ErrorClass::RetryNowThenPermanent,
+            HandlerError::CommitRefused(error) => ErrorClass::of_sqlx(error),
         }
+    }
+
+    /// Whether the database, not the message, is to blame: see
+    /// [`HandlerError::Infrastructure`].
+    pub fn is_infrastructure(&self) -> bool {
+        matches!(self, HandlerError::Infrastructure(_))
+    }
+}
+
+/// An error and its sources, one line, with the SQLSTATE of a database
+/// error: what a dead letter's `Idem-Error` and the logs show.
+pub(crate) fn describe(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    let mut sqlstate = error.downcast_ref::<sqlx::Error>().and_then(sqlstate_of);
+    while let Some(source) = next {
+        let source_text = source.to_string();
+        if !text.contains(&source_text) {
+            text.push_str(": ");
+            text.push_str(&source_text);
+        }
+        sqlstate = sqlstate.or_else(|| source.downcast_ref::<sqlx::Error>().and_then(sqlstate_of));
+        next = source.source();
+    }
+    if let Some(code) = sqlstate {
+        text.push_str(&format!(" (SQLSTATE {code})"));
+    }
+    text
+}
+
+fn describe_sqlx(error: &sqlx::Error) -> String {
+    describe(error)
+}
+
+fn sqlstate_of(error: &sqlx::Error) -> Option<String> {
+    match error {
+        sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+        _ => None,
     }
 }
 

@@ -1,8 +1,11 @@
 //! Error classes: which failures are worth retrying.
 //!
 //! Every handler failure is **transient** (retry, with backoff, up to the
-//! route's delivery limit, then dead-letter) or **permanent** (dead-letter at
-//! once: no retry can help). The class of an error is, in order:
+//! route's delivery limit, then dead-letter), **retry now** (again at once, in
+//! process, a few times, then as transient), **retry now, then permanent**
+//! (again at once a few times; if it persists, dead-letter) or **permanent**
+//! (dead-letter at once: no retry can help). The class of an error is, in
+//! order:
 //!
 //! 1. what its type says through [`Classify`], if the handler's error type
 //!    implements it;
@@ -13,9 +16,16 @@
 //!
 //! `sqlx::Error`s are classed by what PostgreSQL said: serialization
 //! failures (40001), deadlocks (40P01), lost or refused connections, pool
-//! time-outs and server shutdowns are transient and *retryable in-process*;
-//! constraint violations, bad SQL and type errors (classes 22, 23, 42) are
-//! permanent; anything else is transient.
+//! time-outs and server shutdowns are *retried now*; unique and foreign-key
+//! violations (23505, 23503), which a check-then-write race under READ
+//! COMMITTED raises and a retry clears, are *retried now, then permanent*;
+//! other constraint violations, bad SQL and type errors (classes 22, 23, 42)
+//! are permanent; anything else is transient.
+//!
+//! Failures before the handler runs (getting a connection, BEGIN, the claim)
+//! are not classed at all: they are the database's, not the message's, so
+//! the message is held and retried and no delivery is used up (see
+//! [`HandlerError::Infrastructure`](crate::HandlerError::Infrastructure)).
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -33,6 +43,12 @@ pub enum ErrorClass {
     /// database asked for it (serialization failure, deadlock) or the
     /// connection dropped.
     RetryNow,
+    /// Retry now, in the same process, a few times; if it still fails,
+    /// dead-letter without further deliveries. For failures a lost race
+    /// explains and a retry clears, but that are a bug when they persist: a
+    /// unique or foreign-key violation (23505, 23503), a statement whose
+    /// error the handler ignored.
+    RetryNowThenPermanent,
     /// Never retry: dead-letter on this delivery.
     Permanent,
 }
@@ -48,6 +64,9 @@ impl ErrorClass {
                 // connection exceptions
                 Some("57P01" | "57P02" | "57P03") => ErrorClass::RetryNow,
                 Some(code) if code.starts_with("08") => ErrorClass::RetryNow,
+                // unique_violation, foreign_key_violation: a check-then-write
+                // race under READ COMMITTED, which a retry clears
+                Some("23505" | "23503") => ErrorClass::RetryNowThenPermanent,
                 // data exceptions, integrity violations, syntax or access
                 // errors: the same statement fails the same way next time
                 Some(code)

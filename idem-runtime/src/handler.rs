@@ -6,7 +6,6 @@ use std::pin::Pin;
 use serde::de::DeserializeOwned;
 use sqlx::PgTransaction;
 
-use crate::claim::claim;
 use crate::delivery::Delivery;
 use crate::error::HandlerError;
 
@@ -62,30 +61,11 @@ pub trait Handler: Send + Sync + 'static {
         None
     }
 
-    /// Claims `delivery.message_id()` inside `tx` (its first statement),
-    /// then runs the body if the claim is fresh. A duplicate never runs the
-    /// body. The runtime begins `tx` before and commits or rolls it back
-    /// after.
-    fn handle<'a, 'c>(
-        &'a self,
-        tx: &'a mut PgTransaction<'c>,
-        payload: Self::Payload,
-        delivery: &'a Delivery,
-    ) -> HandlerFuture<'a> {
-        Box::pin(async move {
-            if claim(tx, self.name(), delivery.message_id())
-                .await?
-                .is_duplicate()
-            {
-                return Ok(Outcome::Duplicate);
-            }
-            self.run_claimed(tx, payload, delivery).await
-        })
-    }
-
-    /// Runs the body, in `tx`, for a message already claimed in `tx`: by
-    /// [`handle`](Handler::handle), or by the batch claim that claims many
-    /// messages in one statement. `#[idempotent]` generates it.
+    /// Runs the body, in `tx`, for a message the runtime has already claimed
+    /// in `tx` (alone, or with the rest of its batch in one statement). The
+    /// runtime begins `tx` and claims the message before, and commits (if
+    /// the claim is still there) or rolls back after; a handler can neither
+    /// skip nor repeat the claim. `#[idempotent]` generates it.
     fn run_claimed<'a, 'c>(
         &'a self,
         tx: &'a mut PgTransaction<'c>,

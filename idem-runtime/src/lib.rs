@@ -47,6 +47,7 @@ mod failure;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod handler;
+mod health;
 mod heartbeat;
 mod message_id;
 mod pipeline;
@@ -57,10 +58,10 @@ mod router;
 pub mod schema;
 mod shutdown;
 mod stats;
+mod transaction;
 mod undeliverable;
 
 pub use ack::AckMode;
-pub use claim::Claim;
 pub use delivery::Delivery;
 pub use error::{BoxError, Error, HandlerError, RejectedMessage};
 pub use failure::{Classify, ErrorClass, Permanent, Transient};

@@ -17,13 +17,17 @@ pub const MAX_MESSAGE_ID_LEN: usize = 512;
 /// 1. the handler's explicit `key = <expr>` over the decoded payload;
 /// 2. the `Nats-Msg-Id` header, which publishers also use for JetStream's own
 ///    (time-limited) publish dedup;
-/// 3. `<stream>:<stream sequence>`, which is unique per stored message but
-///    changes if a publisher stores the same logical message twice.
+/// 3. the message's position: `<stream>:<stream sequence>:<stored at>`, the
+///    last part being the time JetStream stored it, in nanoseconds since the
+///    Unix epoch. It is unique per stored message, also across a stream that
+///    is deleted and recreated (its sequences start over at 1, its times do
+///    not), but it differs between two stored copies of one logical message
+///    (a publisher retry after JetStream's duplicate window).
 ///
-/// An explicit key or a `Nats-Msg-Id` that is empty, or longer than
-/// [`MAX_MESSAGE_ID_LEN`] bytes, is an [`InvalidMessageId`] error: the message
-/// is dead-lettered on its first delivery (not retried), because no retry
-/// can change its id.
+/// An explicit key or a `Nats-Msg-Id` that is empty, longer than
+/// [`MAX_MESSAGE_ID_LEN`] bytes, or holds a NUL character is an
+/// [`InvalidMessageId`] error: the message is dead-lettered on its first
+/// delivery (not retried), because no retry can change its id.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MessageId {
     value: String,
@@ -38,8 +42,19 @@ pub enum MessageIdSource {
     Key,
     /// The `Nats-Msg-Id` header.
     Header,
-    /// `<stream>:<stream sequence>`.
-    StreamSequence,
+    /// `<stream>:<stream sequence>:<stored at>`.
+    StreamPosition,
+}
+
+impl MessageIdSource {
+    /// The name used in the `Idem-Message-Id-Source` header of dead letters.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MessageIdSource::Key => "key",
+            MessageIdSource::Header => "header",
+            MessageIdSource::StreamPosition => "stream-position",
+        }
+    }
 }
 
 /// A message id that cannot be used as a dedup key.
@@ -60,30 +75,53 @@ pub enum InvalidMessageId {
         /// Its length in bytes.
         len: usize,
     },
+    /// The id holds a NUL character, which PostgreSQL text cannot store.
+    #[error("the {0:?} message id holds a NUL character; give the message an id without one")]
+    Nul(MessageIdSource),
 }
 
 impl MessageId {
-    /// Resolves the id of a delivery: the explicit key if the handler has one,
-    /// else the `Nats-Msg-Id` header, else `<stream>:<stream sequence>`.
-    pub fn resolve(
-        key: Option<String>,
+    /// The id a delivery has before its payload is decoded: its
+    /// `Nats-Msg-Id`, else its stream position. A handler's key, once the
+    /// payload decodes, takes precedence ([`MessageId::from_key`]).
+    pub(crate) fn of_delivery(
         headers: &HeaderMap,
         stream: &str,
         stream_sequence: u64,
+        stored_at: time::OffsetDateTime,
     ) -> Result<Self, InvalidMessageId> {
-        if let Some(key) = key {
-            return Self::checked(key, MessageIdSource::Key);
+        match headers.get_last(NATS_MESSAGE_ID) {
+            Some(header) => Self::checked(header.as_str().to_owned(), MessageIdSource::Header),
+            None => Ok(Self::from_stream_position(
+                stream,
+                stream_sequence,
+                stored_at,
+            )),
         }
-        if let Some(header) = headers.get_last(NATS_MESSAGE_ID) {
-            return Self::checked(header.as_str().to_owned(), MessageIdSource::Header);
-        }
-        Ok(Self::from_stream_sequence(stream, stream_sequence))
     }
 
-    pub(crate) fn from_stream_sequence(stream: &str, stream_sequence: u64) -> Self {
+    /// The id a handler's `key = <expr>` gave.
+    pub(crate) fn from_key(key: String) -> Result<Self, InvalidMessageId> {
+        Self::checked(key, MessageIdSource::Key)
+    }
+
+    /// A `Nats-Msg-Id` read from a raw header block.
+    pub(crate) fn from_header(value: String) -> Result<Self, InvalidMessageId> {
+        Self::checked(value, MessageIdSource::Header)
+    }
+
+    /// `<stream>:<stream sequence>:<stored at, in Unix nanoseconds>`.
+    pub(crate) fn from_stream_position(
+        stream: &str,
+        stream_sequence: u64,
+        stored_at: time::OffsetDateTime,
+    ) -> Self {
         Self {
-            value: format!("{stream}:{stream_sequence}"),
-            source: MessageIdSource::StreamSequence,
+            value: format!(
+                "{stream}:{stream_sequence}:{}",
+                stored_at.unix_timestamp_nanos()
+            ),
+            source: MessageIdSource::StreamPosition,
         }
     }
 
@@ -96,6 +134,9 @@ impl MessageId {
                 origin: source,
                 len: value.len(),
             });
+        }
+        if value.contains('\0') {
+            return Err(InvalidMessageId::Nul(source));
         }
         Ok(Self { value, source })
     }
@@ -127,40 +168,60 @@ mod tests {
         headers
     }
 
-    #[test]
-    fn explicit_key_wins_over_header_and_sequence() {
-        let id = MessageId::resolve(Some("k-1".into()), &headers_with_id("h-1"), "S", 7).unwrap();
-        assert_eq!((id.as_str(), id.source()), ("k-1", MessageIdSource::Key));
+    fn stored_at(nanos: i128) -> time::OffsetDateTime {
+        time::OffsetDateTime::from_unix_timestamp_nanos(nanos).unwrap()
     }
 
     #[test]
-    fn header_wins_over_sequence() {
-        let id = MessageId::resolve(None, &headers_with_id("h-1"), "S", 7).unwrap();
+    fn the_header_is_the_id_of_a_delivery() {
+        let id = MessageId::of_delivery(&headers_with_id("h-1"), "S", 7, stored_at(1)).unwrap();
         assert_eq!((id.as_str(), id.source()), ("h-1", MessageIdSource::Header));
     }
 
     #[test]
-    fn stream_sequence_is_the_fallback() {
-        let id = MessageId::resolve(None, &HeaderMap::new(), "ORDERS", 42).unwrap();
+    fn the_stream_position_is_the_fallback_and_includes_the_storage_time() {
+        let id = MessageId::of_delivery(
+            &HeaderMap::new(),
+            "ORDERS",
+            42,
+            stored_at(1_764_000_000_123_456_789),
+        )
+        .unwrap();
         assert_eq!(
             (id.as_str(), id.source()),
-            ("ORDERS:42", MessageIdSource::StreamSequence)
+            (
+                "ORDERS:42:1764000000123456789",
+                MessageIdSource::StreamPosition
+            )
         );
+        // The same sequence in a recreated stream is another message.
+        let recreated = MessageId::of_delivery(
+            &HeaderMap::new(),
+            "ORDERS",
+            42,
+            stored_at(1_764_000_999_000_000_000),
+        )
+        .unwrap();
+        assert_ne!(id, recreated);
     }
 
     #[test]
-    fn empty_and_oversized_ids_are_refused() {
+    fn empty_oversized_and_nul_ids_are_refused() {
         assert_eq!(
-            MessageId::resolve(Some(String::new()), &HeaderMap::new(), "S", 1),
+            MessageId::from_key(String::new()),
             Err(InvalidMessageId::Empty(MessageIdSource::Key))
         );
         let long = "x".repeat(MAX_MESSAGE_ID_LEN + 1);
         assert!(matches!(
-            MessageId::resolve(None, &headers_with_id(&long), "S", 1),
+            MessageId::of_delivery(&headers_with_id(&long), "S", 1, stored_at(1)),
             Err(InvalidMessageId::TooLong {
                 origin: MessageIdSource::Header,
                 ..
             })
         ));
+        assert_eq!(
+            MessageId::from_key("a\0b".into()),
+            Err(InvalidMessageId::Nul(MessageIdSource::Key))
+        );
     }
 }

@@ -1,10 +1,22 @@
-//! One message's way through the runtime: decode, claim and handle inside a
-//! transaction, commit, and only then ack; or retry, or dead-letter.
+//! One message's way through the runtime: resolve its id, decode it, claim
+//! and handle it inside a transaction, commit, and only then ack; or retry,
+//! hold, or dead-letter it.
+//!
+//! Every path ends in exactly one of: ack (committed, or found already
+//! processed), NAK (retried later), or a stored dead letter followed by TERM.
+//! Two kinds of failure never use up a delivery, because the message is not
+//! to blame: the database being unusable before the handler runs, and the
+//! dead-letter stream being unavailable. Such a message is *held*: its
+//! heartbeats keep it leased while it is retried with backoff, until it
+//! succeeds or the router shuts down (then it is NAKed for another worker).
 
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_nats::jetstream::Message;
-use sqlx::{PgPool, PgTransaction};
+use futures_util::FutureExt;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
@@ -16,18 +28,24 @@ use crate::delivery::Delivery;
 use crate::error::{HandlerError, RejectedMessage};
 use crate::failure::ErrorClass;
 use crate::handler::{Handler, Outcome};
-use crate::heartbeat::Heartbeat;
+use crate::health::Health;
+use crate::heartbeat::{Heartbeats, Lease};
 use crate::message_id::MessageId;
 use crate::route::Route;
+use crate::shutdown::Signal;
 use crate::stats::Stats;
+use crate::transaction::{self, Begin, Ended};
 
 /// Everything a route needs to process its messages.
 pub(crate) struct Pipeline<H> {
     pub(crate) route: Route,
     pub(crate) handler: H,
-    pub(crate) pool: PgPool,
     pub(crate) connections: Arc<Connections>,
+    pub(crate) heartbeats: Heartbeats,
+    pub(crate) begin: Begin,
+    pub(crate) health: Health,
     pub(crate) stats: Arc<Stats>,
+    pub(crate) shutdown: Signal,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::fault::FaultHooks,
 }
@@ -38,17 +56,26 @@ pub(crate) enum Verdict {
     Processed,
     /// Already processed: rolled back, ack.
     Duplicate,
-    /// BEGIN, the claim or the body failed: rolled back; retry or
-    /// dead-letter by the error's class.
+    /// The handler, or its COMMIT, failed (after any in-process retries):
+    /// rolled back; NAK or dead-letter by the error's class.
     Failed(HandlerError),
-    /// COMMIT failed, so its outcome is unknown: NAK, never ack. If it did
-    /// commit, the redelivery finds the dedup row.
+    /// COMMIT's outcome is unknown (the connection failed): NAK, never ack.
+    /// If it did commit, the redelivery finds the claim.
     CommitUnknown(sqlx::Error),
     /// Can never succeed: dead-letter.
     Rejected(RejectedMessage),
-    /// Arrived past the delivery limit without a dedup row: earlier attempts
-    /// never finished (the worker died, say). Dead-letter without running.
+    /// Arrived past the delivery limit, and its claim shows no attempt ever
+    /// committed: dead-letter without running.
     Exhausted,
+    /// Held while the database could not be used, and the router is shutting
+    /// down: NAK, so another worker takes it.
+    Interrupted,
+}
+
+/// Consecutive attempts that failed because the database could not be used.
+#[derive(Default)]
+pub(crate) struct Outage {
+    failures: u64,
 }
 
 impl<H: Handler> Pipeline<H> {
@@ -56,58 +83,81 @@ impl<H: Handler> Pipeline<H> {
     /// the message is settled.
     pub(crate) async fn process(self: Arc<Self>, message: Message, _slot: OwnedSemaphorePermit) {
         Stats::bump(&self.stats.received);
-        let Some(delivery) = self.delivery_of(&message).await else {
+        let Some(mut delivery) = self.delivery_of(&message).await else {
             return;
         };
-        let span = tracing::info_span!(
+        let lease = self.heartbeats.lease(&message);
+        let span = self.span(&delivery);
+        async {
+            let verdict = match self.prepare(&message, &mut delivery) {
+                Err(rejected) => Verdict::Rejected(rejected),
+                Ok(payload) => self.decide(&message, payload, &delivery).await,
+            };
+            self.settle(&message, &delivery, verdict, lease).await;
+        }
+        .instrument(span)
+        .await;
+    }
+
+    fn span(&self, delivery: &Delivery) -> tracing::Span {
+        tracing::info_span!(
             "idem.message",
             handler = self.handler.name(),
             subject = %delivery.subject(),
             stream_seq = delivery.stream_sequence(),
             message_id = tracing::field::Empty,
             delivered = delivery.delivered(),
-        );
-        self.run(message, delivery).instrument(span).await;
+        )
     }
 
-    /// The delivery metadata of `message`, or `None` after terminating a
+    /// The delivery metadata of `message`, or `None` after dead-lettering a
     /// message that has none: it is not a JetStream consumer delivery, so
-    /// there is nothing to dedup it by or redeliver.
+    /// there is nothing to deduplicate it by or redeliver.
     pub(crate) async fn delivery_of(&self, message: &Message) -> Option<Delivery> {
         match Delivery::from_message(message) {
             Ok(delivery) => Some(delivery),
             Err(error) => {
-                tracing::error!(%error, subject = %message.subject, "not a JetStream delivery; terminating it");
                 Stats::bump(&self.stats.rejected);
-                ack::term(message).await;
+                let text = format!(
+                    "not a JetStream delivery ({error}): it cannot be deduplicated or redelivered"
+                );
+                self.dead_letter(message, None, Failure::NotADelivery, &text, Lease::none())
+                    .await;
                 None
             }
         }
     }
 
-    /// Runs a handler call under the route's handler timeout, which covers
-    /// the handler alone, never BEGIN or COMMIT.
-    pub(crate) async fn within_timeout(
+    /// Resolves the message id and decodes the payload, before BEGIN, so a
+    /// poison message never takes a connection. The id the delivery carries
+    /// (`Nats-Msg-Id`, else its stream position) is resolved first, so that
+    /// the dead letter of a payload that does not decode keeps it; a
+    /// handler's key replaces it once the payload decodes.
+    pub(crate) fn prepare(
         &self,
-        handled: impl Future<Output = Result<Outcome, HandlerError>>,
-    ) -> Result<Outcome, HandlerError> {
-        match self.route.handler_timeout {
-            Some(limit) => tokio::time::timeout(limit, handled)
-                .await
-                .unwrap_or(Err(HandlerError::TimedOut(limit))),
-            None => handled.await,
+        message: &Message,
+        delivery: &mut Delivery,
+    ) -> Result<H::Payload, RejectedMessage> {
+        let carried = MessageId::of_delivery(
+            delivery.headers(),
+            delivery.stream(),
+            delivery.stream_sequence(),
+            delivery.stored_at(),
+        );
+        if let Ok(id) = &carried {
+            delivery.message_id = id.clone();
         }
+        let payload = self.decode(message)?;
+        delivery.message_id = match self.handler.message_key(&payload) {
+            Some(key) => MessageId::from_key(key)?,
+            None => carried?,
+        };
+        tracing::Span::current().record("message_id", delivery.message_id().as_str());
+        Ok(payload)
     }
 
-    async fn run(&self, message: Message, mut delivery: Delivery) {
-        // The heartbeat covers the wait for a pooled connection too.
-        let heartbeat = Heartbeat::start(&message, self.route.heartbeat_interval());
-        let verdict = match self.prepare(&message, &mut delivery) {
-            Err(rejected) => Verdict::Rejected(rejected),
-            Ok(payload) => self.decide(&message, payload, &delivery).await,
-        };
-        heartbeat.stop().await;
-        self.settle(&message, &delivery, verdict).await;
+    pub(crate) fn decode(&self, message: &Message) -> Result<H::Payload, RejectedMessage> {
+        Ok(serde_json::from_slice(&message.payload)?)
     }
 
     /// Runs a prepared message on its own, in its own transaction.
@@ -123,104 +173,223 @@ impl<H: Handler> Pipeline<H> {
         self.transact_with_retries(message, payload, delivery).await
     }
 
-    /// Decodes the payload and resolves the message id. Both happen before
-    /// BEGIN, so a poison message never takes a connection.
-    pub(crate) fn prepare(
-        &self,
-        message: &Message,
-        delivery: &mut Delivery,
-    ) -> Result<H::Payload, RejectedMessage> {
-        let payload: H::Payload = serde_json::from_slice(&message.payload)?;
-        delivery.message_id = MessageId::resolve(
-            self.handler.message_key(&payload),
-            delivery.headers(),
-            delivery.stream(),
-            delivery.stream_sequence(),
-        )?;
-        tracing::Span::current().record("message_id", delivery.message_id().as_str());
-        Ok(payload)
-    }
-
-    /// A message past its delivery limit: ack it if it was processed after
-    /// all, else dead-letter it.
+    /// A message past its delivery limit: ack it if an attempt committed,
+    /// else dead-letter it. The check claims the message and rolls the claim
+    /// back, so it waits for an attempt that is still running.
     async fn past_limit(&self, delivery: &Delivery) -> Verdict {
-        match claim::is_processed(&self.pool, self.handler.name(), delivery.message_id()).await {
-            Ok(true) => Verdict::Duplicate,
-            Ok(false) => Verdict::Exhausted,
-            Err(error) => Verdict::Failed(HandlerError::Claim(error)),
+        let mut outage = Outage::default();
+        loop {
+            match self.claimed_elsewhere(delivery).await {
+                Ok(true) => return Verdict::Duplicate,
+                Ok(false) => return Verdict::Exhausted,
+                Err(error) => {
+                    let error = HandlerError::Infrastructure(error);
+                    if !self.hold_for_database(&error, &mut outage).await {
+                        return Verdict::Interrupted;
+                    }
+                }
+            }
         }
     }
 
-    /// Runs the transaction, and runs it again at once (a few times, with a
-    /// short pause) when the failure is one the database asks to retry:
-    /// a serialization failure, a deadlock, a lost connection.
+    async fn claimed_elsewhere(&self, delivery: &Delivery) -> Result<bool, sqlx::Error> {
+        let mut connection = self.connections.take().await?;
+        let mut tx = self.begin.run(&mut connection).await?;
+        let found = claim::claim(&mut tx, self.handler.name(), delivery.message_id()).await?;
+        self.health.resume();
+        if transaction::rollback(tx).await {
+            connection.keep();
+        }
+        Ok(found.is_duplicate())
+    }
+
+    /// Runs the transaction; runs it again at once (a few times, with a
+    /// short pause) when the failure is one a retry may clear; and holds the
+    /// message while the database cannot be used at all.
     pub(crate) async fn transact_with_retries(
         &self,
         message: &Message,
-        mut payload: H::Payload,
+        payload: H::Payload,
         delivery: &Delivery,
     ) -> Verdict {
         let policy = &self.route.retry;
-        let mut attempt = 1;
+        let mut payload = Some(payload);
+        let mut tries = 1;
+        let mut outage = Outage::default();
         loop {
-            let verdict = self.transact(payload, delivery).await;
+            let this_try = match payload.take() {
+                Some(payload) => payload,
+                // The handler took the last one; it decoded before, so it
+                // decodes again.
+                None => match self.decode(message) {
+                    Ok(payload) => payload,
+                    Err(error) => return Verdict::Rejected(error),
+                },
+            };
+            let verdict = self.transact(this_try, delivery).await;
             let Verdict::Failed(error) = &verdict else {
                 return verdict;
             };
-            if error.class() != ErrorClass::RetryNow || attempt >= policy.in_process_attempts {
+            if error.is_infrastructure() {
+                if !self.hold_for_database(error, &mut outage).await {
+                    return Verdict::Interrupted;
+                }
+                continue;
+            }
+            let retry_now = matches!(
+                error.class(),
+                ErrorClass::RetryNow | ErrorClass::RetryNowThenPermanent
+            );
+            if !retry_now || tries >= policy.in_process_attempts {
                 return verdict;
             }
             Stats::bump(&self.stats.retried_in_process);
-            tracing::info!(%error, attempt, "retrying at once");
-            tokio::time::sleep(policy.in_process_backoff * attempt).await;
-            attempt += 1;
-            // It decoded a moment ago, so it decodes again.
-            payload = match serde_json::from_slice(&message.payload) {
-                Ok(payload) => payload,
-                Err(error) => return Verdict::Rejected(error.into()),
-            };
+            tracing::info!(%error, attempt = tries, "retrying at once");
+            tokio::time::sleep(policy.in_process_backoff * tries).await;
+            tries += 1;
         }
     }
 
-    /// Runs the handler in its own transaction.
-    ///
-    /// Neither BEGIN nor COMMIT is raced against a timer or `select!`: a
-    /// cancelled BEGIN can return a pooled connection still inside a
-    /// transaction (sqlx#4393), and a cancelled COMMIT has an unknown outcome.
-    /// The handler timeout covers the handler alone.
+    /// Runs the handler in its own transaction: BEGIN, the claim, the
+    /// handler, COMMIT (see [`transaction`]).
     async fn transact(&self, payload: H::Payload, delivery: &Delivery) -> Verdict {
+        let name = self.handler.name();
         let mut connection = match self.connections.take().await {
             Ok(connection) => connection,
-            Err(error) => return Verdict::Failed(HandlerError::Claim(error)),
+            Err(error) => return self.infrastructure(error),
         };
-        let mut tx = match sqlx::Connection::begin(&mut *connection).await {
+        let mut tx = match self.begin.run(&mut connection).await {
             Ok(tx) => tx,
-            Err(error) => return Verdict::Failed(HandlerError::Claim(error)),
+            Err(error) => return self.infrastructure(error),
         };
-        let outcome = self
-            .within_timeout(self.handler.handle(&mut tx, payload, delivery))
-            .await;
-        // Only a connection whose transaction ended cleanly is reused; after
-        // a failure it goes back to the pool, which checks it first.
-        let (verdict, clean) = match outcome {
-            Ok(Outcome::Processed) => match tx.commit().await {
-                Ok(()) => (Verdict::Processed, true),
-                Err(error) => (Verdict::CommitUnknown(error), false),
-            },
-            Ok(Outcome::Duplicate) => (Verdict::Duplicate, rollback(tx).await),
-            Err(error) => {
-                rollback(tx).await;
-                (Verdict::Failed(error), false)
+        let claimed = match claim::claim(&mut tx, name, delivery.message_id()).await {
+            Ok(claimed) => claimed,
+            Err(error) => return self.infrastructure(error),
+        };
+        self.health.resume();
+        if claimed.is_duplicate() {
+            if transaction::rollback(tx).await {
+                connection.keep();
             }
-        };
-        if clean {
-            self.connections.put_back(connection);
+            return Verdict::Duplicate;
         }
-        verdict
+        let outcome = self
+            .run_handler(self.handler.run_claimed(&mut tx, payload, delivery))
+            .await;
+        match outcome {
+            Ok(_) => {
+                let (ended, reusable) =
+                    transaction::finish(tx, name, &[delivery.message_id().as_str()]).await;
+                if reusable {
+                    connection.keep();
+                }
+                self.verdict_of(ended)
+            }
+            // The handler may have left a statement running: the connection
+            // is closed (on drop) rather than waited on. The server cancels
+            // the statement (statement_timeout, or its client gone).
+            Err(error @ (HandlerError::TimedOut(_) | HandlerError::Panicked(_))) => {
+                Verdict::Failed(error)
+            }
+            Err(error) => {
+                if transaction::rollback(tx).await {
+                    connection.keep();
+                }
+                Verdict::Failed(error)
+            }
+        }
     }
 
-    /// Tells JetStream how the delivery ended.
-    pub(crate) async fn settle(&self, message: &Message, delivery: &Delivery, verdict: Verdict) {
+    /// The verdict on a transaction whose handlers all returned `Ok`.
+    pub(crate) fn verdict_of(&self, ended: Ended) -> Verdict {
+        match ended {
+            Ended::Committed => Verdict::Processed,
+            Ended::NotCommitted(error) => Verdict::Failed(error),
+            Ended::Unknown(error) => {
+                self.connections.forget_idle();
+                Verdict::CommitUnknown(error)
+            }
+        }
+    }
+
+    /// An attempt that failed before the handler ran.
+    fn infrastructure(&self, error: sqlx::Error) -> Verdict {
+        // A kept connection may have died (a restart): do not let the retry
+        // take another one unchecked.
+        self.connections.forget_idle();
+        Verdict::Failed(HandlerError::Infrastructure(error))
+    }
+
+    /// Runs a handler call under the route's handler timeout, which covers
+    /// the handler alone, never BEGIN or COMMIT, and turns a panic into an
+    /// error of this message alone.
+    pub(crate) async fn run_handler(
+        &self,
+        handled: impl Future<Output = Result<Outcome, HandlerError>>,
+    ) -> Result<Outcome, HandlerError> {
+        let guarded = AssertUnwindSafe(handled).catch_unwind();
+        let caught = match self.route.handler_timeout {
+            Some(limit) => match tokio::time::timeout(limit, guarded).await {
+                Ok(caught) => caught,
+                Err(_) => return Err(HandlerError::TimedOut(limit)),
+            },
+            None => guarded.await,
+        };
+        caught.unwrap_or_else(|panic| {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|text| (*text).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            Err(HandlerError::Panicked(message))
+        })
+    }
+
+    /// The database could not be used for this message: counts it, and
+    /// waits before the next try. The first such failure is retried at once
+    /// (on a connection the pool checks); after that the route pauses and
+    /// the message waits the retry policy's backoff, capped at 30 s.
+    /// Returns `false` if the router is shutting down instead.
+    pub(crate) async fn hold_for_database(
+        &self,
+        error: &HandlerError,
+        outage: &mut Outage,
+    ) -> bool {
+        Stats::bump(&self.stats.infrastructure_errors);
+        outage.failures += 1;
+        if outage.failures == 1 {
+            tracing::warn!(%error, "the database could not be used; retrying at once on a checked connection");
+            return true;
+        }
+        self.health.pause();
+        let delay = self.route.retry.hold_delay(outage.failures - 1);
+        tracing::warn!(
+            %error,
+            retry_in = ?delay,
+            "the database could not be used; holding the message (no delivery is used up) and taking no new ones until it can"
+        );
+        self.wait_or_shutdown(delay).await
+    }
+
+    /// Waits `delay`; `false` if the router starts shutting down first.
+    async fn wait_or_shutdown(&self, delay: Duration) -> bool {
+        let mut shutdown = self.shutdown.clone();
+        tokio::select! {
+            biased;
+            _ = shutdown.fired() => false,
+            _ = tokio::time::sleep(delay) => true,
+        }
+    }
+
+    /// Tells JetStream how the delivery ended. The lease ends (no heartbeat
+    /// follows) before the ack, NAK or TERM.
+    pub(crate) async fn settle(
+        &self,
+        message: &Message,
+        delivery: &Delivery,
+        verdict: Verdict,
+        lease: Lease,
+    ) {
         let stats = &self.stats;
         let retry = &self.route.retry;
         match verdict {
@@ -234,10 +403,12 @@ impl<H: Handler> Pipeline<H> {
                     Stats::bump(&stats.dropped_by_fault);
                     return;
                 }
+                lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
                 tracing::debug!("processed");
             }
             Verdict::Duplicate => {
+                lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
                 Stats::bump(&stats.duplicates);
                 tracing::info!("already processed; acked without running the handler");
@@ -245,23 +416,29 @@ impl<H: Handler> Pipeline<H> {
             Verdict::Failed(error) => {
                 Stats::bump(&stats.failed);
                 let class = error.class();
-                if class == ErrorClass::Permanent {
-                    self.dead_letter(message, delivery, Failure::Permanent, &error.to_string())
+                let text = error.to_string();
+                if matches!(
+                    class,
+                    ErrorClass::Permanent | ErrorClass::RetryNowThenPermanent
+                ) {
+                    self.dead_letter(message, Some(delivery), Failure::Permanent, &text, lease)
                         .await;
                 } else if retry.exhausted(delivery.delivered()) {
-                    self.dead_letter(message, delivery, Failure::Exhausted, &error.to_string())
+                    self.dead_letter(message, Some(delivery), Failure::Exhausted, &text, lease)
                         .await;
                 } else {
                     let delay = retry.nak_delay(delivery.delivered());
+                    lease.end().await;
                     ack::nak(message, delay).await;
-                    tracing::warn!(%error, ?class, retry_in = ?delay, "handler failed; rolled back and NAKed for redelivery");
+                    tracing::warn!(error = text, ?class, retry_in = ?delay, "handler failed; rolled back and NAKed for redelivery");
                 }
             }
             Verdict::CommitUnknown(error) => {
                 Stats::bump(&stats.commit_failed);
                 let delay = retry.nak_delay(delivery.delivered());
+                lease.end().await;
                 ack::nak(message, delay).await;
-                tracing::warn!(%error, "COMMIT failed with an unknown outcome; NAKed, and the dedup row decides the redelivery");
+                tracing::warn!(%error, "COMMIT failed with an unknown outcome; NAKed, and the claim decides the redelivery");
             }
             Verdict::Rejected(error) => {
                 Stats::bump(&stats.rejected);
@@ -269,7 +446,7 @@ impl<H: Handler> Pipeline<H> {
                     RejectedMessage::Decode(_) => Failure::Undecodable,
                     RejectedMessage::MessageId(_) => Failure::BadMessageId,
                 };
-                self.dead_letter(message, delivery, failure, &error.to_string())
+                self.dead_letter(message, Some(delivery), failure, &error.to_string(), lease)
                     .await;
             }
             Verdict::Exhausted => {
@@ -278,64 +455,89 @@ impl<H: Handler> Pipeline<H> {
                     delivery.delivered(),
                     retry.max_deliver
                 );
-                self.dead_letter(message, delivery, Failure::Exhausted, &text)
+                self.dead_letter(message, Some(delivery), Failure::Exhausted, &text, lease)
                     .await;
+            }
+            Verdict::Interrupted => {
+                lease.end().await;
+                ack::nak(message, Duration::ZERO).await;
+                tracing::info!(
+                    "shutting down while the database could not be used; NAKed for another worker"
+                );
             }
         }
     }
 
-    /// Publishes a dead letter, then TERMs the original; NAKs it instead if
-    /// the publish fails, so that nothing is lost.
+    /// Publishes a dead letter, then TERMs the original. While the publish
+    /// fails, the message is held (heartbeats keep it leased, no delivery is
+    /// used up) and the publish retried with backoff; if the router shuts
+    /// down first, it is NAKed instead. It is never TERMed without a stored
+    /// dead letter.
     async fn dead_letter(
         &self,
         message: &Message,
-        delivery: &Delivery,
+        delivery: Option<&Delivery>,
         failure: Failure,
         error: &str,
+        lease: Lease,
     ) {
         let subject = self.route.dead_letter_target();
-        match dead_letter::publish(
-            message,
-            delivery,
-            self.handler.name(),
-            subject.clone(),
-            failure,
+        let handler = self.handler.name();
+        let mut attempt = 0;
+        loop {
+            let published = match delivery {
+                Some(delivery) => {
+                    dead_letter::publish(
+                        message,
+                        delivery,
+                        handler,
+                        subject.clone(),
+                        failure,
+                        error,
+                    )
+                    .await
+                }
+                None => {
+                    dead_letter::publish_stray(message, handler, subject.clone(), failure, error)
+                        .await
+                }
+            };
+            let publish_error = match published {
+                Ok(()) => break,
+                Err(publish_error) => publish_error,
+            };
+            Stats::bump(&self.stats.dead_letter_failed);
+            attempt += 1;
+            let delay = self.route.retry.hold_delay(attempt);
+            tracing::error!(
+                %publish_error,
+                error,
+                retry_in = ?delay,
+                "publishing the dead letter failed; the message is held and the publish retried"
+            );
+            if !self.wait_or_shutdown(delay).await {
+                lease.end().await;
+                if delivery.is_some() {
+                    ack::nak(message, Duration::ZERO).await;
+                    tracing::warn!("shutting down before the dead letter was stored; NAKed");
+                } else {
+                    tracing::error!(
+                        "shutting down before the dead letter of a message that is not a JetStream delivery was stored; it is lost"
+                    );
+                }
+                return;
+            }
+        }
+        lease.end().await;
+        if delivery.is_some() {
+            ack::term(message).await;
+        }
+        Stats::bump(&self.stats.dead_lettered);
+        tracing::error!(
+            failure = failure.as_str(),
             error,
-        )
-        .await
-        {
-            Ok(()) => {
-                ack::term(message).await;
-                Stats::bump(&self.stats.dead_lettered);
-                tracing::error!(
-                    failure = failure.as_str(),
-                    error,
-                    dead_letter_subject = subject,
-                    "dead-lettered; replay it with idem_runtime::dead_letter::replay once fixed"
-                );
-            }
-            Err(publish_error) => {
-                ack::nak(message, dead_letter::PUBLISH_RETRY).await;
-                Stats::bump(&self.stats.dead_letter_failed);
-                tracing::error!(
-                    %publish_error,
-                    error,
-                    "publishing the dead letter failed; NAKed, it will be tried again"
-                );
-            }
-        }
-    }
-}
-
-/// Rolls back; says whether the connection is known to be clean.
-pub(crate) async fn rollback(tx: PgTransaction<'_>) -> bool {
-    match tx.rollback().await {
-        Ok(()) => true,
-        Err(error) => {
-            // sqlx closes a connection whose ROLLBACK failed rather than
-            // return it to the pool in an unknown state.
-            tracing::warn!(%error, "ROLLBACK failed");
-            false
-        }
+            dead_letter_subject = subject,
+            "dead-lettered; replay it with idem_runtime::dead_letter::replay once fixed"
+        );
     }
 }

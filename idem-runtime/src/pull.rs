@@ -6,6 +6,12 @@
 //! re-issued after a reconnect. A message is taken off it only once a slot
 //! is free, so what waits locally is bounded; one that waited past ack_wait
 //! is redelivered, and its claim skips whichever copy comes second.
+//!
+//! While the route is paused (its database cannot be used, see
+//! `health.rs`), the pull is dropped, what it fetched but did not start is
+//! handed back at once, and nothing new is taken until the database answers
+//! again. Errors of the pull itself (a deleted consumer, a stream error) are
+//! retried with a growing pause, never in a tight loop.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,8 +26,10 @@ use crate::handler::Handler;
 use crate::pipeline::Pipeline;
 use crate::shutdown::Signal;
 
-/// How long to wait before pulling again after the server refused a pull.
-const PULL_RETRY: Duration = Duration::from_millis(500);
+/// The first pause after the pull failed; it doubles with each failure in a
+/// row, up to [`PULL_RETRY_MAX`].
+const PULL_RETRY: Duration = Duration::from_millis(100);
+const PULL_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// How long one pull request lives on the server before it is renewed.
 const PULL_EXPIRES: Duration = Duration::from_secs(10);
@@ -39,10 +47,34 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
     grace: Duration,
 ) -> usize {
     let route = &pipeline.route;
+    let health = &pipeline.health;
     let slots = Arc::new(Semaphore::new(route.concurrency));
     let mut in_flight = JoinSet::new();
     let mut pull = None;
+    let mut failures = 0u32;
     'pulling: loop {
+        if health.is_paused() {
+            // Hand back what was fetched and not started, and take nothing
+            // new until the database answers again.
+            hand_back(pull.take()).await;
+            tracing::warn!(route = route.durable, "paused: the database cannot be used");
+            tokio::select! {
+                biased;
+                _ = shutdown.fired() => break 'pulling,
+                _ = health.resumed() => {}
+            }
+            tracing::info!(route = route.durable, "resumed");
+        }
+        if failures > 0 {
+            let pause = PULL_RETRY
+                .saturating_mul(1 << (failures - 1).min(16))
+                .min(PULL_RETRY_MAX);
+            tokio::select! {
+                biased;
+                _ = shutdown.fired() => break 'pulling,
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
         let messages = match &mut pull {
             Some(messages) => messages,
             None => {
@@ -56,12 +88,9 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
                 match opened {
                     Ok(messages) => pull.insert(messages),
                     Err(error) => {
+                        failures += 1;
                         tracing::warn!(%error, route = route.durable, "pull request failed; retrying");
-                        tokio::select! {
-                            biased;
-                            _ = shutdown.fired() => break 'pulling,
-                            _ = tokio::time::sleep(PULL_RETRY) => continue 'pulling,
-                        }
+                        continue 'pulling;
                     }
                 }
             }
@@ -72,6 +101,7 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
         let slot = tokio::select! {
             biased;
             _ = shutdown.fired() => break 'pulling,
+            _ = health.paused() => continue 'pulling,
             slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
         };
         while let Some(finished) = in_flight.try_join_next() {
@@ -80,21 +110,25 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
         let first = tokio::select! {
             biased;
             _ = shutdown.fired() => break 'pulling,
+            _ = health.paused() => continue 'pulling,
             next = messages.next() => match next {
                 Some(Ok(message)) => message,
                 Some(Err(error)) => {
                     // Missed heartbeats, a reconnect, a server-side limit:
                     // the pull re-issues itself.
+                    failures += 1;
                     tracing::debug!(%error, route = route.durable, "pull interrupted");
                     continue 'pulling;
                 }
                 None => {
+                    failures += 1;
                     tracing::debug!(route = route.durable, "pull ended; opening a new one");
                     pull = None;
                     continue 'pulling;
                 }
             },
         };
+        failures = 0;
         // Whatever else has already arrived joins the batch; never wait to
         // fill it.
         let mut group = vec![first];
@@ -112,21 +146,7 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
         }
     }
 
-    // Fetched but not started: give them back at once, so another worker
-    // takes them without waiting for ack_wait. Unsubscribe first (by
-    // dropping the pull), so that the server cannot redeliver them into this
-    // pull, and finds no interest left in it.
-    let mut unstarted = Vec::new();
-    if let Some(mut messages) = pull {
-        while let Some(Some(next)) = messages.next().now_or_never() {
-            if let Ok(message) = next {
-                unstarted.push(message);
-            }
-        }
-    }
-    for message in &unstarted {
-        ack::nak(message, Duration::ZERO).await;
-    }
+    hand_back(pull).await;
     while let Some(finished) = in_flight.try_join_next() {
         report_panic(finished);
     }
@@ -153,6 +173,28 @@ pub(crate) async fn pull_until_shutdown<H: Handler>(
     );
     in_flight.shutdown().await;
     abandoned
+}
+
+/// Gives back what `pull` fetched but did not start, at once, so another
+/// worker takes it without waiting for ack_wait. The pull is dropped first
+/// (unsubscribing), so that the server cannot redeliver them into it.
+async fn hand_back(
+    pull: Option<
+        impl futures_util::Stream<Item = Result<async_nats::jetstream::Message, impl std::fmt::Debug>>
+        + Unpin,
+    >,
+) {
+    let mut unstarted = Vec::new();
+    if let Some(mut messages) = pull {
+        while let Some(Some(next)) = messages.next().now_or_never() {
+            if let Ok(message) = next {
+                unstarted.push(message);
+            }
+        }
+    }
+    for message in &unstarted {
+        ack::nak(message, Duration::ZERO).await;
+    }
 }
 
 fn report_panic(finished: Result<(), tokio::task::JoinError>) {

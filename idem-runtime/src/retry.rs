@@ -9,16 +9,21 @@ use std::time::Duration;
 /// | `max_deliver` | 10 | deliveries before a transiently failing message is dead-lettered |
 /// | `backoff` | 1 s doubling to 5 min | NAK delay after the n-th failed delivery: `initial × 2^(n-1)`, capped |
 /// | `jitter` | ±20 % | spreads retries of messages that failed together |
-/// | `in_process_attempts` | 3 | tries of one delivery for [`ErrorClass::RetryNow`](crate::ErrorClass::RetryNow) errors (serialization failure, deadlock, lost connection) before NAKing |
+/// | `in_process_attempts` | 3 | tries of one delivery for [`ErrorClass::RetryNow`](crate::ErrorClass::RetryNow) and [`ErrorClass::RetryNowThenPermanent`](crate::ErrorClass::RetryNowThenPermanent) errors before NAKing or dead-lettering |
 ///
-/// The limit is enforced by the runtime, so that a dead-letter publish that
-/// fails can still be NAKed and retried: nothing is dropped. The consumer's
-/// server-side `max_deliver` is set 3 further out, as a backstop for a
-/// message that never reaches the runtime; the router dead-letters what that
-/// backstop stops (see the README's failure table). A message that arrives past the
+/// The same backoff, capped at 30 s, paces the retries of a message that is
+/// *held* rather than NAKed: while the database cannot be used at all
+/// (BEGIN, the claim or a connection fails) and while a dead letter cannot
+/// be published. A held message keeps its lease through heartbeats and
+/// uses up no delivery.
+///
+/// The limit is enforced by the runtime. The consumer's server-side
+/// `max_deliver` is set 3 further out, as a backstop for a message that
+/// never reaches the runtime; the router dead-letters what that backstop
+/// stops (see the README's failure table). A message that arrives past the
 /// limit (its earlier attempts crashed the worker) is dead-lettered without
-/// running, unless its dedup row shows it was processed, in which case it is
-/// acked.
+/// running, unless its claim shows it was processed (the check waits for an
+/// attempt still running), in which case it is acked.
 ///
 /// ```
 /// use std::time::Duration;
@@ -98,6 +103,18 @@ impl RetryPolicy {
         }
         let factor = 1.0 + self.jitter * (2.0 * rand::random::<f64>() - 1.0);
         base.mul_f64(factor)
+    }
+
+    /// How long a held message waits before its `attempt`-th retry: the
+    /// backoff, capped at 30 s so that a recovered database is noticed soon,
+    /// with jitter.
+    pub(crate) fn hold_delay(&self, attempt: u64) -> Duration {
+        const HOLD_CAP: Duration = Duration::from_secs(30);
+        let base = self.nak_delay_without_jitter(attempt).min(HOLD_CAP);
+        if self.jitter == 0.0 {
+            return base;
+        }
+        base.mul_f64(1.0 + self.jitter * (2.0 * rand::random::<f64>() - 1.0))
     }
 
     /// Whether a failure of delivery number `delivered` is the last allowed.

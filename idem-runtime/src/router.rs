@@ -12,11 +12,14 @@ use tokio::task::JoinSet;
 
 use crate::error::Error;
 use crate::handler::{Handler, IntoHandler};
+use crate::health::Health;
+use crate::heartbeat::Heartbeats;
 use crate::pipeline::Pipeline;
 use crate::route::Route;
 use crate::schema;
 use crate::shutdown::{self, Signal, Trigger};
 use crate::stats::Stats;
+use crate::transaction::Begin;
 use crate::undeliverable;
 
 /// Binds `#[idempotent]` handlers to JetStream durable pull consumers.
@@ -99,10 +102,12 @@ impl Router {
     }
 
     /// How long shutdown waits for in-flight messages (default 30 s). Those
-    /// still running then are cancelled, and the pool is closed, because a
-    /// cancelled BEGIN or COMMIT could leave a pooled connection inside a
-    /// transaction (sqlx#4393). Their messages are redelivered after
-    /// ack_wait, and the claim keeps them to one effect.
+    /// still running then are cancelled: their connections are closed (a
+    /// cancelled BEGIN or COMMIT could leave a connection inside a
+    /// transaction, sqlx#4393), never returned to the pool, and the pool
+    /// itself, which is the application's, stays open. Their messages are
+    /// redelivered after ack_wait, and the claim keeps them to one effect.
+    /// `run` returns within the grace period plus a few seconds.
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
         self
@@ -153,55 +158,43 @@ impl Router {
             }
         }
         schema::verify(&pool).await?;
+        let check_client_connection =
+            crate::transaction::server_checks_client_connection(&pool).await;
 
         let js = jetstream::new(nats.clone());
-        let mut consumers = Vec::with_capacity(self.routes.len());
-        let mut watchers = JoinSet::new();
-        for bound in &self.routes {
-            let route = bound.route();
-            crate::dead_letter::ensure_stream(&js, route).await?;
-            let watch = undeliverable::Watch {
-                stream: route.stream.clone(),
-                durable: route.durable.clone(),
-                handler: bound.handler_name(),
-                dead_letter_subject: route.dead_letter_target(),
-            };
-            let advisories =
-                undeliverable::subscribe(&nats, &watch)
-                    .await
-                    .map_err(|e| Error::JetStream {
-                        route: route.durable.clone(),
-                        source: e.into(),
-                    })?;
-            watchers.spawn(undeliverable::run(
-                js.clone(),
-                advisories,
-                watch,
-                self.signal.clone(),
-            ));
-            consumers.push(bind_consumer(&js, route).await?);
+        let mut bound = Vec::with_capacity(self.routes.len());
+        for route in self.routes {
+            crate::dead_letter::ensure_stream(&js, route.route()).await?;
+            // Before the route pulls, so that nothing it gives up on from
+            // now on is missed.
+            let advisories = undeliverable::bind(&js, route.route()).await?;
+            let consumer = bind_consumer(&js, route.route()).await?;
+            bound.push((route, consumer, advisories));
         }
 
         // Each route may keep at most its share of the pool's connections
         // between messages (see connections.rs).
-        let share =
-            (pool.options().get_max_connections() as usize / self.routes.len().max(1)).max(1);
+        let share = (pool.options().get_max_connections() as usize / bound.len().max(1)).max(1);
         let mut running = JoinSet::new();
-        for (bound, consumer) in self.routes.into_iter().zip(consumers) {
+        for (route, consumer, advisories) in bound {
             tracing::info!(
-                route = bound.route().durable,
-                stream = bound.route().stream,
+                route = route.route().durable,
+                stream = route.route().stream,
                 "route started"
             );
-            running.spawn(bound.start(
+            running.spawn(route.start(Start {
                 consumer,
-                pool.clone(),
-                share,
-                self.signal.clone(),
-                self.grace,
+                advisories,
+                js: js.clone(),
+                nats: nats.clone(),
+                pool: pool.clone(),
+                keep_connections: share,
+                check_client_connection,
+                shutdown: self.signal.clone(),
+                grace: self.grace,
                 #[cfg(feature = "fault-injection")]
-                self.faults.clone(),
-            ));
+                faults: self.faults.clone(),
+            }));
         }
 
         let mut stopped = self.signal.clone();
@@ -218,13 +211,30 @@ impl Router {
             }
         }
         if abandoned > 0 {
-            pool.close().await;
+            tracing::error!(
+                abandoned,
+                "messages were abandoned at shutdown; their connections were closed, and JetStream redelivers them after ack_wait"
+            );
         }
-        watchers.shutdown().await;
+        // The final acks, and the NAKs of messages handed back, must reach the
+        // server before `run` returns and the process exits. Not a database
+        // call, so a bound here is safe; a server that is away cannot be
+        // waited for.
+        if tokio::time::timeout(FLUSH_BOUND, nats.flush())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "could not flush the final acks to NATS; unacked messages are redelivered and deduplicated"
+            );
+        }
         tracing::info!("shut down");
         Ok(())
     }
 }
+
+/// How long `run` waits, at the end, for its final acks to reach NATS.
+const FLUSH_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Creates or updates the stream (if asked) and the durable consumer.
 async fn bind_consumer(js: &jetstream::Context, route: &Route) -> Result<PullConsumer, Error> {
@@ -319,18 +329,27 @@ fn consumer_differences(existing: &consumer::Config, wanted: &pull::Config) -> V
     differences
 }
 
+/// What a route needs to start.
+struct Start {
+    consumer: PullConsumer,
+    advisories: PullConsumer,
+    js: jetstream::Context,
+    nats: async_nats::Client,
+    pool: PgPool,
+    keep_connections: usize,
+    check_client_connection: bool,
+    shutdown: Signal,
+    grace: Duration,
+    #[cfg(feature = "fault-injection")]
+    faults: crate::fault::FaultHooks,
+}
+
 /// A route with its handler, type-erased so one router holds many handlers.
 trait Bind: Send + Sync {
     fn route(&self) -> &Route;
-    fn handler_name(&self) -> &'static str;
     fn start(
         self: Box<Self>,
-        consumer: PullConsumer,
-        pool: PgPool,
-        keep_connections: usize,
-        shutdown: Signal,
-        grace: Duration,
-        #[cfg(feature = "fault-injection")] faults: crate::fault::FaultHooks,
+        start: Start,
     ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>>;
 }
 
@@ -345,30 +364,39 @@ impl<H: Handler> Bind for Bound<H> {
         &self.route
     }
 
-    fn handler_name(&self) -> &'static str {
-        self.handler.name()
-    }
-
     fn start(
         self: Box<Self>,
-        consumer: PullConsumer,
-        pool: PgPool,
-        keep_connections: usize,
-        shutdown: Signal,
-        grace: Duration,
-        #[cfg(feature = "fault-injection")] faults: crate::fault::FaultHooks,
+        start: Start,
     ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
+        let begin = Begin::new(self.route.handler_timeout, start.check_client_connection);
+        let heartbeats = Heartbeats::start(start.nats, self.route.heartbeat_interval());
         let pipeline = Arc::new(Pipeline {
             route: self.route,
             handler: self.handler,
-            connections: crate::connections::Connections::start(pool.clone(), keep_connections),
-            pool,
+            connections: crate::connections::Connections::start(start.pool, start.keep_connections),
+            heartbeats,
+            begin,
+            health: Health::new(),
             stats: self.stats,
+            shutdown: start.shutdown.clone(),
             #[cfg(feature = "fault-injection")]
-            faults,
+            faults: start.faults,
         });
-        Box::pin(crate::pull::pull_until_shutdown(
-            consumer, pipeline, shutdown, grace,
-        ))
+        let watcher = tokio::spawn(undeliverable::watch(
+            pipeline.clone(),
+            start.js,
+            start.advisories,
+        ));
+        Box::pin(async move {
+            let abandoned = crate::pull::pull_until_shutdown(
+                start.consumer,
+                pipeline,
+                start.shutdown,
+                start.grace,
+            )
+            .await;
+            watcher.abort();
+            abandoned
+        })
     }
 }

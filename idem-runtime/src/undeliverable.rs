@@ -1,26 +1,57 @@
-//! Messages JetStream gave up on before they ever reached a handler.
+//! Messages JetStream gave up on: their deliveries ran out without an ack.
 //!
-//! A message whose headers are not UTF-8 never reaches idem: async-nats
-//! treats it as a protocol error and drops the connection, and JetStream
-//! redelivers it after ack_wait, which drops the connection again. The
-//! consumer's server-side `max_deliver` (the retry policy's limit plus a
-//! small margin) ends that loop, and JetStream then publishes a
-//! `MAX_DELIVERIES` advisory. This watcher takes the advisory, reads the
-//! message raw from the stream (bytes, not parsed headers), and publishes it
+//! The runtime enforces the retry policy's delivery limit itself and holds a
+//! message rather than let its deliveries run out, so JetStream's own limit
+//! (the route's plus a margin) is only reached by a message that never gets
+//! settled: the workers that took it died each time, or a header that is not
+//! UTF-8 made the client drop its connection on every delivery (async-nats
+//! treats it as a protocol error). JetStream then stops redelivering it and
+//! publishes a `MAX_DELIVERIES` advisory.
+//!
+//! Advisories are core NATS messages, at most once: one sent while no
+//! worker listens, or whose handling fails, would be lost, and the message
+//! with it, silently. So every advisory of this kind is captured in the
+//! stream [`ADVISORY_STREAM`], and each route reads its own through a durable
+//! consumer. For each, the watcher reads the message raw from the stream
+//! (bytes, not parsed headers), resolves the id it was deduplicated by (the
+//! handler's key if the payload decodes, else its `Nats-Msg-Id`, else its
+//! stream position; none if its `Nats-Msg-Id` is not UTF-8), publishes it
 //! as a dead letter (`Idem-Failure: undeliverable`) with its original header
-//! block in `Idem-Original-Headers-Base64`, so nothing is lost. The same
-//! path catches a message whose dead-letter publishes kept failing until the
-//! server-side limit.
+//! block in `Idem-Original-Headers-Base64`, and only then acks the advisory.
+//! A failure leaves the advisory to be tried again.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, stream::RawMessage};
+use async_nats::header::HeaderName;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::{self, AckKind, stream};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use futures_util::StreamExt;
 use serde::Deserialize;
 
 use crate::dead_letter::{self, Failure, Origin};
-use crate::shutdown::Signal;
+use crate::error::Error;
+use crate::handler::Handler;
+use crate::message_id::MessageId;
+use crate::pipeline::Pipeline;
+use crate::route::Route;
+
+/// The stream that keeps JetStream's `MAX_DELIVERIES` advisories until a
+/// watcher has dead-lettered the message each names (work-queue retention:
+/// an advisory is removed once handled; at most 7 days otherwise).
+pub const ADVISORY_STREAM: &str = "IDEM_ADVISORIES";
+
+const ADVISORY_SUBJECTS: &str = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>";
+
+/// JetStream's error code for "no message found".
+const NO_MESSAGE_FOUND: u64 = 10037;
+
+/// How long a failed advisory waits before it is tried again.
+const RETRY: Duration = Duration::from_secs(2);
 
 /// The fields of a `MAX_DELIVERIES` advisory that matter here.
 #[derive(Debug, Deserialize)]
@@ -32,111 +63,290 @@ struct MaxDeliveries {
 /// The answer to `STREAM.MSG.GET`.
 #[derive(Debug, Deserialize)]
 struct RawGet {
-    message: Option<RawMessage>,
+    message: Option<stream::RawMessage>,
     error: Option<serde_json::Value>,
 }
 
-/// What the watcher needs to know about its route.
-pub(crate) struct Watch {
-    pub(crate) stream: String,
-    pub(crate) durable: String,
-    pub(crate) handler: &'static str,
-    pub(crate) dead_letter_subject: String,
-}
-
 /// The advisory subject for a consumer's given-up messages.
-pub(crate) fn advisory_subject(stream: &str, durable: &str) -> String {
+fn advisory_subject(stream: &str, durable: &str) -> String {
     format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}")
 }
 
-/// Subscribes before the route starts pulling, so that no advisory is
-/// missed while this worker runs.
-pub(crate) async fn subscribe(
-    client: &async_nats::Client,
-    watch: &Watch,
-) -> Result<async_nats::Subscriber, async_nats::SubscribeError> {
-    client
-        .subscribe(advisory_subject(&watch.stream, &watch.durable))
+/// Creates [`ADVISORY_STREAM`] if it is missing, and the route's durable
+/// consumer on it. Done before the route pulls, so that no advisory of it
+/// is missed from then on.
+pub(crate) async fn bind(js: &jetstream::Context, route: &Route) -> Result<PullConsumer, Error> {
+    let jetstream_error = |source: async_nats::Error| Error::JetStream {
+        route: route.durable.clone(),
+        source,
+    };
+    let advisories = js
+        .get_or_create_stream(stream::Config {
+            name: ADVISORY_STREAM.to_owned(),
+            subjects: vec![ADVISORY_SUBJECTS.to_owned()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            max_age: Duration::from_secs(7 * 24 * 3600),
+            description: Some(
+                "JetStream's MAX_DELIVERIES advisories, kept until idem has dead-lettered the message each names".into(),
+            ),
+            ..Default::default()
+        })
         .await
+        .map_err(|e| jetstream_error(e.into()))?;
+    advisories
+        .create_consumer(pull::Config {
+            durable_name: Some(format!("idem-given-up-{}-{}", route.stream, route.durable)),
+            filter_subject: advisory_subject(&route.stream, &route.durable),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| jetstream_error(e.into()))
 }
 
-/// Dead-letters each message the advisories name, until shutdown.
-pub(crate) async fn run(
+/// Dead-letters each message the route's advisories name, until shutdown.
+pub(crate) async fn watch<H: Handler>(
+    pipeline: Arc<Pipeline<H>>,
     js: jetstream::Context,
-    mut advisories: async_nats::Subscriber,
-    watch: Watch,
-    mut shutdown: Signal,
+    advisories: PullConsumer,
 ) {
+    let mut shutdown = pipeline.shutdown.clone();
+    let route = &pipeline.route;
     loop {
-        let advisory = tokio::select! {
-            biased;
-            _ = shutdown.fired() => return,
-            next = advisories.next() => match next {
-                Some(advisory) => advisory,
-                None => return,
-            },
+        let opened = advisories
+            .stream()
+            .heartbeat(Duration::from_secs(5))
+            .expires(Duration::from_secs(30))
+            .messages()
+            .await;
+        let mut messages = match opened {
+            Ok(messages) => messages,
+            Err(error) => {
+                tracing::warn!(%error, route = route.durable, "reading given-up advisories failed; retrying");
+                tokio::select! {
+                    biased;
+                    _ = shutdown.fired() => return,
+                    _ = tokio::time::sleep(RETRY) => continue,
+                }
+            }
         };
-        let Ok(given_up) = serde_json::from_slice::<MaxDeliveries>(&advisory.payload) else {
-            tracing::warn!(route = watch.durable, "unreadable MAX_DELIVERIES advisory");
-            continue;
-        };
-        if let Err(error) = dead_letter_raw(&js, &watch, &given_up).await {
-            tracing::error!(
-                %error,
-                route = watch.durable,
-                stream_seq = given_up.stream_seq,
-                "JetStream gave up on a message and dead-lettering it failed; it stays in the stream"
-            );
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = shutdown.fired() => return,
+                next = messages.next() => next,
+            };
+            let advisory = match next {
+                Some(Ok(advisory)) => advisory,
+                Some(Err(error)) => {
+                    tracing::debug!(%error, route = route.durable, "advisory pull interrupted");
+                    continue;
+                }
+                None => break,
+            };
+            let handled = match serde_json::from_slice::<MaxDeliveries>(&advisory.payload) {
+                Ok(given_up) => pipeline.dead_letter_given_up(&js, &given_up).await,
+                Err(error) => {
+                    tracing::error!(%error, route = route.durable, "unreadable MAX_DELIVERIES advisory; dropped");
+                    Ok(())
+                }
+            };
+            let settled = match handled {
+                Ok(()) => advisory.ack().await,
+                Err(error) => {
+                    tracing::error!(
+                        %error,
+                        route = route.durable,
+                        "dead-lettering a message JetStream gave up on failed; it is tried again"
+                    );
+                    advisory.ack_with(AckKind::Nak(Some(RETRY))).await
+                }
+            };
+            if let Err(error) = settled {
+                tracing::warn!(%error, "settling an advisory failed; it is redelivered, and its dead letter is deduplicated");
+            }
         }
     }
 }
 
-async fn dead_letter_raw(
-    js: &jetstream::Context,
-    watch: &Watch,
-    given_up: &MaxDeliveries,
-) -> Result<(), async_nats::Error> {
-    let got: RawGet = js
-        .request(
-            format!("STREAM.MSG.GET.{}", watch.stream),
-            &serde_json::json!({ "seq": given_up.stream_seq }),
+impl<H: Handler> Pipeline<H> {
+    async fn dead_letter_given_up(
+        &self,
+        js: &jetstream::Context,
+        given_up: &MaxDeliveries,
+    ) -> Result<(), async_nats::Error> {
+        let stream = &self.route.stream;
+        let got: RawGet = js
+            .request(
+                format!("STREAM.MSG.GET.{stream}"),
+                &serde_json::json!({ "seq": given_up.stream_seq }),
+            )
+            .await?;
+        let why = format!(
+            "JetStream stopped redelivering it after {} deliveries without an ack: the workers that took it died each time, or a header that is not UTF-8 made the client drop the connection",
+            given_up.deliveries
+        );
+        let no_message = got
+            .error
+            .as_ref()
+            .and_then(|error| error.get("err_code"))
+            .and_then(serde_json::Value::as_u64)
+            == Some(NO_MESSAGE_FOUND);
+        let raw = match got.message {
+            Some(raw) => raw,
+            None if !no_message => {
+                return Err(format!("reading the message failed: {:?}", got.error).into());
+            }
+            // Its stream's retention removed it first: nothing is left but
+            // the record of it.
+            None => {
+                let why = format!(
+                    "{why}; the message is no longer in the stream ({:?})",
+                    got.error
+                );
+                let origin = Origin {
+                    subject: "",
+                    position: Some((stream, given_up.stream_seq)),
+                    stored_at: None,
+                    message_id: None,
+                    handler: self.handler.name(),
+                    delivered: Some(given_up.deliveries),
+                };
+                return dead_letter::publish_letter(
+                    js,
+                    self.route.dead_letter_target(),
+                    origin,
+                    HeaderMap::new(),
+                    bytes::Bytes::new(),
+                    Failure::Undeliverable,
+                    &why,
+                )
+                .await;
+            }
+        };
+        let payload = BASE64.decode(raw.payload.as_bytes())?;
+        let header_block = match &raw.headers {
+            Some(encoded) => Some(BASE64.decode(encoded.as_bytes())?),
+            None => None,
+        };
+        let message_id = self.id_of_raw(
+            &payload,
+            header_block.as_deref(),
+            given_up.stream_seq,
+            raw.time,
+        );
+        let mut headers = header_block
+            .as_deref()
+            .map(parse_header_block)
+            .map(|parsed| dead_letter::kept_headers(Some(&parsed)))
+            .unwrap_or_default();
+        if let Some(encoded) = &raw.headers {
+            headers.insert("Idem-Original-Headers-Base64", encoded.as_str());
+        }
+        let origin = Origin {
+            subject: &raw.subject,
+            position: Some((stream, given_up.stream_seq)),
+            stored_at: Some(raw.time),
+            message_id: message_id.as_ref(),
+            handler: self.handler.name(),
+            delivered: Some(given_up.deliveries),
+        };
+        dead_letter::publish_letter(
+            js,
+            self.route.dead_letter_target(),
+            origin,
+            headers,
+            payload.into(),
+            Failure::Undeliverable,
+            &why,
         )
         .await?;
-    let raw = match (got.message, got.error) {
-        (Some(raw), _) => raw,
-        (None, error) => return Err(format!("reading the message failed: {error:?}").into()),
-    };
-    let payload = BASE64.decode(raw.payload.as_bytes())?;
-    let mut headers = HeaderMap::new();
-    if let Some(original) = &raw.headers {
-        headers.insert("Idem-Original-Headers-Base64", original.as_str());
+        tracing::error!(
+            route = self.route.durable,
+            stream_seq = given_up.stream_seq,
+            message_id = message_id.as_ref().map(MessageId::as_str),
+            "dead-lettered a message JetStream gave up on"
+        );
+        Ok(())
     }
-    let origin = Origin {
-        subject: &raw.subject,
-        stream: &watch.stream,
-        sequence: given_up.stream_seq,
-        message_id: "",
-        handler: watch.handler,
-        delivered: given_up.deliveries,
-    };
-    let error = format!(
-        "JetStream stopped redelivering it after {} deliveries that never reached the handler (a header that is not UTF-8 makes the client drop the connection)",
-        given_up.deliveries
-    );
-    dead_letter::publish_letter(
-        js,
-        watch.dead_letter_subject.clone(),
-        origin,
-        headers,
-        payload.into(),
-        Failure::Undeliverable,
-        &error,
-    )
-    .await?;
-    tracing::error!(
-        route = watch.durable,
-        stream_seq = given_up.stream_seq,
-        "dead-lettered a message JetStream gave up on before it reached the handler"
-    );
-    Ok(())
+
+    /// The id a stored message was, or would have been, deduplicated by, as
+    /// the pipeline resolves it; `None` if it cannot be known (its
+    /// `Nats-Msg-Id` is not UTF-8, or not a valid id).
+    fn id_of_raw(
+        &self,
+        payload: &[u8],
+        header_block: Option<&[u8]>,
+        stream_sequence: u64,
+        stored_at: time::OffsetDateTime,
+    ) -> Option<MessageId> {
+        if let Ok(decoded) = serde_json::from_slice::<H::Payload>(payload)
+            && let Some(key) = self.handler.message_key(&decoded)
+        {
+            return MessageId::from_key(key).ok();
+        }
+        match header_block.and_then(raw_nats_msg_id) {
+            Some(Ok(value)) => MessageId::from_header(value).ok(),
+            Some(Err(())) => None,
+            None => Some(MessageId::from_stream_position(
+                &self.route.stream,
+                stream_sequence,
+                stored_at,
+            )),
+        }
+    }
+}
+
+/// The lines of a raw NATS header block (`NATS/1.0\r\nName: value\r\n...`)
+/// as (name, value) byte pairs.
+fn header_lines(block: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    block
+        .split(|&byte| byte == b'\n')
+        .skip(1)
+        .filter_map(|line| {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let colon = line.iter().position(|&byte| byte == b':')?;
+            Some((line[..colon].trim_ascii(), line[colon + 1..].trim_ascii()))
+        })
+}
+
+/// The last `Nats-Msg-Id` of a raw header block: `Err` if it is not UTF-8.
+fn raw_nats_msg_id(block: &[u8]) -> Option<Result<String, ()>> {
+    header_lines(block)
+        .filter(|(name, _)| name.eq_ignore_ascii_case(b"Nats-Msg-Id"))
+        .last()
+        .map(|(_, value)| String::from_utf8(value.to_vec()).map_err(|_| ()))
+}
+
+/// The headers of a raw block that are valid UTF-8 and valid names.
+fn parse_header_block(block: &[u8]) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (name, value) in header_lines(block) {
+        let (Ok(name), Ok(value)) = (std::str::from_utf8(name), std::str::from_utf8(value)) else {
+            continue;
+        };
+        if let Ok(name) = HeaderName::from_str(name) {
+            headers.append(name, value);
+        }
+    }
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_nats_msg_id_of_a_raw_header_block() {
+        let block = b"NATS/1.0\r\nTrace: t-1\r\nNats-Msg-Id: order-7\r\n\r\n";
+        assert_eq!(raw_nats_msg_id(block), Some(Ok("order-7".to_owned())));
+        let not_utf8 = b"NATS/1.0\r\nNats-Msg-Id: \xff\xfe-x\r\n\r\n";
+        assert_eq!(raw_nats_msg_id(not_utf8), Some(Err(())));
+        assert_eq!(raw_nats_msg_id(b"NATS/1.0\r\nA: b\r\n\r\n"), None);
+        let headers = parse_header_block(not_utf8);
+        assert!(headers.get("Nats-Msg-Id").is_none());
+        let headers = parse_header_block(block);
+        assert_eq!(headers.get("Trace").map(|v| v.as_str()), Some("t-1"));
+    }
 }

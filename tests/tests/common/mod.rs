@@ -362,10 +362,7 @@ impl AckLog {
         let entries = self.entries.lock().unwrap();
         let mut per_delivery: BTreeMap<&str, Vec<String>> = BTreeMap::new();
         for (subject, kind) in entries.iter() {
-            per_delivery
-                .entry(subject)
-                .or_default()
-                .push(kind.clone());
+            per_delivery.entry(subject).or_default().push(kind.clone());
         }
         per_delivery
             .into_iter()

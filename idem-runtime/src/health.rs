@@ -1,0 +1,51 @@
+//! Whether a route's database can be used: the pause that stops a route from
+//! taking new messages while it cannot.
+//!
+//! An attempt that fails before its handler runs (no connection, BEGIN or
+//! the claim failed) is the database's fault. The message is held and
+//! retried; if its immediate retry fails too, the route is paused: the pull
+//! loop hands back what it fetched but did not start and takes nothing new,
+//! so that fetched messages do not age past ack_wait in a queue that cannot
+//! move. The first attempt that gets past its claim resumes the route.
+
+use tokio::sync::watch;
+
+pub(crate) struct Health {
+    paused: watch::Sender<bool>,
+}
+
+impl Health {
+    pub(crate) fn new() -> Self {
+        Self {
+            paused: watch::Sender::new(false),
+        }
+    }
+
+    /// The database cannot be used: stop taking messages.
+    pub(crate) fn pause(&self) {
+        self.paused
+            .send_if_modified(|paused| !std::mem::replace(paused, true));
+    }
+
+    /// An attempt got past its claim: take messages again.
+    pub(crate) fn resume(&self) {
+        self.paused
+            .send_if_modified(|paused| std::mem::replace(paused, false));
+    }
+
+    pub(crate) fn is_paused(&self) -> bool {
+        *self.paused.borrow()
+    }
+
+    /// Resolves once the route is paused.
+    pub(crate) async fn paused(&self) {
+        let mut paused = self.paused.subscribe();
+        let _ = paused.wait_for(|paused| *paused).await;
+    }
+
+    /// Resolves once the route is no longer paused.
+    pub(crate) async fn resumed(&self) {
+        let mut paused = self.paused.subscribe();
+        let _ = paused.wait_for(|paused| !*paused).await;
+    }
+}
