@@ -47,8 +47,10 @@ cargo clippy --workspace --all-targets "${locked[@]}" -- -D warnings
 step "cargo nextest run (profile $profile)"
 cargo nextest run --workspace "${locked[@]}" --profile "$profile" "$@"
 
-# The benchmark's smoke pass: every mode with a small N, checking effects =
-# messages, so the bench keeps compiling and stays correct. Not timed, and in
+# The benchmark's smoke pass: every mode with a small N, a tenth of it
+# published twice (stored twice by JetStream), checking effects = distinct
+# messages in the dedup modes, so the bench keeps compiling and a broken
+# dedup is noticed. Not timed, and in
 # the test profile's build (debug), which reuses the dependencies built above.
 step "idem-bench smoke"
 cargo run -q -p idem-bench "${locked[@]}" -- smoke

@@ -40,8 +40,10 @@ scenarios:
   backlog      idem over a 200000-message backlog: peak RSS
   prefilled    idem and manual with an empty dedup table, then with one
                pre-filled with --prefill rows (default 5000000)
-  smoke        every mode and scenario with small numbers; checks only
-               correctness (effects = messages). For CI.
+  smoke        every mode and scenario with small numbers, a tenth of the
+               messages published twice; checks only correctness (effects =
+               distinct messages, and each duplicate applied once in the
+               dedup modes and twice without). For CI.
 
 options:
   --messages N      messages per run (default 20000; see the scenarios)
@@ -49,6 +51,9 @@ options:
   --batch B         messages per transaction for idem-batch (default 64)
   --rate R          offered load of `latency`, msgs/s (default 500)
   --prefill ROWS    dedup rows of `prefilled` (default 5000000)
+  --duplicates D    publish D of the messages a second time with the same
+                    Nats-Msg-Id, after the stream's duplicate window (made
+                    100 ms), so JetStream stores both (default 0; smoke: N/10)
   --no-ping         pools skip sqlx's liveness check on acquire
                     (test_before_acquire(false)), in every mode
   --pull slots      the hand-written modes pull only as many messages as
@@ -114,10 +119,12 @@ enum Command {
     Smoke,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 struct Options {
     command: Command,
     messages: Option<usize>,
+    /// Messages published a second time (`--duplicates`).
+    duplicates: Option<usize>,
     concurrency: usize,
     batch: usize,
     rate: f64,
@@ -143,6 +150,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, BenchEr
     let mut options = Options {
         command,
         messages: None,
+        duplicates: None,
         concurrency: 8,
         batch: 64,
         rate: 500.0,
@@ -159,6 +167,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, BenchEr
         };
         match flag.as_str() {
             "--messages" => options.messages = Some(number("--messages")? as usize),
+            "--duplicates" => options.duplicates = Some(number("--duplicates")? as usize),
             "--concurrency" => options.concurrency = number("--concurrency")? as usize,
             "--batch" => options.batch = number("--batch")? as usize,
             "--rate" => options.rate = number("--rate")? as f64,
@@ -286,6 +295,8 @@ fn plan(options: &Options, mode: Mode, scenario: &'static str, messages: usize) 
         batch: options.batch,
         rate: None,
         prefill: 0,
+        // Never more duplicates than messages to duplicate.
+        duplicates: options.duplicates.unwrap_or(0).min(messages),
         ping: options.ping,
         pull: options.pull,
     }
@@ -406,21 +417,35 @@ async fn prefilled(
 }
 
 /// Every mode and scenario with small numbers: checks that each run ends
-/// with effects = messages (every run does), not how fast it is.
+/// with the right effects (every run does), not how fast it is.
+///
+/// A tenth of the messages is published a second time, with the same
+/// `Nats-Msg-Id` after the stream's duplicate window, so that JetStream
+/// stores both copies, as it does for a publisher retry after the window or
+/// a replay. The dedup modes must apply each message once and count each
+/// second copy as a duplicate; `naive` and `raw`, the control, must see
+/// every copy, which proves the duplicates reach the consumer.
 async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
     let started = Instant::now();
     let n = options.messages.unwrap_or(500);
+    let options = &Options {
+        duplicates: Some(options.duplicates.unwrap_or((n / 10).max(1))),
+        ..*options
+    };
     eprintln!(
-        "idem-bench: smoke: {n} messages per run; it checks effects = messages, while the \
-         target lines below mean little at this size"
+        "idem-bench: smoke: {n} messages per run, some of them published twice; it checks \
+         effects = distinct messages in the dedup modes (and a double effect per duplicate \
+         in naive), while the target lines below mean little at this size"
     );
     let mut runs = compare(ctx, options, n).await?;
     runs.extend(latency(ctx, options, n.min(250), options.rate).await?);
     runs.push(backlog(ctx, options, n).await?);
     runs.extend(prefilled(ctx, options, n, 20_000).await?);
     let wall = started.elapsed().as_secs_f64();
+    let duplicates: usize = runs.iter().map(|m| m.plan.duplicates).sum();
     eprintln!(
-        "idem-bench: smoke passed: {} runs, each with effects = messages, in {wall:.1} s",
+        "idem-bench: smoke passed: {} runs with {duplicates} duplicates stored in all, each \
+         with the expected effects, in {wall:.1} s",
         runs.len()
     );
     println!(
@@ -428,6 +453,7 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
         serde_json::json!({
             "mode": "smoke",
             "messages": n,
+            "duplicates_per_run": options.duplicates,
             "concurrency": options.concurrency,
             "batch": options.batch,
             "runs_correct": runs.len(),
@@ -488,6 +514,11 @@ mod tests {
         let o = parse_args(args("idem --messages 1_000 --concurrency 4 --no-ping")).unwrap();
         assert_eq!(o.command, Command::Mode(Mode::Idem));
         assert_eq!(o.messages, Some(1000));
+        assert_eq!(o.duplicates, None);
+        assert_eq!(
+            parse_args(args("smoke --duplicates 7")).unwrap().duplicates,
+            Some(7)
+        );
         assert_eq!(o.concurrency, 4);
         assert!(!o.ping);
         assert_eq!(

@@ -46,12 +46,15 @@ pub struct PublishReport {
 }
 
 /// Publishes one message per key to `subject`: as fast as PubAcks allow
-/// (`rate` `None`, a backlog), or at a fixed `rate` per second.
+/// (`rate` `None`, a backlog), or at a fixed `rate` per second. With
+/// `with_ids`, each carries its key as `Nats-Msg-Id`, as a publisher that
+/// may retry sets it.
 pub async fn publish(
     js: &jetstream::Context,
     subject: &str,
     keys: &[String],
     rate: Option<f64>,
+    with_ids: bool,
 ) -> Result<PublishReport, BenchError> {
     let started = Instant::now();
     let mut messages = Vec::with_capacity(keys.len());
@@ -77,16 +80,8 @@ pub async fn publish(
             let done = pending.next().await.expect("not empty");
             settle(done, &mut messages)?;
         }
-        let payload = serde_json::to_vec(&Payload {
-            key: key.clone(),
-            published_us: unix_micros(),
-        })
-        .expect("a payload serializes");
         let at = Instant::now();
-        let ack = js
-            .publish(subject.to_owned(), payload.into())
-            .await
-            .map_err(|e| BenchError::failed(format!("publish: {e}")))?;
+        let ack = send(js, subject, key, with_ids).await?;
         pending.push(async move {
             let ack = ack
                 .await
@@ -101,6 +96,58 @@ pub async fn publish(
         settle(done, &mut messages)?;
     }
     Ok(PublishReport { messages, max_lag })
+}
+
+/// A message published with [`publish_one`].
+pub struct PublishedOne {
+    pub published: Published,
+    /// JetStream dropped it: a copy with the same `Nats-Msg-Id` is inside
+    /// the stream's duplicate window.
+    pub duplicate: bool,
+}
+
+/// Publishes one message for `key`, with `key` as its `Nats-Msg-Id`, and
+/// waits for its PubAck.
+pub async fn publish_one(
+    js: &jetstream::Context,
+    subject: &str,
+    key: &str,
+) -> Result<PublishedOne, BenchError> {
+    let at = Instant::now();
+    let ack = send(js, subject, key, true)
+        .await?
+        .await
+        .map_err(|e| BenchError::failed(format!("PubAck: {e}")))?;
+    Ok(PublishedOne {
+        published: Published {
+            seq: ack.sequence,
+            at,
+        },
+        duplicate: ack.duplicate,
+    })
+}
+
+/// Sends the message for `key` and returns the future of its PubAck.
+async fn send(
+    js: &jetstream::Context,
+    subject: &str,
+    key: &str,
+    with_id: bool,
+) -> Result<jetstream::context::PublishAckFuture, BenchError> {
+    let payload = serde_json::to_vec(&Payload {
+        key: key.to_owned(),
+        published_us: unix_micros(),
+    })
+    .expect("a payload serializes");
+    let sent = if with_id {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, key);
+        js.publish_with_headers(subject.to_owned(), headers, payload.into())
+            .await
+    } else {
+        js.publish(subject.to_owned(), payload.into()).await
+    };
+    sent.map_err(|e| BenchError::failed(format!("publish: {e}")))
 }
 
 fn unix_micros() -> i64 {

@@ -27,6 +27,10 @@ pub struct Plan {
     pub rate: Option<f64>,
     /// Rows put in the dedup table (under another handler) before the run.
     pub prefill: u64,
+    /// How many of the messages are published a second time, with the same
+    /// `Nats-Msg-Id` and payload, after the stream's duplicate window: stored
+    /// twice, as a publisher retry after the window is.
+    pub duplicates: usize,
     /// The pool pings each connection before handing it out (sqlx's
     /// default, `test_before_acquire(true)`), in every mode.
     pub ping: bool,
@@ -101,6 +105,10 @@ impl Context {
     }
 }
 
+/// The stream's publish-dedup window in a run with duplicates: short, so
+/// that the second copies, published after it, are stored.
+const DUPLICATE_WINDOW: Duration = Duration::from_millis(100);
+
 /// Runs `plan` on fresh fixtures and removes them afterwards.
 pub async fn run(ctx: &Context, plan: &Plan) -> Result<Measurement, BenchError> {
     let tag = ctx.next_tag();
@@ -111,6 +119,12 @@ pub async fn run(ctx: &Context, plan: &Plan) -> Result<Measurement, BenchError> 
             name: stream_name.clone(),
             subjects: vec![subject.clone()],
             storage: stream::StorageType::File,
+            // Zero is JetStream's default, 2 minutes.
+            duplicate_window: if plan.duplicates > 0 {
+                DUPLICATE_WINDOW
+            } else {
+                Duration::ZERO
+            },
             ..Default::default()
         })
         .await
@@ -156,7 +170,14 @@ async fn measure(
 ) -> Result<Measurement, BenchError> {
     let n = plan.messages;
     let keys = message_keys(n);
-    let observer = AckObserver::start(&ctx.observer, stream, n).await?;
+    // The messages published twice, spread over the run.
+    let twice: Vec<String> = (0..plan.duplicates)
+        .map(|i| keys[i * n / plan.duplicates].clone())
+        .collect();
+    let with_ids = !twice.is_empty();
+    // Every copy is acked, the second ones too.
+    let total = n + twice.len();
+    let observer = AckObserver::start(&ctx.observer, stream, total).await?;
     let source = || Source { stream, subject };
     let pool = db.map(|db| &db.pool);
     let cpu_now = || probe::CpuSample::now(ctx.server_pids.as_deref());
@@ -176,7 +197,9 @@ async fn measure(
         None => {
             progress(plan, &format!("publishing a backlog of {n} messages"));
             let publishing = Instant::now();
-            let published = probe::publish(&ctx.publisher, subject, &keys, None).await?;
+            let mut published =
+                probe::publish(&ctx.publisher, subject, &keys, None, with_ids).await?;
+            publish_twice(ctx, plan, stream, subject, &twice, &mut published).await?;
             progress(
                 plan,
                 &format!(
@@ -201,11 +224,13 @@ async fn measure(
                 plan,
                 &format!("publishing {n} messages at {rate} msgs/s while consuming"),
             );
-            let published = probe::publish(&ctx.publisher, subject, &keys, Some(rate)).await?;
+            let mut published =
+                probe::publish(&ctx.publisher, subject, &keys, Some(rate), with_ids).await?;
+            publish_twice(ctx, plan, stream, subject, &twice, &mut published).await?;
             (published, consumer, started, rss_at_start, cpu_at_start)
         }
     };
-    let waited = observer.wait_for_all(n, &consumer).await;
+    let waited = observer.wait_for_all(total, &consumer).await;
     let peak_rss_mib = probe::status_mib("VmHWM");
     let (client_cpu, servers_cpu) = cpu_now().since(cpu_at_start);
     let stopping = Instant::now();
@@ -233,7 +258,7 @@ async fn measure(
     let effects = verify(plan, db, &report).await?;
     Ok(Measurement {
         plan: plan.clone(),
-        msgs_per_sec: n as f64 / elapsed.as_secs_f64(),
+        msgs_per_sec: total as f64 / elapsed.as_secs_f64(),
         elapsed,
         p50_ms: percentile_ms(&latencies, 0.50),
         p99_ms: percentile_ms(&latencies, 0.99),
@@ -244,25 +269,95 @@ async fn measure(
         effects,
         duplicates: report.duplicates,
         publish_lag_ms: plan.rate.map(|_| published.max_lag.as_secs_f64() * 1000.0),
-        client_cpu_us_per_msg: client_cpu * 1e6 / n as f64,
-        servers_cpu_us_per_msg: servers_cpu.map(|cpu| cpu * 1e6 / n as f64),
+        client_cpu_us_per_msg: client_cpu * 1e6 / total as f64,
+        servers_cpu_us_per_msg: servers_cpu.map(|cpu| cpu * 1e6 / total as f64),
     })
 }
 
-/// Checks the end state: one effect per message, no duplicate effect, and
-/// (for the dedup modes) one dedup row per message. Returns the effects.
+/// Publishes `keys` a second time, with the same `Nats-Msg-Id` as their
+/// first copies, once the stream's duplicate window has passed, and checks
+/// that the stream stored every copy. A copy JetStream still drops as a
+/// duplicate is published again after a pause, as a retrying publisher
+/// would do.
+async fn publish_twice(
+    ctx: &Context,
+    plan: &Plan,
+    stream: &str,
+    subject: &str,
+    keys: &[String],
+    published: &mut probe::PublishReport,
+) -> Result<(), BenchError> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    tokio::time::sleep(DUPLICATE_WINDOW).await;
+    let mut dropped = 0;
+    for key in keys {
+        loop {
+            let copy = probe::publish_one(&ctx.publisher, subject, key).await?;
+            if !copy.duplicate {
+                published.messages.push(copy.published);
+                break;
+            }
+            dropped += 1;
+            if dropped > 10 * keys.len() {
+                return Err(BenchError::failed(format!(
+                    "JetStream keeps dropping second copies as duplicates, {DUPLICATE_WINDOW:?} \
+                     after the first"
+                )));
+            }
+            tokio::time::sleep(DUPLICATE_WINDOW / 2).await;
+        }
+    }
+    let stored = ctx
+        .publisher
+        .get_stream(stream)
+        .await
+        .map_err(|e| BenchError::failed(format!("get stream {stream}: {e}")))?
+        .info()
+        .await
+        .map_err(|e| BenchError::failed(format!("stream info {stream}: {e}")))?
+        .state
+        .messages;
+    let expected = (plan.messages + keys.len()) as u64;
+    if stored != expected {
+        return Err(BenchError::failed(format!(
+            "the stream holds {stored} messages, expected {expected}: {} published once and {} \
+             of them a second time",
+            plan.messages,
+            keys.len()
+        )));
+    }
+    progress(
+        plan,
+        &format!(
+            "published {} of the messages a second time; the stream stored all {stored}",
+            keys.len()
+        ),
+    );
+    Ok(())
+}
+
+/// Checks the end state. The dedup modes: one effect per distinct message
+/// and no duplicate effect, one dedup row per message, and each second copy
+/// counted as a duplicate. The others (the control): one effect per copy
+/// stored, the second copies included. Returns the effects.
 async fn verify(
     plan: &Plan,
     db: Option<&Database>,
     report: &consumers::ConsumerReport,
 ) -> Result<u64, BenchError> {
     let n = plan.messages as u64;
+    let twice = plan.duplicates as u64;
+    // What the consumer must apply: each distinct message once with dedup,
+    // every stored copy without.
+    let applied = if plan.mode.dedups() { n } else { n + twice };
     let mode = plan.mode.name();
     let Some(db) = db else {
-        // raw: its effect is the ack, and every message was acked once.
-        if report.processed != n {
+        // raw: its effect is the ack, and every copy was acked once.
+        if report.processed != applied {
             return Err(BenchError::failed(format!(
-                "{mode}: the consumer acked {} messages, expected {n}",
+                "{mode}: the consumer acked {} messages, expected {applied}",
                 report.processed
             )));
         }
@@ -273,10 +368,15 @@ async fn verify(
             .fetch_one(&db.pool)
             .await
             .map_err(|e| BenchError::failed(format!("count effects: {e}")))?;
-    if rows as u64 != n || distinct as u64 != n {
+    if rows as u64 != applied || distinct as u64 != n {
         return Err(BenchError::failed(format!(
-            "{mode}: effects = {rows} rows for {distinct} distinct messages, expected {n} and {n}: \
-             FAILED effects = messages"
+            "{mode}: effects = {rows} rows for {distinct} distinct messages, expected {applied} \
+             and {n} ({n} messages, {twice} of them stored twice): FAILED effects = {}",
+            if plan.mode.dedups() {
+                "distinct messages"
+            } else {
+                "stored messages"
+            }
         )));
     }
     if plan.mode.dedups() {
@@ -292,10 +392,16 @@ async fn verify(
             )));
         }
     }
-    if report.processed != n || report.errors != 0 {
+    if report.processed != applied || report.errors != 0 {
         return Err(BenchError::failed(format!(
-            "{mode}: the consumer reports {} processed and {} failed, expected {n} and 0",
+            "{mode}: the consumer reports {} processed and {} failed, expected {applied} and 0",
             report.processed, report.errors
+        )));
+    }
+    if plan.mode.dedups() && report.duplicates != twice {
+        return Err(BenchError::failed(format!(
+            "{mode}: the consumer skipped {} duplicates, expected {twice}: one per second copy",
+            report.duplicates
         )));
     }
     Ok(rows as u64)

@@ -33,10 +33,13 @@
 //! # Environment
 //!
 //! - `NATS_URL`: use this NATS server instead of starting one. Tests share
-//!   it, so they must use unique stream names ([`unique_name`]); tests that
-//!   crash the server panic.
+//!   it, so they must use unique stream names ([`unique_name`]).
 //! - `DATABASE_URL`: use this PostgreSQL server instead of starting one; each
 //!   test still gets a fresh database, dropped afterwards.
+//!
+//!   With either set, tests that crash or restart a server cannot run: they
+//!   are built as ignored (`tests/build.rs` sets `cfg(idem_external_servers)`),
+//!   except under `CI`, where they run and fail ([`require_own_servers`]).
 //! - `NATS_SERVER_BIN`: the nats-server binary (default: `nats-server` on
 //!   PATH; v2.10 or newer, the project pins 2.15.1).
 //! - `IDEM_PG_BINDIR`: the dir with `initdb` and `postgres` (default:
@@ -240,6 +243,43 @@ pub fn unique_name(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     format!("{prefix}_{n}_{:08x}", process::random_u64() as u32)
+}
+
+/// Panics, saying why, if `NATS_URL` or `DATABASE_URL` is set: the calling
+/// test crashes or restarts its servers, which it can only do to servers the
+/// harness runs itself. Call it first in such a test, and mark the test
+///
+/// ```text
+/// #[cfg_attr(
+///     idem_external_servers,
+///     ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+/// )]
+/// ```
+///
+/// so that it is reported as ignored rather than run (`tests/build.rs` sets
+/// that cfg when either variable is set, except under `CI`). Under `CI`, or
+/// when a variable is set at run time only, the test runs and this panics:
+/// a test that did not run must never count as passed.
+///
+/// ```
+/// // With neither variable set, it returns.
+/// if std::env::var_os("NATS_URL").is_none() && std::env::var_os("DATABASE_URL").is_none() {
+///     idem_tests::require_own_servers();
+/// }
+/// ```
+#[track_caller]
+pub fn require_own_servers() {
+    let set: Vec<String> = ["NATS_URL", "DATABASE_URL"]
+        .into_iter()
+        .filter_map(|var| Some(format!("{var}={:?}", std::env::var_os(var)?)))
+        .collect();
+    assert!(
+        set.is_empty(),
+        "this test crashes or restarts its servers, so it needs servers the harness runs \
+         itself, but {} is set. Unset it to run this test. (Outside CI such tests are \
+         built as ignored when these variables are set at build time; under CI they must run.)",
+        set.join(" and ")
+    );
 }
 
 /// Installs a `tracing` subscriber that writes through the test harness's

@@ -46,13 +46,16 @@ async fn jetstream_and_postgres_work() {
     assert_eq!(one, 1);
 }
 
+/// A SIGKILLed nats-server comes back on the same port and store dir with
+/// its stored messages, and an old client reconnects to it.
 #[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
 async fn kill_and_restart_keeps_stored_messages() {
+    idem_tests::require_own_servers();
     let mut env = TestEnv::start().await;
-    if std::env::var_os("NATS_URL").is_some() {
-        eprintln!("skipped: NATS_URL is set, and this test crashes its own server");
-        return;
-    }
     let url_before = env.nats_url().to_owned();
     let pid_before = env.nats_server().pid();
     // A client from before the crash, to check that it reconnects.
@@ -92,13 +95,16 @@ async fn kill_and_restart_keeps_stored_messages() {
     .await;
 }
 
+/// PostgreSQL after an immediate shutdown and restart keeps committed rows,
+/// loses the open transaction, and an old pool recovers.
 #[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
 async fn restart_immediate_keeps_committed_rows() {
+    idem_tests::require_own_servers();
     let mut env = TestEnv::start().await;
-    if std::env::var_os("DATABASE_URL").is_some() {
-        eprintln!("skipped: DATABASE_URL is set, and this test crashes its own server");
-        return;
-    }
     let pool = env.pool().await;
     sqlx::query("CREATE TABLE kept (id int PRIMARY KEY)")
         .execute(&pool)
