@@ -425,8 +425,8 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
 
             #message_key
 
-            // `Handler::handle` claims the message first and calls this
-            // only when the claim is fresh.
+            // The runtime claims the message first and calls this only
+            // when the claim is fresh.
             fn run_claimed<'a, 'c>(
                 &'a self,
                 __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'c>,

@@ -117,10 +117,10 @@ use proc_macro::TokenStream;
 /// impl idem_runtime::Handler for credit {
 ///     type Payload = Credit;
 ///     // name() is NAME; message_key() evaluates `key = ...`; run_claimed()
-///     // calls `credit::run`. The trait's provided handle() claims the message
-///     // id in the transaction first, and calls run_claimed() only if the
-///     // claim is fresh; batch mode claims many ids in one statement, then
-///     // calls run_claimed() for each fresh one.
+///     // calls `credit::run`. The runtime claims the message id in the
+///     // transaction first, and calls run_claimed() only if the claim is
+///     // fresh; batch mode claims many ids in one statement, then calls
+///     // run_claimed() for each fresh one.
 /// }
 /// ```
 ///

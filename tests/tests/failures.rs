@@ -314,7 +314,8 @@ async fn permanent_error_is_dead_lettered_at_once_and_replay_applies_it_once() {
         stream,
         subject,
     } = scenario("REPLAY", Duration::from_secs(120)).await;
-    // No Nats-Msg-Id: the id is `<stream>:1`, and the replay must keep it.
+    // No Nats-Msg-Id: the id is `<stream>:1:<stored at>`, and the replay must
+    // keep it.
     publish(&js, &subject, &deposit("a", 9), None).await;
     let router = Router::new().route(fast(Route::new(&stream, "c")), closed_accounts);
     let (handle, task) = spawn(router, nats.clone(), pool.clone());
@@ -326,7 +327,7 @@ async fn permanent_error_is_dead_lettered_at_once_and_replay_applies_it_once() {
     assert_eq!(header(&letters[0], "Idem-Failure"), "permanent");
     assert_eq!(
         header(&letters[0], "Idem-Message-Id"),
-        format!("{stream}:1")
+        stream_position(&js, &stream, 1).await
     );
 
     BUG_PRESENT.store(false, Ordering::SeqCst);
@@ -356,7 +357,7 @@ async fn permanent_error_is_dead_lettered_at_once_and_replay_applies_it_once() {
         .unwrap();
     assert_eq!(
         id,
-        format!("{stream}:1"),
+        stream_position(&js, &stream, 1).await,
         "the replay kept the original's id"
     );
 }
@@ -653,9 +654,23 @@ async fn a_header_that_is_not_utf8_is_dead_lettered_and_nothing_is_lost() {
         original_headers.windows(2).any(|pair| pair == b"\xff\xfe"),
         "the raw header block is kept"
     );
+    // Its Nats-Msg-Id is not UTF-8, so the id it would have been
+    // deduplicated by cannot be known: the dead letter says so, and a replay
+    // is refused unless asked for.
+    assert_eq!(header(&letter, "Idem-Message-Id"), "");
+    assert_eq!(header(&letter, "Idem-Message-Id-Source"), "unknown");
+    let refused = dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, letter.sequence).await;
+    assert!(
+        matches!(refused, Err(dead_letter::ReplayError::NoMessageId(_))),
+        "{refused:?}"
+    );
     if let Some(good) = letter_of(&letters, "2") {
         // Redelivered with the poison each time, it ran out of deliveries
-        // too; replayed, it is processed.
+        // too; it keeps its id, and replayed, it is processed.
+        assert_eq!(
+            header(&good, "Idem-Message-Id"),
+            stream_position(&js, &stream, 2).await
+        );
         dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, good.sequence)
             .await
             .unwrap();
@@ -666,6 +681,22 @@ async fn a_header_that_is_not_utf8_is_dead_lettered_and_nothing_is_lost() {
         || async { stats.processed() == 1 },
     )
     .await;
+    // Known never to have been processed, the poison is replayed under a
+    // new id, without the header that made it undeliverable.
+    dead_letter::replay_with(
+        &js,
+        dead_letter::DEFAULT_STREAM,
+        letter.sequence,
+        dead_letter::ReplayOptions::default().allow_new_message_id(),
+    )
+    .await
+    .unwrap();
+    eventually(
+        "the replayed poison is processed",
+        Duration::from_secs(30),
+        || async { stats.processed() == 2 },
+    )
+    .await;
     stop(handle, task).await;
-    assert_eq!(ledger(&pool, "plain").await, Ledger::once_each(1));
+    assert_eq!(ledger(&pool, "plain").await, Ledger::once_each(2));
 }

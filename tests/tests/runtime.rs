@@ -75,7 +75,7 @@ async fn ids(
 }
 
 /// Without a key, the `Nats-Msg-Id` header is the id, and without that,
-/// `<stream>:<sequence>`.
+/// `<stream>:<sequence>:<stored at>`.
 #[tokio::test]
 async fn header_then_stream_sequence_are_the_fallback_ids() {
     let Scenario {
@@ -100,7 +100,13 @@ async fn header_then_stream_sequence_are_the_fallback_ids() {
         .fetch_all(&pool)
         .await
         .unwrap();
-    assert_eq!(ids, vec!["from-header".to_owned(), format!("{stream}:2")]);
+    assert_eq!(
+        ids,
+        vec![
+            "from-header".to_owned(),
+            stream_position(&js, &stream, 2).await
+        ]
+    );
 }
 
 #[idempotent(name = "held")]

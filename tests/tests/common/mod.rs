@@ -395,3 +395,16 @@ impl Drop for AckLog {
 }
 
 use std::collections::BTreeMap;
+
+/// The id a message without `Nats-Msg-Id` is deduplicated by: its stream,
+/// sequence, and the time JetStream stored it, in Unix nanoseconds.
+pub async fn stream_position(js: &jetstream::Context, stream: &str, sequence: u64) -> String {
+    let stored = js
+        .get_stream(stream)
+        .await
+        .expect("stream exists")
+        .get_raw_message(sequence)
+        .await
+        .expect("the message is stored");
+    format!("{stream}:{sequence}:{}", stored.time.unix_timestamp_nanos())
+}
