@@ -2,20 +2,45 @@
 
 use syn::ext::IdentExt;
 use syn::parse::{Parse, ParseStream};
-use syn::{Error, Expr, ExprLit, Ident, Lit, LitStr, Token};
+use syn::{Error, Expr, ExprLit, Ident, Lit, LitStr, Path, Token};
 
 mod kw {
     syn::custom_keyword!(name);
     syn::custom_keyword!(key);
+    syn::custom_keyword!(codec);
+    syn::custom_keyword!(state);
 }
 
-/// `#[idempotent(name = "...", key = <expr>)]`, both optional, in any order.
+/// `#[idempotent(name = "...", key = <expr>, codec = <codec>, crate = <path>)]`,
+/// all optional, in any order.
 #[derive(Default)]
 pub(crate) struct Args {
     /// The handler name stored with each claim. `None` means the fn's name.
     pub(crate) name: Option<LitStr>,
-    /// The expression over the payload that gives the message id.
+    /// The expression over the payload (and the delivery) that gives the
+    /// message id.
     pub(crate) key: Option<Expr>,
+    /// The payload's codec. `None` means JSON.
+    pub(crate) codec: Option<Codec>,
+    /// The path idem-runtime is reachable at. `None` means `::idem_runtime`.
+    pub(crate) krate: Option<Path>,
+    /// The router state to implement the handler for, checking its
+    /// parameters at once. `None` means any state that provides them.
+    pub(crate) state: Option<syn::Type>,
+}
+
+/// `codec = json | raw | protobuf | <path to a type implementing Decode>`.
+pub(crate) enum Codec {
+    /// One of the runtime's own, by its short name.
+    Builtin(Ident),
+    /// A codec type of the user's.
+    Path(Path),
+}
+
+impl Codec {
+    /// The runtime's codecs, by the name `codec = ...` takes.
+    pub(crate) const BUILTIN: [(&'static str, &'static str); 3] =
+        [("json", "Json"), ("raw", "Raw"), ("protobuf", "Protobuf")];
 }
 
 impl Parse for Args {
@@ -37,13 +62,35 @@ impl Parse for Args {
                 }
                 input.parse::<Token![=]>()?;
                 args.key = Some(input.parse()?);
+            } else if lookahead.peek(kw::codec) {
+                let keyword = input.parse::<kw::codec>()?;
+                if args.codec.is_some() {
+                    return Err(duplicate(keyword, "codec"));
+                }
+                input.parse::<Token![=]>()?;
+                args.codec = Some(codec(input.parse()?)?);
+            } else if lookahead.peek(kw::state) {
+                let keyword = input.parse::<kw::state>()?;
+                if args.state.is_some() {
+                    return Err(duplicate(keyword, "state"));
+                }
+                input.parse::<Token![=]>()?;
+                args.state = Some(input.parse()?);
+            } else if lookahead.peek(Token![crate]) {
+                let keyword = input.parse::<Token![crate]>()?;
+                if args.krate.is_some() {
+                    return Err(duplicate(keyword, "crate"));
+                }
+                input.parse::<Token![=]>()?;
+                args.krate = Some(input.call(Path::parse_mod_style)?);
             } else if input.peek(Ident::peek_any) {
                 let unknown = input.call(Ident::parse_any)?;
                 return Err(Error::new_spanned(
                     &unknown,
                     format!(
-                        "unknown argument `{unknown}`: `#[idempotent]` takes `name = \"...\"` \
-                         and `key = <expr>`"
+                        "unknown argument `{unknown}`: `#[idempotent]` takes `name = \"...\"`, \
+                         `key = <expr>`, `codec = json | raw | protobuf | <path>`, \
+                         `state = <type>` and `crate = <path>`"
                     ),
                 ));
             } else {
@@ -63,6 +110,27 @@ fn duplicate(keyword: impl quote::ToTokens, arg: &str) -> Error {
         keyword,
         format!("`{arg}` is given twice: keep one `{arg} = ...`"),
     )
+}
+
+/// The value of `codec = ...`: a builtin's lowercase name, or a path.
+fn codec(path: Path) -> syn::Result<Codec> {
+    if let Some(ident) = path.get_ident() {
+        let name = ident.to_string();
+        if Codec::BUILTIN.iter().any(|(short, _)| *short == name) {
+            return Ok(Codec::Builtin(ident.clone()));
+        }
+        if name.chars().next().is_some_and(char::is_lowercase) {
+            return Err(Error::new_spanned(
+                ident,
+                format!(
+                    "unknown codec `{name}`: write `codec = json`, `codec = raw`, \
+                     `codec = protobuf`, or the path of a type that implements \
+                     `idem_runtime::codec::Decode`"
+                ),
+            ));
+        }
+    }
+    Ok(Codec::Path(path))
 }
 
 /// The value of `name = ...`: a non-blank string literal, because it is stored
@@ -129,13 +197,32 @@ mod tests {
     fn unknown_argument() {
         assert_eq!(
             error(quote::quote!(name = "a", retries = 3)),
-            "unknown argument `retries`: `#[idempotent]` takes `name = \"...\"` and `key = <expr>`"
+            "unknown argument `retries`: `#[idempotent]` takes `name = \"...\"`, `key = <expr>`, \
+             `codec = json | raw | protobuf | <path>`, `state = <type>` and `crate = <path>`"
         );
     }
 
     #[test]
     fn unexpected_token() {
-        assert_eq!(error(quote::quote!("credit")), "expected `name` or `key`");
+        assert_eq!(
+            error(quote::quote!("credit")),
+            "expected one of: `name`, `key`, `codec`, `state`, `crate`"
+        );
+    }
+
+    #[test]
+    fn codec_and_crate() {
+        let args = parse(quote::quote!(codec = raw, crate = ::my::idem)).unwrap();
+        assert!(matches!(args.codec, Some(Codec::Builtin(ref ident)) if ident == "raw"));
+        let krate = args.krate.unwrap();
+        assert_eq!(quote::quote!(#krate).to_string(), ":: my :: idem");
+        let args = parse(quote::quote!(codec = my_codecs::Cbor)).unwrap();
+        assert!(matches!(args.codec, Some(Codec::Path(_))));
+        assert!(error(quote::quote!(codec = yaml)).starts_with("unknown codec `yaml`"));
+        assert_eq!(
+            error(quote::quote!(codec = raw, codec = json)),
+            "`codec` is given twice: keep one `codec = ...`"
+        );
     }
 
     #[test]

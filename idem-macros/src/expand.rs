@@ -2,9 +2,17 @@
 //!
 //! Everything here works on `proc_macro2` so that it can be unit-tested; the
 //! `proc_macro` entry point in `lib.rs` only converts.
+//!
+//! The macro stays small: it checks the signature's shape (what syntax can
+//! tell), and generates a handler type whose `Handler::handle` calls the fn.
+//! Types are checked by rustc, through the runtime's traits, at spans chosen
+//! here so that errors point at the user's code: the payload's codec
+//! (`Decode`), each parameter between the transaction and the message
+//! (`FromDelivery`, or `&Delivery`), and the return type (`HandlerResult`,
+//! whose error converts into `BoxError`).
 
 use proc_macro2::{Span, TokenStream};
-use quote::{quote, quote_spanned};
+use quote::{ToTokens, quote, quote_spanned};
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 use syn::{
@@ -12,7 +20,7 @@ use syn::{
     PatType, PathArguments, ReturnType, Type, TypePath,
 };
 
-use crate::attr::Args;
+use crate::attr::{Args, Codec};
 
 /// Expands `#[idempotent(args)] item`.
 ///
@@ -32,7 +40,10 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         Err(error) => return with_error(item, error),
     };
     match (syn::parse2::<Args>(args), HandlerFn::check(&function)) {
-        (Ok(args), Ok(handler)) => generate(&args, &handler),
+        (Ok(args), Ok(handler)) => match check_codec(&args, &handler) {
+            Ok(()) => generate(&args, &handler),
+            Err(error) => with_error(item, error),
+        },
         (Err(error), Ok(_)) | (Ok(_), Err(error)) => with_error(item, error),
         (Err(mut error), Err(more)) => {
             error.combine(more);
@@ -47,13 +58,42 @@ fn with_error(item: TokenStream, error: Error) -> TokenStream {
     tokens
 }
 
+/// A payload of raw bytes decoded as JSON is almost always a mistake.
+fn check_codec(args: &Args, handler: &HandlerFn<'_>) -> syn::Result<()> {
+    if args.codec.is_some() {
+        return Ok(());
+    }
+    let bytes_type = match &*handler.payload.ty {
+        Type::Path(path) => path.path.segments.last().is_some_and(|last| {
+            last.ident == "Bytes"
+                || (last.ident == "Vec"
+                    && matches!(&last.arguments, PathArguments::AngleBracketed(args)
+                        if args.args.len() == 1
+                            && matches!(args.args.first(), Some(GenericArgument::Type(Type::Path(inner)))
+                                if inner.path.is_ident("u8"))))
+        }),
+        _ => false,
+    };
+    if bytes_type {
+        return Err(Error::new_spanned(
+            &handler.payload.ty,
+            "this payload would be decoded as JSON (an array of numbers); to take the \
+             message's bytes as they are, write `#[idempotent(codec = raw)]`, or \
+             `codec = json` if JSON is meant",
+        ));
+    }
+    Ok(())
+}
+
 /// An `async fn` whose signature the handler can call.
 struct HandlerFn<'a> {
     function: &'a ItemFn,
-    /// The second parameter.
+    /// The parameters between the transaction and the message.
+    between: Vec<&'a PatType>,
+    /// The last parameter.
     payload: &'a PatType,
-    /// Whether there is a third, `&Delivery`, parameter.
-    takes_delivery: bool,
+    /// The return type (there is one: its absence is an error).
+    output: &'a Type,
     /// Where an error type that is not `Into<BoxError>` gets reported.
     error_type_span: Span,
     /// Where a body that is not `Send` gets reported.
@@ -62,8 +102,8 @@ struct HandlerFn<'a> {
 
 impl<'a> HandlerFn<'a> {
     /// Checks the signature as far as syntax allows, reporting every problem
-    /// at the node to change. Type checks (the payload decodes, the error
-    /// converts) are left to rustc, at spans chosen in [`generate`].
+    /// at the node to change. Type checks are left to rustc, at spans chosen
+    /// in [`generate`].
     fn check(function: &'a ItemFn) -> syn::Result<Self> {
         let sig = &function.sig;
         let name = sig.ident.unraw();
@@ -114,17 +154,8 @@ impl<'a> HandlerFn<'a> {
         }
 
         let params = Params::check(function, &mut errors);
-        let error_type_span = match &sig.output {
-            ReturnType::Type(_, ty) if is_result(ty) => Some(error_type_span(ty)),
-            ReturnType::Type(_, ty) => {
-                errors.push(Error::new_spanned(
-                    ty,
-                    "an `#[idempotent]` handler returns a `Result` whose error converts into \
-                     `idem_runtime::BoxError`: write `-> Result<(), MyError>` (an alias must \
-                     also be named `Result`)",
-                ));
-                None
-            }
+        let output = match &sig.output {
+            ReturnType::Type(_, ty) => Some(&**ty),
             ReturnType::Default => {
                 errors.push(Error::new(
                     sig.paren_token.span.close(),
@@ -136,25 +167,25 @@ impl<'a> HandlerFn<'a> {
         };
 
         errors.finish()?;
-        let (Some(asyncness), Some(params), Some(error_type_span)) =
-            (sig.asyncness, params, error_type_span)
-        else {
+        let (Some(asyncness), Some(params), Some(output)) = (sig.asyncness, params, output) else {
             unreachable!("every `None` above pushed an error");
         };
         Ok(HandlerFn {
             function,
+            between: params.between,
             payload: params.payload,
-            takes_delivery: params.takes_delivery,
-            error_type_span,
+            output,
+            error_type_span: error_type_span(output),
             async_span: asyncness.span,
         })
     }
 }
 
-/// The parameters: `(tx: &mut _, payload: P)` or `(tx: &mut _, payload: P, delivery: &_)`.
+/// The parameters: the transaction, any parameters the runtime fills
+/// (`&Delivery`, `State<T>`), and the message, last, as a body is in axum.
 struct Params<'a> {
+    between: Vec<&'a PatType>,
     payload: &'a PatType,
-    takes_delivery: bool,
 }
 
 impl<'a> Params<'a> {
@@ -178,7 +209,7 @@ impl<'a> Params<'a> {
 
         const SIGNATURE: &str = "`(tx: &mut sqlx::PgTransaction<'_>, cmd: MyMessage)`";
         let all_params = sig.paren_token.span.join();
-        let (tx, payload, delivery) = match typed[..] {
+        let (tx, between, payload) = match typed[..] {
             [] => {
                 errors.push(Error::new(
                     all_params,
@@ -203,22 +234,13 @@ impl<'a> Params<'a> {
                 errors.push(Error::new(
                     all_params,
                     format!(
-                        "an `#[idempotent]` handler takes the message as its second parameter: \
+                        "an `#[idempotent]` handler takes the message as its last parameter: \
                          write {SIGNATURE}"
                     ),
                 ));
                 return None;
             }
-            [tx, payload] => (tx, payload, None),
-            [tx, payload, delivery] => (tx, payload, Some(delivery)),
-            [_, _, _, ref extra @ ..] => {
-                errors.push(Error::new_spanned(
-                    quote!(#(#extra),*),
-                    "an `#[idempotent]` handler takes at most three parameters, the \
-                     transaction, the message and `&idem_runtime::Delivery`: remove the rest",
-                ));
-                return None;
-            }
+            [tx, ref between @ .., payload] => (tx, between.to_vec(), payload),
         };
 
         let mut ok = true;
@@ -231,27 +253,37 @@ impl<'a> Params<'a> {
             ok = false;
         }
         if let Type::Reference(reference) = &*payload.ty {
-            errors.push(Error::new_spanned(
-                reference.and_token,
-                "an `#[idempotent]` handler owns the message it decodes: take it by value, \
-                 without the `&`",
-            ));
+            // The old order, `(tx, cmd: Credit, delivery: &Delivery)`?
+            let by_value = between.iter().find(|param| !is_any_reference(&param.ty));
+            match by_value {
+                Some(message) if reference.mutability.is_none() => errors.push(Error::new_spanned(
+                    message,
+                    format!(
+                        "an `#[idempotent]` handler takes the message last, after `&Delivery` \
+                         and `State<T>` (as axum takes the body last): move `{}` to the end",
+                        message.to_token_stream()
+                    ),
+                )),
+                _ => errors.push(Error::new_spanned(
+                    reference.and_token,
+                    "an `#[idempotent]` handler owns the message it decodes: take it by value, \
+                     without the `&`",
+                )),
+            }
             ok = false;
         }
-        if let Some(delivery) = delivery
-            && !is_reference(&delivery.ty, false)
-        {
-            errors.push(Error::new_spanned(
-                &delivery.ty,
-                "the third parameter of an `#[idempotent]` handler receives the delivery: \
-                 write `delivery: &idem_runtime::Delivery`",
-            ));
-            ok = false;
+        for param in &between {
+            if is_reference(&param.ty, true) {
+                errors.push(Error::new_spanned(
+                    &param.ty,
+                    "only the first parameter of an `#[idempotent]` handler is `&mut`: the \
+                     ones between the transaction and the message are `&Delivery` or \
+                     `State<T>`",
+                ));
+                ok = false;
+            }
         }
-        ok.then_some(Params {
-            payload,
-            takes_delivery: delivery.is_some(),
-        })
+        ok.then_some(Params { between, payload })
     }
 }
 
@@ -265,34 +297,23 @@ fn is_reference(ty: &Type, mutable: bool) -> bool {
     }
 }
 
-/// Whether `ty` is a path ending in `Result`: `Result<(), E>`, `anyhow::Result<()>`.
-fn is_result(ty: &Type) -> bool {
-    result_path(ty).is_some()
+fn is_any_reference(ty: &Type) -> bool {
+    is_reference(ty, true) || is_reference(ty, false)
 }
 
-fn result_path(ty: &Type) -> Option<&TypePath> {
-    match ty {
-        Type::Path(path) if path.qself.is_none() => path
-            .path
-            .segments
-            .last()
-            .is_some_and(|last| last.ident == "Result")
-            .then_some(path),
-        Type::Paren(paren) => result_path(&paren.elem),
-        Type::Group(group) => result_path(&group.elem),
-        _ => None,
-    }
-}
-
-/// The error type `E` of `Result<T, E>`, so a wrong one is reported on it, or
-/// the whole return type for an alias such as `anyhow::Result<T>`.
+/// The error type `E` of a return type written `Result<T, E>`, so that a
+/// wrong one is reported on it; else the whole return type (an alias such as
+/// `anyhow::Result<T>`).
 fn error_type_span(ty: &Type) -> Span {
-    let error_type = result_path(ty)
-        .and_then(|path| path.path.segments.last())
-        .and_then(|last| match &last.arguments {
-            PathArguments::AngleBracketed(args) if args.args.len() == 2 => args.args.last(),
-            _ => None,
-        });
+    let error_type = match ty {
+        Type::Path(TypePath { qself: None, path }) => {
+            path.segments.last().and_then(|last| match &last.arguments {
+                PathArguments::AngleBracketed(args) if args.args.len() == 2 => args.args.last(),
+                _ => None,
+            })
+        }
+        _ => None,
+    };
     match error_type {
         Some(GenericArgument::Type(error_type)) => error_type.span(),
         _ => ty.span(),
@@ -316,9 +337,13 @@ impl Errors {
     }
 }
 
-/// The handler struct, the fn that returns it, its `NAME` and `run`, and its
-/// `Handler` impl.
+/// The handler struct, the fn that returns it, its `NAME` and `run`, a
+/// `Debug` impl, and its `Handler` impl.
 fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
+    let krate = args
+        .krate
+        .as_ref()
+        .map_or_else(|| quote!(::idem_runtime), ToTokens::to_token_stream);
     let function = handler.function;
     let vis = &function.vis;
     let ident = &function.sig.ident;
@@ -332,6 +357,7 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
         " Returns the `{unraw}` handler, for `Router::route`. \
          The body as written is `{unraw}::run`."
     );
+    let debug_name = unraw.to_string();
 
     // Docs describe the handler, so they go on the struct. `cfg` must remove
     // every generated item at once. Anything else (`#[tracing::instrument]`,
@@ -353,33 +379,97 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
     let payload_type = quote_spanned! {payload_ty.span()=>
         type Payload = #payload_ty;
     };
+    let codec = match &args.codec {
+        None => quote!(#krate::codec::Json),
+        Some(Codec::Builtin(short)) => {
+            let (_, builtin) = Codec::BUILTIN
+                .iter()
+                .find(|(name, _)| short == name)
+                .expect("the parser accepts only builtin names");
+            let builtin = Ident::new(builtin, short.span());
+            quote!(#krate::codec::#builtin)
+        }
+        Some(Codec::Path(path)) => path.to_token_stream(),
+    };
+    // At the payload type, so that one the codec cannot decode is reported
+    // there.
+    let codec = respan(&codec, payload_ty.span());
+    let codec_type = quote_spanned! {payload_ty.span()=>
+        type Codec = #codec;
+    };
     let message_key = args
         .key
         .as_ref()
-        .map(|key| message_key(&handler.payload.pat, key));
-    let delivery = handler.takes_delivery.then(|| quote!(, __idem_delivery));
-    // `handler_error!` keeps the class the error type chose through
-    // `idem_runtime::Classify`, if it implements it. Spanned at the user's
-    // error type, so that one that does not convert
-    // into `BoxError` is reported there, once. (`.map_err(HandlerError::handler)`
-    // would report it twice, once on the whole call.)
+        .map(|key| message_key(&krate, handler, key));
+
+    // The router state the impl is for: any (`__S`), or the one named by
+    // `state = ...`, which checks every parameter against it right here.
+    let (state_param, state) = match &args.state {
+        None => (Some(quote!(<__S>)), quote!(__S)),
+        Some(state) => (None, state.to_token_stream()),
+    };
+    let state_bound = args
+        .state
+        .is_none()
+        .then(|| quote!(__S: ::core::marker::Send + ::core::marker::Sync + 'static,));
+
+    // The parameters between the transaction and the message: a reference is
+    // the delivery; any other type the runtime fills through `FromDelivery`,
+    // a bound the impl states, so that a type the router's state cannot
+    // provide is reported at the parameter. (A type that can never be a
+    // parameter is reported at once: the bound's supertrait, `Parameter`,
+    // does not depend on the state.)
+    let mut bounds = Vec::new();
+    let arguments: Vec<TokenStream> = handler
+        .between
+        .iter()
+        .map(|param| {
+            let ty = &param.ty;
+            let krate = respan(&krate, ty.span());
+            if is_reference(ty, false) {
+                quote_spanned! {ty.span()=> __idem_delivery}
+            } else {
+                bounds.push(quote_spanned! {ty.span()=> #ty: #krate::FromDelivery<#state>});
+                quote_spanned! {ty.span()=>
+                    #krate::FromDelivery::from_delivery(__idem_delivery, __idem_state)
+                }
+            }
+        })
+        .collect();
+    // Spanned at the user's return type and error type, so that a return
+    // type that is not a `Result`, or an error that does not convert into
+    // `BoxError`, is reported there, once.
+    let output = handler.output;
+    let output_krate = respan(&krate, output.span());
+    let into_result = quote_spanned! {output.span()=>
+        #output_krate::HandlerResult::into_result(__idem_result)
+    };
+    let error_krate = respan(&krate, handler.error_type_span);
     let into_handler_error = quote_spanned! {handler.error_type_span=>
         ::core::result::Result::Err(__idem_error) => {
-            ::core::result::Result::Err(::idem_runtime::__private::handler_error!(__idem_error))
+            ::core::result::Result::Err(#error_krate::__private::handler_error!(__idem_error))
         }
     };
-    let run = quote! {
-        match #ident::run(__idem_tx, __idem_payload #delivery).await {
-            ::core::result::Result::Ok(_) => {
-                ::core::result::Result::Ok(::idem_runtime::Outcome::Processed)
-            }
+    let settle = quote_spanned! {output.span()=>
+        match #into_result {
+            ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
             #into_handler_error
         }
     };
     // Spanned at the user's `async`, so that a body that is not `Send` is
     // reported on the handler rather than on the attribute.
-    let future = quote_spanned! {handler.async_span=>
-        ::idem_runtime::__private::Box::pin(async move { #run })
+    let handle = quote_spanned! {handler.async_span=>
+        #[allow(clippy::ignored_unit_patterns)]
+        async fn handle(
+            &self,
+            __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+            __idem_payload: Self::Payload,
+            __idem_delivery: &#krate::Delivery,
+            __idem_state: &#state,
+        ) -> ::core::result::Result<(), #krate::HandlerError> {
+            let __idem_result = #ident::run(__idem_tx, #(#arguments,)* __idem_payload).await;
+            #settle
+        }
     };
 
     // The struct has braces so that it lives in the type namespace only, and
@@ -391,18 +481,19 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
         #(#docs)*
         #(#cfgs)*
         #[allow(non_camel_case_types)]
-        #[derive(
-            ::core::clone::Clone,
-            ::core::marker::Copy,
-            ::core::fmt::Debug,
-            ::core::default::Default,
-        )]
         #vis struct #ident {}
 
         #(#cfgs)*
         #[doc = #constructor_doc]
         #vis fn #ident() -> #ident {
             #ident {}
+        }
+
+        #(#cfgs)*
+        impl ::core::fmt::Debug for #ident {
+            fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+                f.write_str(#debug_name)
+            }
         }
 
         #(#cfgs)*
@@ -416,8 +507,13 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
         }
 
         #(#cfgs)*
-        impl ::idem_runtime::Handler for #ident {
+        impl #state_param #krate::Handler<#state> for #ident
+        where
+            #state_bound
+            #(#bounds,)*
+        {
             #payload_type
+            #codec_type
 
             fn name(&self) -> &'static str {
                 Self::NAME
@@ -427,32 +523,56 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
 
             // The runtime claims the message first and calls this only
             // when the claim is fresh.
-            fn run_claimed<'a, 'c>(
-                &'a self,
-                __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'c>,
-                __idem_payload: Self::Payload,
-                __idem_delivery: &'a ::idem_runtime::Delivery,
-            ) -> ::idem_runtime::HandlerFuture<'a> {
-                #future
-            }
+            #handle
         }
     }
 }
 
-/// `fn message_key`: binds the payload pattern by reference and stringifies
-/// the key expression.
-fn message_key(pattern: &Pat, key: &syn::Expr) -> TokenStream {
-    let pattern = bind_by_reference(pattern.clone());
+/// `tokens` with every span set to `span`, so that a path built once (the
+/// crate's) reports errors where the user's code is.
+fn respan(tokens: &TokenStream, span: Span) -> TokenStream {
+    tokens
+        .clone()
+        .into_iter()
+        .map(|mut token| {
+            if let proc_macro2::TokenTree::Group(group) = &token {
+                let mut respanned =
+                    proc_macro2::Group::new(group.delimiter(), respan(&group.stream(), span));
+                respanned.set_span(span);
+                token = proc_macro2::TokenTree::Group(respanned);
+            } else {
+                token.set_span(span);
+            }
+            token
+        })
+        .collect()
+}
+
+/// `fn message_key`: binds the payload pattern, and the delivery
+/// parameter's, by reference, and stringifies the key expression.
+fn message_key(krate: &TokenStream, handler: &HandlerFn<'_>, key: &syn::Expr) -> TokenStream {
+    let pattern = bind_by_reference((*handler.payload.pat).clone());
+    let delivery = handler
+        .between
+        .iter()
+        .find(|param| is_reference(&param.ty, false))
+        .filter(|param| !matches!(*param.pat, Pat::Wild(_)))
+        .map(|param| {
+            let pattern = bind_by_reference((*param.pat).clone());
+            quote!(let #pattern = __idem_delivery;)
+        });
     let to_string = quote_spanned! {key.span()=>
-        ::idem_runtime::__private::ToString::to_string(&(#key))
+        #krate::__private::ToString::to_string(&(#key))
     };
     quote! {
         #[allow(unused_variables)]
         fn message_key(
             &self,
             __idem_payload: &Self::Payload,
+            __idem_delivery: &#krate::Delivery,
         ) -> ::core::option::Option<::std::string::String> {
             let #pattern = __idem_payload;
+            #delivery
             ::core::option::Option::Some(#to_string)
         }
     }
@@ -547,17 +667,17 @@ mod tests {
             expanded,
             quote! {
                 #[allow(non_camel_case_types)]
-                #[derive(
-                    ::core::clone::Clone,
-                    ::core::marker::Copy,
-                    ::core::fmt::Debug,
-                    ::core::default::Default,
-                )]
                 struct credit {}
 
                 #[doc = " Returns the `credit` handler, for `Router::route`. The body as written is `credit::run`."]
                 fn credit() -> credit {
                     credit {}
+                }
+
+                impl ::core::fmt::Debug for credit {
+                    fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+                        f.write_str("credit")
+                    }
                 }
 
                 impl credit {
@@ -570,29 +690,32 @@ mod tests {
                     }
                 }
 
-                impl ::idem_runtime::Handler for credit {
+                impl<__S> ::idem_runtime::Handler<__S> for credit
+                where
+                    __S: ::core::marker::Send + ::core::marker::Sync + 'static,
+                {
                     type Payload = Credit;
+                    type Codec = ::idem_runtime::codec::Json;
 
                     fn name(&self) -> &'static str {
                         Self::NAME
                     }
 
-                    fn run_claimed<'a, 'c>(
-                        &'a self,
-                        __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'c>,
+                    #[allow(clippy::ignored_unit_patterns)]
+                    async fn handle(
+                        &self,
+                        __idem_tx: &mut ::idem_runtime::__private::PgTransaction<'_>,
                         __idem_payload: Self::Payload,
-                        __idem_delivery: &'a ::idem_runtime::Delivery,
-                    ) -> ::idem_runtime::HandlerFuture<'a> {
-                        ::idem_runtime::__private::Box::pin(async move {
-                            match credit::run(__idem_tx, __idem_payload).await {
-                                ::core::result::Result::Ok(_) => {
-                                    ::core::result::Result::Ok(::idem_runtime::Outcome::Processed)
-                                }
-                                ::core::result::Result::Err(__idem_error) => {
-                                    ::core::result::Result::Err(::idem_runtime::__private::handler_error!(__idem_error))
-                                }
+                        __idem_delivery: &::idem_runtime::Delivery,
+                        __idem_state: &__S,
+                    ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
+                        let __idem_result = credit::run(__idem_tx, __idem_payload).await;
+                        match ::idem_runtime::HandlerResult::into_result(__idem_result) {
+                            ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
+                            ::core::result::Result::Err(__idem_error) => {
+                                ::core::result::Result::Err(::idem_runtime::__private::handler_error!(__idem_error))
                             }
-                        })
+                        }
                     }
                 }
             },
@@ -600,17 +723,21 @@ mod tests {
     }
 
     #[test]
-    fn name_key_delivery_and_attributes() {
+    fn name_key_state_delivery_and_attributes() {
         let expanded = expand(
-            quote!(name = "credit-v1", key = cmd.transfer_id),
+            quote!(
+                name = "credit-v1",
+                key = format!("{}:{}", meta.subject(), cmd.transfer_id)
+            ),
             quote! {
                 /// Credits an account.
                 #[cfg(feature = "ledger")]
                 #[tracing::instrument(skip(tx))]
                 pub(crate) async fn credit(
                     tx: &mut sqlx::PgTransaction<'_>,
-                    cmd: Credit,
+                    State(fees): State<Fees>,
                     meta: &idem_runtime::Delivery,
+                    cmd: Credit,
                 ) -> Result<(), E> {
                     Ok(())
                 }
@@ -623,7 +750,7 @@ mod tests {
         assert!(expanded.starts_with(&format!("{docs} {cfg} # [allow (non_camel_case_types)]")));
         assert!(expanded.contains("pub (crate) struct credit { }"));
         assert!(expanded.contains("pub (crate) fn credit () -> credit { credit { } }"));
-        assert_eq!(expanded.matches(&cfg).count(), 4, "{expanded}");
+        assert_eq!(expanded.matches(&cfg).count(), 5, "{expanded}");
         assert_eq!(expanded.matches(&docs).count(), 1, "{expanded}");
         assert!(
             expanded.contains(&format!(
@@ -633,8 +760,15 @@ mod tests {
         );
         assert!(expanded.contains("pub const NAME : & 'static str = \"credit-v1\" ;"));
         assert!(
-            expanded
-                .contains("credit :: run (__idem_tx , __idem_payload , __idem_delivery) . await")
+            expanded.contains("State < Fees > : :: idem_runtime :: FromDelivery < __S >"),
+            "{expanded}"
+        );
+        assert!(
+            expanded.contains(
+                "credit :: run (__idem_tx , :: idem_runtime :: FromDelivery :: from_delivery \
+                 (__idem_delivery , __idem_state) , __idem_delivery , __idem_payload) . await"
+            ),
+            "{expanded}"
         );
 
         let message_key = quote! {
@@ -642,14 +776,59 @@ mod tests {
             fn message_key(
                 &self,
                 __idem_payload: &Self::Payload,
+                __idem_delivery: &::idem_runtime::Delivery,
             ) -> ::core::option::Option<::std::string::String> {
                 let cmd = __idem_payload;
+                let meta = __idem_delivery;
                 ::core::option::Option::Some(
-                    ::idem_runtime::__private::ToString::to_string(&(cmd.transfer_id))
+                    ::idem_runtime::__private::ToString::to_string(&(format!("{}:{}", meta.subject(), cmd.transfer_id)))
                 )
             }
         };
         assert!(expanded.contains(&message_key.to_string()), "{expanded}");
+    }
+
+    #[test]
+    fn codec_and_crate_arguments() {
+        let expanded = expand(
+            quote!(codec = raw, crate = ::my_idem),
+            quote!(
+                async fn h(tx: &mut Tx, bytes: Vec<u8>) -> Result<(), E> {}
+            ),
+        );
+        assert!(
+            expanded.contains("type Codec = :: my_idem :: codec :: Raw ;"),
+            "{expanded}"
+        );
+        assert!(!expanded.contains("idem_runtime"), "{expanded}");
+        let expanded = expand(
+            quote!(codec = my::Cbor),
+            quote!(
+                async fn h(tx: &mut Tx, m: M) -> Result<(), E> {}
+            ),
+        );
+        assert!(expanded.contains("type Codec = my :: Cbor ;"), "{expanded}");
+    }
+
+    #[test]
+    fn a_bytes_payload_needs_a_codec() {
+        for payload in [quote!(Vec<u8>), quote!(bytes::Bytes)] {
+            assert!(
+                error(
+                    quote!(),
+                    quote!(async fn h(tx: &mut Tx, m: #payload) -> Result<(), E> {})
+                )
+                .starts_with("this payload would be decoded as JSON"),
+                "{payload}"
+            );
+        }
+        let expanded = expand(
+            quote!(codec = json),
+            quote!(
+                async fn h(tx: &mut Tx, m: Vec<u8>) -> Result<(), E> {}
+            ),
+        );
+        assert!(!expanded.contains("compile_error"), "{expanded}");
     }
 
     #[test]
@@ -691,35 +870,23 @@ mod tests {
     }
 
     #[test]
-    fn accepts_result_paths() {
-        for output in [
-            quote!(Result<(), E>),
-            quote!(anyhow::Result<()>),
-            quote!(::std::result::Result<(), E>),
-            quote!(Result<()>),
-        ] {
-            let expanded = expand(
-                quote!(),
-                quote!(async fn h(tx: &mut Tx, m: M) -> #output {}),
-            );
-            assert!(!expanded.contains("compile_error"), "{output}: {expanded}");
-        }
-    }
-
-    #[test]
     fn a_pattern_payload_and_any_tx_and_delivery_references() {
         let expanded = expand(
             quote!(key = account),
             quote! {
                 async fn h(
                     _tx: &mut sqlx::PgConnection,
-                    Credit { account, .. }: Credit,
                     _: &Delivery,
+                    Credit { account, .. }: Credit,
                 ) -> Result<(), E> {}
             },
         );
         assert!(!expanded.contains("compile_error"), "{expanded}");
         assert!(expanded.contains("let Credit { account , .. } = __idem_payload ;"));
+        assert!(
+            !expanded.contains("= __idem_delivery ;"),
+            "a `_` delivery binds nothing: {expanded}"
+        );
     }
 
     #[test]
@@ -766,7 +933,7 @@ mod tests {
                     async fn h(tx: &mut Tx) -> Result<(), E> {}
                 )
             )
-            .starts_with("an `#[idempotent]` handler takes the message as its second parameter")
+            .starts_with("an `#[idempotent]` handler takes the message as its last parameter")
         );
         assert!(
             error(
@@ -795,7 +962,7 @@ mod tests {
     }
 
     #[test]
-    fn rejects_a_payload_reference_and_a_delivery_that_is_not_a_reference() {
+    fn rejects_a_payload_reference_and_the_message_before_the_delivery() {
         assert!(
             error(
                 quote!(),
@@ -805,30 +972,45 @@ mod tests {
             )
             .starts_with("an `#[idempotent]` handler owns the message")
         );
-        for delivery in [quote!(Delivery), quote!(&mut Delivery)] {
-            assert!(
-                error(
-                    quote!(),
-                    quote!(async fn h(tx: &mut Tx, m: M, d: #delivery) -> Result<(), E> {})
+        assert_eq!(
+            error(
+                quote!(),
+                quote!(
+                    async fn h(tx: &mut Tx, cmd: Credit, d: &Delivery) -> Result<(), E> {}
                 )
-                .starts_with(
-                    "the third parameter of an `#[idempotent]` handler receives the delivery"
-                )
-            );
-        }
-    }
-
-    #[test]
-    fn rejects_more_than_three_params() {
+            ),
+            "an `#[idempotent]` handler takes the message last, after `&Delivery` and \
+             `State<T>` (as axum takes the body last): move `cmd : Credit` to the end"
+        );
         assert!(
             error(
                 quote!(),
                 quote!(
-                    async fn h(tx: &mut Tx, m: M, d: &D, x: X, y: Y) -> Result<(), E> {}
+                    async fn h(tx: &mut Tx, d: &mut Delivery, m: M) -> Result<(), E> {}
                 )
             )
-            .starts_with("an `#[idempotent]` handler takes at most three parameters")
+            .starts_with("only the first parameter of an `#[idempotent]` handler is `&mut`")
         );
+    }
+
+    #[test]
+    fn takes_any_number_of_parameters_between_tx_and_message() {
+        let expanded = expand(
+            quote!(),
+            quote!(
+                async fn h(
+                    tx: &mut Tx,
+                    State(a): State<A>,
+                    d: &Delivery,
+                    State(b): State<B>,
+                    m: M,
+                ) -> Result<(), E> {
+                }
+            ),
+        );
+        assert!(!expanded.contains("compile_error"), "{expanded}");
+        assert!(expanded.contains("State < A > : :: idem_runtime :: FromDelivery < __S >"));
+        assert!(expanded.contains("State < B > : :: idem_runtime :: FromDelivery < __S >"));
     }
 
     #[test]
@@ -897,7 +1079,19 @@ mod tests {
     }
 
     #[test]
-    fn rejects_a_missing_or_non_result_return_type() {
+    fn accepts_any_return_type_and_rejects_a_missing_one() {
+        for output in [
+            quote!(Result<(), E>),
+            quote!(anyhow::Result<()>),
+            quote!(::std::result::Result<(), E>),
+            quote!(Fallible),
+        ] {
+            let expanded = expand(
+                quote!(),
+                quote!(async fn h(tx: &mut Tx, m: M) -> #output {}),
+            );
+            assert!(!expanded.contains("compile_error"), "{output}: {expanded}");
+        }
         assert!(
             error(
                 quote!(),
@@ -907,21 +1101,6 @@ mod tests {
             )
             .ends_with("add `-> Result<(), MyError>` after the parameters")
         );
-        for output in [
-            quote!(()),
-            quote!(Option<()>),
-            quote!(impl Future),
-            quote!(<T as Tr>::Result),
-        ] {
-            assert!(
-                error(
-                    quote!(),
-                    quote!(async fn h(tx: &mut Tx, m: M) -> #output {})
-                )
-                .ends_with("(an alias must also be named `Result`)"),
-                "{output}"
-            );
-        }
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //! production code pins `name = "..."`, and what it generates.
 
 mod attr;
+mod classify;
 mod expand;
+mod from_ref;
 
 use proc_macro::TokenStream;
 
@@ -137,4 +139,47 @@ use proc_macro::TokenStream;
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::idempotent(args.into(), item.into()).into()
+}
+
+/// Registers a `Classify` implementation, so that its class is found
+/// wherever the error sits in a handler's error chain: inside an
+/// `anyhow::Error`, a `Box<dyn Error>`, or another error's `source()`.
+///
+/// ```
+/// use idem_runtime::{Classify, ErrorClass, classify};
+///
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("account {0} is closed")]
+/// struct AccountClosed(i64);
+///
+/// #[classify]
+/// impl Classify for AccountClosed {
+///     fn class(&self) -> ErrorClass {
+///         ErrorClass::Permanent
+///     }
+/// }
+/// ```
+#[proc_macro_attribute]
+pub fn classify(args: TokenStream, item: TokenStream) -> TokenStream {
+    classify::classify(args.into(), item.into()).into()
+}
+
+/// Implements `idem_runtime::FromRef<State>` for the type of each field of a
+/// state struct, so that a handler can take any field with `State<T>`. The
+/// fields must be `Clone` (put what is costly to clone in an `Arc`).
+///
+/// ```
+/// use idem_runtime::FromRef;
+///
+/// #[derive(Clone, FromRef)]
+/// struct App {
+///     config: std::sync::Arc<Config>,
+///     http: HttpClient,
+/// }
+/// # struct Config;
+/// # #[derive(Clone)] struct HttpClient;
+/// ```
+#[proc_macro_derive(FromRef)]
+pub fn derive_from_ref(input: TokenStream) -> TokenStream {
+    from_ref::derive(input.into()).into()
 }

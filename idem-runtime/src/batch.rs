@@ -53,7 +53,7 @@ enum BatchFailure {
     CommitUnknown(sqlx::Error),
 }
 
-impl<H: Handler> Pipeline<H> {
+impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// Processes a batch of messages. `_slot` is the concurrency permit.
     pub(crate) async fn process_batch(
         self: Arc<Self>,
@@ -191,10 +191,13 @@ impl<H: Handler> Pipeline<H> {
             }
             let payload = item.payload.take().expect("each payload is used once");
             let outcome = self
-                .run_handler(self.handler.run_claimed(&mut tx, payload, &item.delivery))
+                .run_handler(
+                    self.handler
+                        .handle(&mut tx, payload, &item.delivery, &self.state),
+                )
                 .await;
             match outcome {
-                Ok(_) => {}
+                Ok(()) => {}
                 // The connection is closed on drop rather than waited on.
                 Err(error @ (HandlerError::TimedOut(_) | HandlerError::Panicked(_))) => {
                     return Err(BatchFailure::Handler(error));

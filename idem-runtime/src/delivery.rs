@@ -58,6 +58,51 @@ impl Delivery {
         })
     }
 
+    /// A delivery made up for a test of a handler: the first delivery of
+    /// message `stream_sequence` of `stream`, published to `subject`, stored
+    /// now, without headers. Its message id is its stream position until a
+    /// header or the runtime says otherwise.
+    ///
+    /// ```
+    /// let delivery = idem_runtime::Delivery::for_test("orders.placed", "ORDERS", 7)
+    ///     .with_header("Nats-Msg-Id", "order-7");
+    /// assert_eq!(delivery.subject(), "orders.placed");
+    /// assert_eq!(delivery.message_id().as_str(), "order-7");
+    /// ```
+    pub fn for_test(
+        subject: impl Into<String>,
+        stream: impl Into<String>,
+        stream_sequence: u64,
+    ) -> Delivery {
+        let stream = stream.into();
+        let stored_at = time::OffsetDateTime::now_utc();
+        Delivery {
+            subject: subject.into(),
+            consumer: "test".into(),
+            delivered: 1,
+            stored_at,
+            headers: HeaderMap::new(),
+            message_id: MessageId::from_stream_position(&stream, stream_sequence, stored_at),
+            stream,
+            stream_sequence,
+        }
+    }
+
+    /// This delivery with header `name` set to `value` (a `Nats-Msg-Id`
+    /// becomes its message id).
+    pub fn with_header(mut self, name: &str, value: &str) -> Delivery {
+        self.headers.insert(name, value);
+        if let Ok(id) = MessageId::of_delivery(
+            &self.headers,
+            &self.stream,
+            self.stream_sequence,
+            self.stored_at,
+        ) {
+            self.message_id = id;
+        }
+        self
+    }
+
     /// The subject the message was published to.
     pub fn subject(&self) -> &str {
         &self.subject

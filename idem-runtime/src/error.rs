@@ -104,6 +104,60 @@ impl HandlerError {
     }
 }
 
+/// A database error from the handler's own statements, classed by its
+/// SQLSTATE ([`ErrorClass::of_sqlx`]), so that `?` works in a handler
+/// written by hand.
+impl From<sqlx::Error> for HandlerError {
+    fn from(error: sqlx::Error) -> Self {
+        let class = ErrorClass::of_sqlx(&error);
+        HandlerError::classified(error, Some(class))
+    }
+}
+
+impl From<crate::failure::Permanent> for HandlerError {
+    fn from(error: crate::failure::Permanent) -> Self {
+        HandlerError::classified(error, Some(ErrorClass::Permanent))
+    }
+}
+
+impl From<crate::failure::Transient> for HandlerError {
+    fn from(error: crate::failure::Transient) -> Self {
+        HandlerError::classified(error, Some(ErrorClass::Transient))
+    }
+}
+
+impl From<BoxError> for HandlerError {
+    fn from(error: BoxError) -> Self {
+        HandlerError::handler(error)
+    }
+}
+
+/// What an `#[idempotent]` handler may return: a `Result` whose error
+/// converts into [`BoxError`], under any name (`anyhow::Result<()>`, a
+/// crate's own `Result<T>` alias).
+#[diagnostic::on_unimplemented(
+    message = "an `#[idempotent]` handler returns a `Result`, not `{Self}`",
+    label = "not a `Result<T, E>`",
+    note = "return `Result<(), E>` (or an alias such as `anyhow::Result<()>`) whose error converts into `idem_runtime::BoxError`"
+)]
+pub trait HandlerResult {
+    /// What `Ok` carries (not used yet).
+    type Output;
+    /// What `Err` carries.
+    type Error;
+    /// The result as a `Result`.
+    fn into_result(self) -> Result<Self::Output, Self::Error>;
+}
+
+impl<T, E> HandlerResult for Result<T, E> {
+    type Output = T;
+    type Error = E;
+
+    fn into_result(self) -> Result<T, E> {
+        self
+    }
+}
+
 /// An error and its sources, one line, with the SQLSTATE of a database
 /// error: what a dead letter's `Idem-Error` and the logs show.
 pub(crate) fn describe(error: &(dyn std::error::Error + 'static)) -> String {
@@ -141,9 +195,9 @@ fn sqlstate_of(error: &sqlx::Error) -> Option<String> {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RejectedMessage {
-    /// The payload is not valid JSON for the handler's payload type.
-    #[error("the payload does not decode: {0}")]
-    Decode(#[from] serde_json::Error),
+    /// The payload does not decode with the handler's codec.
+    #[error(transparent)]
+    Decode(#[from] crate::codec::DecodeError),
     /// The message id is unusable.
     #[error(transparent)]
     MessageId(#[from] InvalidMessageId),

@@ -9,8 +9,10 @@
 //!
 //! 1. what its type says through [`Classify`], if the handler's error type
 //!    implements it;
-//! 2. what the first [`Permanent`], [`Transient`] or [`sqlx::Error`] found
-//!    along its `source()` chain says;
+//! 2. what the first [`Permanent`], [`Transient`], [`sqlx::Error`] or
+//!    registered [`Classify`] type (see [`classify`](crate::classify)) found
+//!    along its `source()` chain says. The chain starts at the error itself,
+//!    also inside an `anyhow::Error` or a `Box<dyn Error>`;
 //! 3. otherwise, transient: when in doubt, retry, because a dead letter needs
 //!    a person and a retry does not.
 //!
@@ -94,26 +96,61 @@ impl ErrorClass {
         }
     }
 
-    /// The class of any error: the first [`Permanent`], [`Transient`] or
-    /// `sqlx::Error` along its `source()` chain decides; otherwise
-    /// [`ErrorClass::Transient`].
+    /// The class of any error: the first [`Permanent`], [`Transient`],
+    /// `sqlx::Error` or registered [`Classify`] type along its `source()`
+    /// chain decides; otherwise [`ErrorClass::Transient`].
     pub fn of(error: &(dyn StdError + 'static)) -> ErrorClass {
+        Self::found_in(error).unwrap_or(ErrorClass::Transient)
+    }
+
+    /// The class the first error along the chain that has one says, if any.
+    pub(crate) fn found_in(error: &(dyn StdError + 'static)) -> Option<ErrorClass> {
         let mut next = Some(error);
         while let Some(error) = next {
             if error.is::<Permanent>() {
-                return ErrorClass::Permanent;
+                return Some(ErrorClass::Permanent);
             }
             if error.is::<Transient>() {
-                return ErrorClass::Transient;
+                return Some(ErrorClass::Transient);
             }
             if let Some(sqlx_error) = error.downcast_ref::<sqlx::Error>() {
-                return ErrorClass::of_sqlx(sqlx_error);
+                return Some(ErrorClass::of_sqlx(sqlx_error));
+            }
+            if let Some(class) = inventory::iter::<Classifier>
+                .into_iter()
+                .find_map(|classifier| (classifier.class)(error))
+            {
+                return Some(class);
             }
             next = error.source();
         }
-        ErrorClass::Transient
+        None
     }
 }
+
+/// A [`Classify`] type registered with `#[idem_runtime::classify]`, so that
+/// its class is found wherever it sits in an error chain.
+#[doc(hidden)]
+pub struct Classifier {
+    class: fn(&(dyn StdError + 'static)) -> Option<ErrorClass>,
+}
+
+impl Classifier {
+    /// The entry for `T`.
+    pub const fn of<T: Classify + StdError + 'static>() -> Self {
+        Self {
+            class: class_of::<T>,
+        }
+    }
+}
+
+fn class_of<T: Classify + StdError + 'static>(
+    error: &(dyn StdError + 'static),
+) -> Option<ErrorClass> {
+    error.downcast_ref::<T>().map(Classify::class)
+}
+
+inventory::collect!(Classifier);
 
 /// Lets an error type choose its own class.
 ///
@@ -139,7 +176,31 @@ impl ErrorClass {
 /// ```
 ///
 /// A handler whose error type implements it is classified by it; the
-/// `#[idempotent]` expansion picks the implementation up on its own.
+/// `#[idempotent]` expansion picks the implementation up on its own. For the
+/// class to be found also where the error is *wrapped* (in an
+/// `anyhow::Error`, a `Box<dyn Error>`, or another error's `source()`), put
+/// `#[idem_runtime::classify]` on the impl: it registers the type. (An
+/// `#[error(transparent)]` wrapper hides the error it wraps from the chain:
+/// implement `Classify` on the wrapper instead.)
+///
+/// ```
+/// use idem_runtime::{Classify, ErrorClass, classify};
+///
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("account {0} is closed")]
+/// struct AccountClosed(i64);
+///
+/// #[classify]
+/// impl Classify for AccountClosed {
+///     fn class(&self) -> ErrorClass {
+///         ErrorClass::Permanent
+///     }
+/// }
+///
+/// let wrapped = anyhow::Error::new(AccountClosed(7)).context("crediting");
+/// let boxed: idem_runtime::BoxError = wrapped.into();
+/// # let _ = boxed;
+/// ```
 pub trait Classify {
     /// This error's class.
     fn class(&self) -> ErrorClass;
@@ -191,12 +252,19 @@ macro_rules! marker {
 marker!(Permanent);
 marker!(Transient);
 
-/// Finds a handler error type's [`Classify`] implementation where it has
-/// one, at the `#[idempotent]` expansion's call site, where the type is
-/// concrete ("autoref specialization": the by-value impl is tried first and
-/// needs `E: Classify`; the by-reference fallback always applies).
+/// Finds the class of a handler's error at the `#[idempotent]` expansion's
+/// call site, where its type is concrete ("autoderef specialization"; the
+/// first that applies wins):
+///
+/// 1. the type implements [`Classify`];
+/// 2. it is an error: walk its chain, from itself;
+/// 3. it derefs to one (`anyhow::Error`, `Box<dyn Error>`): walk the chain
+///    from the error it holds, which boxing would hide;
+/// 4. none: no class found (transient).
 #[doc(hidden)]
 pub mod specialize {
+    use std::error::Error as StdError;
+
     use super::{Classify, ErrorClass};
 
     pub struct ClassOf<'a, E>(pub &'a E);
@@ -205,9 +273,29 @@ pub mod specialize {
         fn idem_class(&self) -> Option<ErrorClass>;
     }
 
-    impl<E: Classify> ByClassify for ClassOf<'_, E> {
+    impl<E: Classify> ByClassify for &&&ClassOf<'_, E> {
         fn idem_class(&self) -> Option<ErrorClass> {
             Some(self.0.class())
+        }
+    }
+
+    pub trait ByChain {
+        fn idem_class(&self) -> Option<ErrorClass>;
+    }
+
+    impl<E: StdError + 'static> ByChain for &&ClassOf<'_, E> {
+        fn idem_class(&self) -> Option<ErrorClass> {
+            ErrorClass::found_in(self.0)
+        }
+    }
+
+    pub trait ByHeldError {
+        fn idem_class(&self) -> Option<ErrorClass>;
+    }
+
+    impl<E: AsRef<dyn StdError + Send + Sync + 'static>> ByHeldError for &ClassOf<'_, E> {
+        fn idem_class(&self) -> Option<ErrorClass> {
+            ErrorClass::found_in(self.0.as_ref())
         }
     }
 
@@ -215,7 +303,7 @@ pub mod specialize {
         fn idem_class(&self) -> Option<ErrorClass>;
     }
 
-    impl<E> ByDefault for &ClassOf<'_, E> {
+    impl<E> ByDefault for ClassOf<'_, E> {
         fn idem_class(&self) -> Option<ErrorClass> {
             None
         }
@@ -223,15 +311,17 @@ pub mod specialize {
 }
 
 /// Converts a handler body's error into a [`HandlerError`](crate::HandlerError),
-/// keeping the class its type chose through [`Classify`], if any.
+/// keeping the class found by [`specialize`].
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __handler_error {
     ($error:expr) => {{
         #[allow(unused_imports)]
-        use $crate::__private::specialize::{ByClassify as _, ByDefault as _};
+        use $crate::__private::specialize::{
+            ByChain as _, ByClassify as _, ByDefault as _, ByHeldError as _,
+        };
         let error = $error;
-        let class = (&$crate::__private::specialize::ClassOf(&error)).idem_class();
+        let class = (&&&&$crate::__private::specialize::ClassOf(&error)).idem_class();
         $crate::HandlerError::classified(error, class)
     }};
 }

@@ -1,106 +1,146 @@
-//! The contract between `#[idempotent]` handlers and the runtime.
+//! The contract between a handler and the runtime.
 
 use std::future::Future;
-use std::pin::Pin;
 
-use serde::de::DeserializeOwned;
 use sqlx::PgTransaction;
 
+use crate::codec::Decode;
 use crate::delivery::Delivery;
 use crate::error::HandlerError;
 
-/// The future a [`Handler`] returns.
-pub type HandlerFuture<'a> =
-    Pin<Box<dyn Future<Output = Result<Outcome, HandlerError>> + Send + 'a>>;
-
-/// What became of a message inside its transaction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// The claim was fresh and the body ran: commit, then ack.
-    Processed,
-    /// The claim found the message already processed: roll back, then ack.
-    Duplicate,
-}
-
-/// A message handler the [`Router`](crate::Router) can run.
+/// A message handler the [`Router`](crate::Router) can run, with the
+/// router's state `S`.
 ///
-/// Write an `async fn` and put `#[idempotent]` on it rather than implementing
-/// this by hand; the attribute generates an implementation whose first
-/// statement claims the message.
+/// Write an `async fn` and put `#[idempotent]` on it; or implement this by
+/// hand. Either way the claim is the runtime's job, on every path: it begins
+/// the transaction, claims the message as its first statement, calls
+/// [`handle`](Handler::handle) only if the claim is fresh (alone, or for
+/// each fresh message of a batch), and commits only if the claim is still in
+/// the transaction. What `handle` returns means the same in per-message and
+/// batch mode: `Ok` commits (and acks), `Err` rolls back and retries,
+/// holds or dead-letters the message by the error's class.
+///
+/// By hand it is as short as this:
 ///
 /// ```
-/// use idem_runtime::idempotent;
+/// use idem_runtime::{Delivery, Handler, HandlerError, codec::Json};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Credit { account: i64, amount: i64 }
 ///
-/// #[idempotent(name = "credit-v1")]
-/// async fn credit(tx: &mut sqlx::PgTransaction<'_>, cmd: Credit) -> Result<(), sqlx::Error> {
-///     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
-///         .bind(cmd.amount)
-///         .bind(cmd.account)
-///         .execute(&mut **tx)
-///         .await?;
-///     Ok(())
+/// struct CreditAccounts;
+///
+/// impl Handler for CreditAccounts {
+///     type Payload = Credit;
+///     type Codec = Json;
+///
+///     fn name(&self) -> &'static str {
+///         "credit-v1"
+///     }
+///
+///     async fn handle(
+///         &self,
+///         tx: &mut sqlx::PgTransaction<'_>,
+///         cmd: Credit,
+///         _delivery: &Delivery,
+///         _state: &(),
+///     ) -> Result<(), HandlerError> {
+///         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+///             .bind(cmd.amount)
+///             .bind(cmd.account)
+///             .execute(&mut **tx)
+///             .await?;
+///         Ok(())
+///     }
 /// }
+///
+/// let router = idem_runtime::Router::new()
+///     .route(idem_runtime::Route::new("LEDGER", "credit"), CreditAccounts);
+/// # drop(router);
 /// ```
-pub trait Handler: Send + Sync + 'static {
-    /// The decoded message body (JSON, through serde).
-    type Payload: DeserializeOwned + Send + 'static;
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idem handler for a router with state `{S}`",
+    label = "not a handler for state `{S}`",
+    note = "write `#[idempotent] async fn my_handler(tx: &mut sqlx::PgTransaction<'_>, msg: T) -> Result<(), E>`, or implement `idem_runtime::Handler<{S}>`"
+)]
+pub trait Handler<S = ()>: Send + Sync + 'static {
+    /// The decoded message.
+    type Payload: Send + 'static;
+
+    /// How the payload is decoded from the message's bytes:
+    /// [`codec::Json`](crate::codec::Json) unless the handler chose another.
+    type Codec: Decode<Self::Payload>;
 
     /// The name stored with each claim. Two handlers with the same name share
     /// dedup rows, and renaming a handler makes it reprocess old messages, so
-    /// production code should pin it with `#[idempotent(name = "...")]`.
+    /// pin it (`#[idempotent(name = "...")]`).
     fn name(&self) -> &'static str;
 
-    /// The explicit dedup key computed from the payload, if the handler has
-    /// one (`#[idempotent(key = ...)]`). `None` falls back to the
-    /// `Nats-Msg-Id` header, then to `<stream>:<sequence>`.
-    fn message_key(&self, payload: &Self::Payload) -> Option<String> {
-        let _ = payload;
+    /// The explicit dedup key, computed from the payload and the delivery,
+    /// if the handler has one (`#[idempotent(key = ...)]`). `None` falls back
+    /// to the `Nats-Msg-Id` header, then to the stream position.
+    fn message_key(&self, payload: &Self::Payload, delivery: &Delivery) -> Option<String> {
+        let _ = (payload, delivery);
         None
     }
 
-    /// Runs the body, in `tx`, for a message the runtime has already claimed
-    /// in `tx` (alone, or with the rest of its batch in one statement). The
-    /// runtime begins `tx` and claims the message before, and commits (if
-    /// the claim is still there) or rolls back after; a handler can neither
-    /// skip nor repeat the claim. `#[idempotent]` generates it.
-    fn run_claimed<'a, 'c>(
-        &'a self,
-        tx: &'a mut PgTransaction<'c>,
+    /// Runs the handler for a message the runtime has already claimed in
+    /// `tx`. Never end `tx` here: return, and the runtime commits.
+    fn handle(
+        &self,
+        tx: &mut PgTransaction<'_>,
         payload: Self::Payload,
-        delivery: &'a Delivery,
-    ) -> HandlerFuture<'a>;
+        delivery: &Delivery,
+        state: &S,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }
 
 /// What [`Router::route`](crate::Router::route) accepts: the name of an
-/// `#[idempotent]` fn.
-///
-/// `#[idempotent]` turns `fn credit` into a handler type `credit` plus a fn
-/// `credit()` that returns it; passing `credit` hands the router that fn. A
-/// hand-written [`Handler`] is passed as a closure: `|| MyHandler`.
+/// `#[idempotent]` fn, or a value that implements [`Handler`]. (`M` tells
+/// the two apart; it is never written.)
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` is not an idem handler",
-    label = "expected the name of a fn annotated with `#[idempotent]`",
-    note = "write `#[idempotent] async fn my_handler(tx: &mut sqlx::PgTransaction<'_>, msg: T) -> Result<(), E>` and pass `my_handler`"
+    message = "`{Self}` is not an idem handler for a router with state `{S}`",
+    label = "expected an `#[idempotent]` fn, or a value implementing `idem_runtime::Handler<{S}>`",
+    note = "write `#[idempotent] async fn my_handler(tx: &mut sqlx::PgTransaction<'_>, msg: T) -> Result<(), E>` and pass `my_handler`; a handler that takes `State<T>` needs a router whose state provides `T`: write `#[idempotent(state = {S})]` on it to see which part is missing"
 )]
-pub trait IntoHandler {
+pub trait IntoHandler<S, M> {
     /// The handler this turns into.
-    type Handler: Handler;
+    type Handler: Handler<S>;
 
     /// Builds the handler.
     fn into_handler(self) -> Self::Handler;
 }
 
-impl<F, H> IntoHandler for F
+#[doc(hidden)]
+#[derive(Debug)]
+pub enum ViaConstructor {}
+
+#[doc(hidden)]
+#[derive(Debug)]
+pub enum AsIs {}
+
+/// `#[idempotent]` turns `fn credit` into a handler type `credit` plus a fn
+/// `credit()` that returns it; passing `credit` hands the router that fn.
+impl<F, H, S> IntoHandler<S, ViaConstructor> for F
 where
     F: FnOnce() -> H,
-    H: Handler,
+    H: Handler<S>,
 {
     type Handler = H;
 
     fn into_handler(self) -> H {
         self()
+    }
+}
+
+/// A handler value, such as one implemented by hand.
+impl<H, S> IntoHandler<S, AsIs> for H
+where
+    H: Handler<S>,
+{
+    type Handler = H;
+
+    fn into_handler(self) -> H {
+        self
     }
 }

@@ -36,9 +36,12 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
+
 mod ack;
 mod batch;
 mod claim;
+pub mod codec;
 mod connections;
 pub mod dead_letter;
 mod delivery;
@@ -57,29 +60,40 @@ mod route;
 mod router;
 pub mod schema;
 mod shutdown;
+mod state;
 mod stats;
 mod transaction;
 mod undeliverable;
 
 pub use ack::AckMode;
 pub use delivery::Delivery;
-pub use error::{BoxError, Error, HandlerError, RejectedMessage};
+pub use error::{BoxError, Error, HandlerError, HandlerResult, RejectedMessage};
 pub use failure::{Classify, ErrorClass, Permanent, Transient};
-pub use handler::{Handler, HandlerFuture, IntoHandler, Outcome};
-pub use idem_macros::idempotent;
+pub use handler::{Handler, IntoHandler};
+pub use idem_macros::{FromRef, classify, idempotent};
 pub use message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, MessageId, MessageIdSource};
 pub use retry::RetryPolicy;
 pub use route::Route;
 pub use router::{Router, RouterHandle};
+pub use state::{FromDelivery, FromRef, Parameter, State};
 pub use stats::Stats;
+pub use undeliverable::ADVISORY_STREAM;
 
-/// What `#[idempotent]` expansions call. Not a public API: it may change in
-/// any release.
+/// The sqlx this version of idem is built on: name it as `idem_runtime::sqlx`
+/// to be sure your handlers use the same one.
+pub use sqlx;
+
+/// The async-nats this version of idem is built on.
+pub use async_nats;
+
+/// What `#[idempotent]` and `#[classify]` expansions call. Not a public
+/// API: it may change in any release.
 #[doc(hidden)]
 pub mod __private {
     pub use crate::__handler_error as handler_error;
-    pub use crate::failure::specialize;
+    pub use crate::failure::{Classifier, specialize};
+    pub use crate::handler::{AsIs, ViaConstructor};
+    pub use inventory;
     pub use sqlx::PgTransaction;
-    pub use std::boxed::Box;
     pub use std::string::ToString;
 }

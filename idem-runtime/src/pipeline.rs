@@ -22,12 +22,13 @@ use tracing::Instrument;
 
 use crate::ack;
 use crate::claim;
+use crate::codec::Decode;
 use crate::connections::Connections;
 use crate::dead_letter::{self, Failure};
 use crate::delivery::Delivery;
 use crate::error::{HandlerError, RejectedMessage};
 use crate::failure::ErrorClass;
-use crate::handler::{Handler, Outcome};
+use crate::handler::Handler;
 use crate::health::Health;
 use crate::heartbeat::{Heartbeats, Lease};
 use crate::message_id::MessageId;
@@ -37,9 +38,10 @@ use crate::stats::Stats;
 use crate::transaction::{self, Begin, Ended};
 
 /// Everything a route needs to process its messages.
-pub(crate) struct Pipeline<H> {
+pub(crate) struct Pipeline<H, S> {
     pub(crate) route: Route,
     pub(crate) handler: H,
+    pub(crate) state: Arc<S>,
     pub(crate) connections: Arc<Connections>,
     pub(crate) heartbeats: Heartbeats,
     pub(crate) begin: Begin,
@@ -78,7 +80,7 @@ pub(crate) struct Outage {
     failures: u64,
 }
 
-impl<H: Handler> Pipeline<H> {
+impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// Processes one message. `_slot` is the concurrency permit, released when
     /// the message is settled.
     pub(crate) async fn process(self: Arc<Self>, message: Message, _slot: OwnedSemaphorePermit) {
@@ -148,7 +150,7 @@ impl<H: Handler> Pipeline<H> {
             delivery.message_id = id.clone();
         }
         let payload = self.decode(message)?;
-        delivery.message_id = match self.handler.message_key(&payload) {
+        delivery.message_id = match self.handler.message_key(&payload, delivery) {
             Some(key) => MessageId::from_key(key)?,
             None => carried?,
         };
@@ -157,7 +159,7 @@ impl<H: Handler> Pipeline<H> {
     }
 
     pub(crate) fn decode(&self, message: &Message) -> Result<H::Payload, RejectedMessage> {
-        Ok(serde_json::from_slice(&message.payload)?)
+        Ok(<H::Codec as Decode<H::Payload>>::decode(&message.payload)?)
     }
 
     /// Runs a prepared message on its own, in its own transaction.
@@ -274,10 +276,10 @@ impl<H: Handler> Pipeline<H> {
             return Verdict::Duplicate;
         }
         let outcome = self
-            .run_handler(self.handler.run_claimed(&mut tx, payload, delivery))
+            .run_handler(self.handler.handle(&mut tx, payload, delivery, &self.state))
             .await;
         match outcome {
-            Ok(_) => {
+            Ok(()) => {
                 let (ended, reusable) =
                     transaction::finish(tx, name, &[delivery.message_id().as_str()]).await;
                 if reusable {
@@ -325,8 +327,8 @@ impl<H: Handler> Pipeline<H> {
     /// error of this message alone.
     pub(crate) async fn run_handler(
         &self,
-        handled: impl Future<Output = Result<Outcome, HandlerError>>,
-    ) -> Result<Outcome, HandlerError> {
+        handled: impl Future<Output = Result<(), HandlerError>>,
+    ) -> Result<(), HandlerError> {
         let guarded = AssertUnwindSafe(handled).catch_unwind();
         let caught = match self.route.handler_timeout {
             Some(limit) => match tokio::time::timeout(limit, guarded).await {

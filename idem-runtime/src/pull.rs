@@ -40,9 +40,9 @@ const PULL_HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// Pulls and processes messages until shutdown, then waits up to `grace` for
 /// in-flight ones. Returns how many it had to abandon.
-pub(crate) async fn pull_until_shutdown<H: Handler>(
+pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>(
     consumer: PullConsumer,
-    pipeline: Arc<Pipeline<H>>,
+    pipeline: Arc<Pipeline<H, S>>,
     mut shutdown: Signal,
     grace: Duration,
 ) -> usize {

@@ -22,7 +22,12 @@ use crate::stats::Stats;
 use crate::transaction::Begin;
 use crate::undeliverable;
 
-/// Binds `#[idempotent]` handlers to JetStream durable pull consumers.
+/// Binds handlers to JetStream durable pull consumers.
+///
+/// `S` is the application state its handlers take parts of with
+/// [`State<T>`](crate::State), as in axum: start with
+/// [`Router::with_state`]; a router whose handlers take no state is
+/// [`Router::new`], a `Router<()>`.
 ///
 /// ```no_run
 /// # use idem_runtime::{Route, Router, idempotent};
@@ -35,7 +40,8 @@ use crate::undeliverable;
 ///     .await
 /// # }
 /// ```
-pub struct Router {
+pub struct Router<S = ()> {
+    state: Arc<S>,
     routes: Vec<Box<dyn Bind>>,
     stats: HashMap<String, Arc<Stats>>,
     trigger: Trigger,
@@ -72,10 +78,51 @@ impl Default for Router {
 }
 
 impl Router {
-    /// A router with no routes.
+    /// A router with no routes, whose handlers take no state.
     pub fn new() -> Self {
+        Self::with_state(())
+    }
+}
+
+impl<S: Send + Sync + 'static> Router<S> {
+    /// A router whose handlers take parts of `state` with
+    /// [`State<T>`](crate::State) (through [`FromRef`](crate::FromRef)).
+    ///
+    /// ```
+    /// use idem_runtime::{FromRef, Route, Router, State, idempotent};
+    ///
+    /// #[derive(Clone, FromRef)]
+    /// struct App {
+    ///     fee: Fee,
+    /// }
+    /// #[derive(Clone, Copy)]
+    /// struct Fee(i64);
+    ///
+    /// #[derive(serde::Deserialize)]
+    /// struct Charge { account: i64 }
+    ///
+    /// #[idempotent(name = "charge-v1")]
+    /// async fn charge(
+    ///     tx: &mut sqlx::PgTransaction<'_>,
+    ///     State(Fee(fee)): State<Fee>,
+    ///     cmd: Charge,
+    /// ) -> Result<(), sqlx::Error> {
+    ///     sqlx::query("UPDATE accounts SET balance = balance - $1 WHERE id = $2")
+    ///         .bind(fee)
+    ///         .bind(cmd.account)
+    ///         .execute(&mut **tx)
+    ///         .await?;
+    ///     Ok(())
+    /// }
+    ///
+    /// let router = Router::with_state(App { fee: Fee(5) })
+    ///     .route(Route::new("BILLING", "charge"), charge);
+    /// # drop(router);
+    /// ```
+    pub fn with_state(state: S) -> Self {
         let (trigger, signal) = shutdown::channel();
         Self {
+            state: Arc::new(state),
             routes: Vec::new(),
             stats: HashMap::new(),
             trigger,
@@ -86,8 +133,10 @@ impl Router {
         }
     }
 
-    /// Runs `handler` for every message of `route`'s durable consumer.
-    pub fn route(mut self, route: Route, handler: impl IntoHandler) -> Self {
+    /// Runs `handler` for every message of `route`'s durable consumer:
+    /// the name of an `#[idempotent]` fn, or a value that implements
+    /// [`Handler<S>`](Handler).
+    pub fn route<M>(mut self, route: Route, handler: impl IntoHandler<S, M>) -> Self {
         let handler = handler.into_handler();
         let stats = Arc::new(Stats::default());
         self.stats
@@ -97,6 +146,7 @@ impl Router {
             route,
             handler,
             stats,
+            state: self.state.clone(),
         }));
         self
     }
@@ -344,7 +394,8 @@ struct Start {
     faults: crate::fault::FaultHooks,
 }
 
-/// A route with its handler, type-erased so one router holds many handlers.
+/// A route with its handler and state, type-erased so one router holds many
+/// handlers.
 trait Bind: Send + Sync {
     fn route(&self) -> &Route;
     fn start(
@@ -353,13 +404,14 @@ trait Bind: Send + Sync {
     ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>>;
 }
 
-struct Bound<H> {
+struct Bound<H, S> {
     route: Route,
     handler: H,
     stats: Arc<Stats>,
+    state: Arc<S>,
 }
 
-impl<H: Handler> Bind for Bound<H> {
+impl<S: Send + Sync + 'static, H: Handler<S>> Bind for Bound<H, S> {
     fn route(&self) -> &Route {
         &self.route
     }
@@ -368,35 +420,44 @@ impl<H: Handler> Bind for Bound<H> {
         self: Box<Self>,
         start: Start,
     ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
-        let begin = Begin::new(self.route.handler_timeout, start.check_client_connection);
-        let heartbeats = Heartbeats::start(start.nats, self.route.heartbeat_interval());
-        let pipeline = Arc::new(Pipeline {
-            route: self.route,
-            handler: self.handler,
-            connections: crate::connections::Connections::start(start.pool, start.keep_connections),
-            heartbeats,
-            begin,
-            health: Health::new(),
-            stats: self.stats,
-            shutdown: start.shutdown.clone(),
-            #[cfg(feature = "fault-injection")]
-            faults: start.faults,
-        });
-        let watcher = tokio::spawn(undeliverable::watch(
-            pipeline.clone(),
-            start.js,
-            start.advisories,
-        ));
-        Box::pin(async move {
-            let abandoned = crate::pull::pull_until_shutdown(
-                start.consumer,
-                pipeline,
-                start.shutdown,
-                start.grace,
-            )
-            .await;
-            watcher.abort();
-            abandoned
-        })
+        start_route(self.route, self.handler, self.state, self.stats, start)
     }
+}
+
+/// Starts one route: its pipeline, its pull loop and its watcher of
+/// messages JetStream gave up on.
+fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
+    route: Route,
+    handler: H,
+    state: Arc<S>,
+    stats: Arc<Stats>,
+    start: Start,
+) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
+    let begin = Begin::new(route.handler_timeout, start.check_client_connection);
+    let heartbeats = Heartbeats::start(start.nats, route.heartbeat_interval());
+    let pipeline = Arc::new(Pipeline {
+        route,
+        handler,
+        state,
+        connections: crate::connections::Connections::start(start.pool, start.keep_connections),
+        heartbeats,
+        begin,
+        health: Health::new(),
+        stats,
+        shutdown: start.shutdown.clone(),
+        #[cfg(feature = "fault-injection")]
+        faults: start.faults,
+    });
+    let watcher = tokio::spawn(undeliverable::watch(
+        pipeline.clone(),
+        start.js,
+        start.advisories,
+    ));
+    Box::pin(async move {
+        let abandoned =
+            crate::pull::pull_until_shutdown(start.consumer, pipeline, start.shutdown, start.grace)
+                .await;
+        watcher.abort();
+        abandoned
+    })
 }

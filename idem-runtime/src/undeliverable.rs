@@ -33,7 +33,9 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use futures_util::StreamExt;
 use serde::Deserialize;
 
+use crate::codec::Decode;
 use crate::dead_letter::{self, Failure, Origin};
+use crate::delivery::Delivery;
 use crate::error::Error;
 use crate::handler::Handler;
 use crate::message_id::MessageId;
@@ -106,8 +108,8 @@ pub(crate) async fn bind(js: &jetstream::Context, route: &Route) -> Result<PullC
 }
 
 /// Dead-letters each message the route's advisories name, until shutdown.
-pub(crate) async fn watch<H: Handler>(
-    pipeline: Arc<Pipeline<H>>,
+pub(crate) async fn watch<S: Send + Sync + 'static, H: Handler<S>>(
+    pipeline: Arc<Pipeline<H, S>>,
     js: jetstream::Context,
     advisories: PullConsumer,
 ) {
@@ -170,7 +172,7 @@ pub(crate) async fn watch<H: Handler>(
     }
 }
 
-impl<H: Handler> Pipeline<H> {
+impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     async fn dead_letter_given_up(
         &self,
         js: &jetstream::Context,
@@ -225,22 +227,28 @@ impl<H: Handler> Pipeline<H> {
                 .await;
             }
         };
-        let payload = BASE64.decode(raw.payload.as_bytes())?;
+        let payload = bytes::Bytes::from(BASE64.decode(raw.payload.as_bytes())?);
         let header_block = match &raw.headers {
             Some(encoded) => Some(BASE64.decode(encoded.as_bytes())?),
             None => None,
         };
-        let message_id = self.id_of_raw(
-            &payload,
-            header_block.as_deref(),
-            given_up.stream_seq,
-            raw.time,
-        );
-        let mut headers = header_block
+        let parsed = header_block
             .as_deref()
             .map(parse_header_block)
-            .map(|parsed| dead_letter::kept_headers(Some(&parsed)))
             .unwrap_or_default();
+        // What a delivery of it would have carried, for the handler's key.
+        let delivery = Delivery {
+            subject: raw.subject.clone(),
+            stream: stream.clone(),
+            consumer: self.route.durable.clone(),
+            stream_sequence: given_up.stream_seq,
+            delivered: given_up.deliveries,
+            stored_at: raw.time,
+            headers: parsed.clone(),
+            message_id: MessageId::from_stream_position(stream, given_up.stream_seq, raw.time),
+        };
+        let message_id = self.id_of_raw(&payload, header_block.as_deref(), &delivery);
+        let mut headers = dead_letter::kept_headers(Some(&parsed));
         if let Some(encoded) = &raw.headers {
             headers.insert("Idem-Original-Headers-Base64", encoded.as_str());
         }
@@ -257,7 +265,7 @@ impl<H: Handler> Pipeline<H> {
             self.route.dead_letter_target(),
             origin,
             headers,
-            payload.into(),
+            payload,
             Failure::Undeliverable,
             &why,
         )
@@ -276,13 +284,12 @@ impl<H: Handler> Pipeline<H> {
     /// `Nats-Msg-Id` is not UTF-8, or not a valid id).
     fn id_of_raw(
         &self,
-        payload: &[u8],
+        payload: &bytes::Bytes,
         header_block: Option<&[u8]>,
-        stream_sequence: u64,
-        stored_at: time::OffsetDateTime,
+        delivery: &Delivery,
     ) -> Option<MessageId> {
-        if let Ok(decoded) = serde_json::from_slice::<H::Payload>(payload)
-            && let Some(key) = self.handler.message_key(&decoded)
+        if let Ok(decoded) = <H::Codec as Decode<H::Payload>>::decode(payload)
+            && let Some(key) = self.handler.message_key(&decoded, delivery)
         {
             return MessageId::from_key(key).ok();
         }
@@ -290,9 +297,9 @@ impl<H: Handler> Pipeline<H> {
             Some(Ok(value)) => MessageId::from_header(value).ok(),
             Some(Err(())) => None,
             None => Some(MessageId::from_stream_position(
-                &self.route.stream,
-                stream_sequence,
-                stored_at,
+                delivery.stream(),
+                delivery.stream_sequence(),
+                delivery.stored_at(),
             )),
         }
     }

@@ -21,40 +21,14 @@ impl<'de> serde::Deserialize<'de> for Credit {
 /// Credits an account once per transfer.
 #[allow(non_camel_case_types)]
 pub struct credit {}
-#[automatically_derived]
-#[doc(hidden)]
-#[allow(non_camel_case_types)]
-unsafe impl ::core::clone::TrivialClone for credit {}
-#[automatically_derived]
-#[allow(non_camel_case_types)]
-impl ::core::clone::Clone for credit {
-    #[inline]
-    fn clone(&self) -> credit {
-        *self
-    }
-}
-#[automatically_derived]
-#[allow(non_camel_case_types)]
-impl ::core::marker::Copy for credit {}
-#[automatically_derived]
-#[allow(non_camel_case_types)]
-impl ::core::fmt::Debug for credit {
-    #[inline]
-    fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
-        ::core::fmt::Formatter::write_str(f, "credit")
-    }
-}
-#[automatically_derived]
-#[allow(non_camel_case_types)]
-impl ::core::default::Default for credit {
-    #[inline]
-    fn default() -> credit {
-        credit {}
-    }
-}
 /// Returns the `credit` handler, for `Router::route`. The body as written is `credit::run`.
 pub fn credit() -> credit {
     credit {}
+}
+impl ::core::fmt::Debug for credit {
+    fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        f.write_str("credit")
+    }
 }
 impl credit {
     /// The handler name stored with each claim in the dedup table.
@@ -62,8 +36,8 @@ impl credit {
     /// The handler body as written. The runtime runs it only after a fresh claim.
     pub async fn run(
         tx: &mut sqlx::PgTransaction<'_>,
-        cmd: Credit,
         meta: &idem_runtime::Delivery,
+        cmd: Credit,
     ) -> Result<(), sqlx::Error> {
         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
             .bind(cmd.amount)
@@ -74,8 +48,12 @@ impl credit {
         Ok(())
     }
 }
-impl ::idem_runtime::Handler for credit {
+impl<__S> ::idem_runtime::Handler<__S> for credit
+where
+    __S: ::core::marker::Send + ::core::marker::Sync + 'static,
+{
     type Payload = Credit;
+    type Codec = ::idem_runtime::codec::Json;
     fn name(&self) -> &'static str {
         Self::NAME
     }
@@ -83,39 +61,41 @@ impl ::idem_runtime::Handler for credit {
     fn message_key(
         &self,
         __idem_payload: &Self::Payload,
+        __idem_delivery: &::idem_runtime::Delivery,
     ) -> ::core::option::Option<::std::string::String> {
         let cmd = __idem_payload;
+        let meta = __idem_delivery;
         ::core::option::Option::Some(
             ::idem_runtime::__private::ToString::to_string(&(cmd.transfer_id)),
         )
     }
-    fn run_claimed<'a, 'c>(
-        &'a self,
-        __idem_tx: &'a mut ::idem_runtime::__private::PgTransaction<'c>,
+    #[allow(clippy::ignored_unit_patterns)]
+    async fn handle(
+        &self,
+        __idem_tx: &mut ::idem_runtime::__private::PgTransaction<'_>,
         __idem_payload: Self::Payload,
-        __idem_delivery: &'a ::idem_runtime::Delivery,
-    ) -> ::idem_runtime::HandlerFuture<'a> {
-        ::idem_runtime::__private::Box::pin(async move {
-            match credit::run(__idem_tx, __idem_payload, __idem_delivery).await {
-                ::core::result::Result::Ok(_) => {
-                    ::core::result::Result::Ok(::idem_runtime::Outcome::Processed)
-                }
-                ::core::result::Result::Err(__idem_error) => {
-                    ::core::result::Result::Err({
-                        #[allow(unused_imports)]
-                        use ::idem_runtime::__private::specialize::{
-                            ByClassify as _, ByDefault as _,
-                        };
-                        let error = __idem_error;
-                        let class = (&::idem_runtime::__private::specialize::ClassOf(
-                            &error,
-                        ))
-                            .idem_class();
-                        ::idem_runtime::HandlerError::classified(error, class)
-                    })
-                }
+        __idem_delivery: &::idem_runtime::Delivery,
+        __idem_state: &__S,
+    ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
+        let __idem_result = credit::run(__idem_tx, __idem_delivery, __idem_payload)
+            .await;
+        match ::idem_runtime::HandlerResult::into_result(__idem_result) {
+            ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
+            ::core::result::Result::Err(__idem_error) => {
+                ::core::result::Result::Err({
+                    #[allow(unused_imports)]
+                    use ::idem_runtime::__private::specialize::{
+                        ByChain as _, ByClassify as _, ByDefault as _, ByHeldError as _,
+                    };
+                    let error = __idem_error;
+                    let class = (&&&&::idem_runtime::__private::specialize::ClassOf(
+                        &error,
+                    ))
+                        .idem_class();
+                    ::idem_runtime::HandlerError::classified(error, class)
+                })
             }
-        })
+        }
     }
 }
 fn main() {}

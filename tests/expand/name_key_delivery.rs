@@ -22,9 +22,8 @@ impl<'de> serde::Deserialize<'de> for Credit {
 #[idempotent(name = "credit-v1", key = cmd.transfer_id)]
 pub async fn credit(
     tx: &mut sqlx::PgTransaction<'_>,
-    cmd: Credit,
     meta: &idem_runtime::Delivery,
-) -> Result<(), sqlx::Error> {
+    cmd: Credit) -> Result<(), sqlx::Error> {
     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
         .bind(cmd.amount)
         .bind(cmd.account)

@@ -293,3 +293,51 @@ pub fn init_tracing() {
         .with_test_writer()
         .try_init();
 }
+
+/// Types the expansion snapshots (`tests/expand/`) and the README's example
+/// use, kept here so that their own derives stay out of the snapshots.
+pub mod fixtures {
+    use idem_runtime::{Classify, ErrorClass, FromRef};
+
+    /// A credit to one account, identified by its transfer.
+    #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+    pub struct Credit {
+        /// The transfer this credit belongs to: its dedup key.
+        pub transfer_id: String,
+        /// The account credited.
+        pub account: i64,
+        /// The amount, in cents.
+        pub amount: i64,
+    }
+
+    /// The ledger service's state.
+    #[derive(Debug, Clone, FromRef)]
+    pub struct Ledger {
+        /// The fee taken from each credit.
+        pub fees: Fees,
+    }
+
+    /// The fee taken from each credit, in cents.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Fees(pub i64);
+
+    /// Why a credit failed.
+    #[derive(Debug, thiserror::Error)]
+    pub enum LedgerError {
+        /// The account is not in the ledger; no retry can help.
+        #[error("account {0} does not exist")]
+        UnknownAccount(i64),
+        /// The database failed.
+        #[error(transparent)]
+        Database(#[from] sqlx::Error),
+    }
+
+    impl Classify for LedgerError {
+        fn class(&self) -> ErrorClass {
+            match self {
+                LedgerError::UnknownAccount(_) => ErrorClass::Permanent,
+                LedgerError::Database(error) => ErrorClass::of_sqlx(error),
+            }
+        }
+    }
+}

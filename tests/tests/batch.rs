@@ -12,8 +12,8 @@ use idem_runtime::{Delivery, Permanent, Route, Router, idempotent};
 #[idempotent(name = "picky")]
 async fn picky(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
     // Write first, then fail: the batch's writes must all roll back.
     record_effect(tx, "picky", &d, delivery).await?;
@@ -79,8 +79,8 @@ async fn a_failing_message_does_not_fail_its_batch_neighbours() {
 #[idempotent(name = "by-account", key = d.account)]
 async fn by_account(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "by-account", &d, delivery).await
 }

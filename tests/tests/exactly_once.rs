@@ -22,8 +22,8 @@ fn deposit(amount: i64) -> Deposit {
 #[idempotent(name = "retry-window")]
 async fn retry_window(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "retry-window", &d, delivery).await
 }
@@ -72,8 +72,8 @@ async fn publisher_retry_after_duplicate_window_is_applied_once(batch: usize) {
 #[idempotent(name = "crash-after-commit")]
 async fn crash_after_commit(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "crash-after-commit", &d, delivery).await
 }
@@ -151,8 +151,8 @@ static SAW_BLOCKED_CLAIM: Mutex<Vec<String>> = Mutex::new(Vec::new());
 #[idempotent(name = "racing-redelivery")]
 async fn racing_redelivery(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     if delivery.delivered() == 1 {
         // Stay inside the transaction until another backend waits on the
@@ -253,8 +253,8 @@ struct InjectedFailure(u64);
 #[idempotent(name = "fails-once")]
 async fn fails_once(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if delivery.delivered() == 1 {
         // The write happens, then the handler fails: it must be rolled back.
@@ -327,8 +327,8 @@ async fn handler_error_leaves_nothing_and_redelivery_applies_once(batch: usize) 
 #[idempotent(name = "audit")]
 async fn audit(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "audit", &d, delivery).await
 }
@@ -336,8 +336,8 @@ async fn audit(
 #[idempotent(name = "notify")]
 async fn notify(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "notify", &d, delivery).await
 }
@@ -387,8 +387,8 @@ const SLOW_ACK_WAIT: Duration = Duration::from_secs(2);
 #[idempotent(name = "slow")]
 async fn slow(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     // Three times the test's ack_wait.
     tokio::time::sleep(SLOW_ACK_WAIT * 3).await;

@@ -81,3 +81,52 @@ fn expansions_match_their_snapshots() {
         macrotest::expand_without_refresh("expand/*.rs");
     }
 }
+
+/// The code block in the README after `marker`.
+fn readme_block(marker: &str) -> String {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .expect("README.md is readable");
+    let after = readme
+        .split_once(marker)
+        .unwrap_or_else(|| panic!("README.md has no `{marker}`"))
+        .1;
+    let block = after
+        .split_once("```rust\n")
+        .and_then(|(_, rest)| rest.split_once("```\n"))
+        .unwrap_or_else(|| panic!("no ```rust block follows `{marker}` in README.md"))
+        .0;
+    block.trim().to_owned()
+}
+
+/// The part of an expansion case or snapshot from the handler's doc comment
+/// to the end, without `fn main() {}`.
+fn handler_part(path: &str) -> String {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
+        .unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+    let start = text
+        .find("/// ")
+        .unwrap_or_else(|| panic!("{path} has no doc comment"));
+    text[start..]
+        .trim_end()
+        .trim_end_matches("fn main() {}")
+        .trim()
+        .to_owned()
+}
+
+/// The README shows the handler of `tests/expand/readme.rs` and what it
+/// really expands to, kept so by this test: regenerate the snapshot, then
+/// paste it into the README when the expansion changes.
+#[test]
+fn the_readme_shows_the_real_expansion() {
+    assert_eq!(
+        readme_block("<!-- handler: tests/expand/readme.rs -->"),
+        handler_part("expand/readme.rs"),
+        "README.md's handler differs from tests/expand/readme.rs"
+    );
+    assert_eq!(
+        readme_block("<!-- expansion: tests/expand/readme.expanded.rs -->"),
+        handler_part("expand/readme.expanded.rs"),
+        "README.md's expansion differs from tests/expand/readme.expanded.rs; copy the snapshot's handler part into it"
+    );
+}

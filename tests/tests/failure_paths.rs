@@ -173,8 +173,8 @@ static PAST_LIMIT_RUNS: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
 #[idempotent(name = "past-limit")]
 async fn past_limit(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     PAST_LIMIT_RUNS.lock().unwrap().push((
         delivery.message_id().as_str().to_owned(),
@@ -365,8 +365,8 @@ static BATCH_RUNS: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
 #[idempotent(name = "ambiguous-batch")]
 async fn ambiguous_batch(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     // The batch's claims are this transaction's own rows.
     let (claims, xid): (i64, String) = sqlx::query_as(
@@ -548,8 +548,8 @@ static REPLAY_RUNS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 #[idempotent(name = "replayed")]
 async fn replayed(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
     REPLAY_RUNS.lock().unwrap().push(delivery.stream_sequence());
     if REPLAY_BUG.load(Ordering::SeqCst) {
@@ -683,8 +683,8 @@ static RACE: Mutex<RaceLog> = Mutex::new(RaceLog {
 #[idempotent(name = "rolls-back-first")]
 async fn rolls_back_first(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
     if delivery.delivered() == 1 {
         let claims: i64 = sqlx::query_scalar(

@@ -30,8 +30,8 @@ fn fast(route: Route) -> Route {
 #[idempotent(name = "plain")]
 async fn plain(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "plain", &d, delivery).await
 }
@@ -99,8 +99,8 @@ async fn poison_payload_is_dead_lettered_once_and_good_messages_flow() {
 #[idempotent(name = "keyed", key = d.account)]
 async fn keyed(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "keyed", &d, delivery).await
 }
@@ -164,8 +164,8 @@ static FLAKY_CALLS: AtomicU32 = AtomicU32::new(0);
 #[idempotent(name = "flaky")]
 async fn flaky(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
     FLAKY_CALLS.fetch_add(1, Ordering::SeqCst);
     if delivery.delivered() < 3 {
@@ -216,8 +216,8 @@ async fn transient_failures_are_retried_until_one_effect_on_the_third_delivery()
 #[idempotent(name = "always-fails")]
 async fn always_fails(
     _tx: &mut sqlx::PgTransaction<'_>,
-    _d: Deposit,
     delivery: &Delivery,
+    _d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
     Err(format!("downstream unavailable (delivery {})", delivery.delivered()).into())
 }
@@ -291,8 +291,8 @@ static BUG_PRESENT: AtomicBool = AtomicBool::new(true);
 #[idempotent(name = "closed-accounts")]
 async fn closed_accounts(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), LedgerError> {
     if BUG_PRESENT.load(Ordering::SeqCst) {
         return Err(LedgerError::Closed(d.account));
@@ -367,8 +367,8 @@ static SERIALIZATION_FAILURES: AtomicU32 = AtomicU32::new(0);
 #[idempotent(name = "conflicted")]
 async fn conflicted(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     if SERIALIZATION_FAILURES.fetch_add(1, Ordering::SeqCst) == 0 {
         // A real 40001 from the server, as a serializable conflict raises.

@@ -34,8 +34,8 @@ fn fast(route: Route) -> Route {
 #[idempotent(name = "swallows")]
 async fn swallows(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "swallows", &d, delivery).await?;
     // The classic mistake: "insert, and ignore it if it fails". PostgreSQL
@@ -93,8 +93,8 @@ static SWALLOWED_ONCE: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 #[idempotent(name = "swallows-once")]
 async fn swallows_once(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "swallows-once", &d, delivery).await?;
     let first = SWALLOWED_ONCE
@@ -147,8 +147,8 @@ async fn a_swallowed_error_that_clears_is_retried_and_applied_once(batch: usize)
 #[idempotent(name = "no-ids")]
 async fn no_ids(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "no-ids", &d, delivery).await
 }
@@ -490,8 +490,8 @@ async fn replaying_a_given_up_message_that_was_committed_applies_it_once() {
 #[idempotent(name = "shape")]
 async fn strict_shape(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "shape", &d, delivery).await
 }
@@ -501,8 +501,8 @@ async fn strict_shape(
 #[idempotent(name = "shape")]
 async fn lenient_shape(
     tx: &mut sqlx::PgTransaction<'_>,
-    v: serde_json::Value,
     delivery: &Delivery,
+    v: serde_json::Value,
 ) -> Result<(), sqlx::Error> {
     let d = deposit(v["acct"].as_str().unwrap_or("?"), 1);
     record_effect(tx, "shape", &d, delivery).await
@@ -578,8 +578,8 @@ async fn two_copies_of_an_undecodable_message_apply_once_when_replayed() {
 #[idempotent(name = "locker")]
 async fn locker(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     if d.account == "locked" {
         sqlx::query("SELECT id FROM hot_rows WHERE id = 1 FOR UPDATE")
@@ -661,8 +661,8 @@ async fn a_statement_stuck_on_a_lock_is_stopped_at_the_handler_timeout() {
 #[idempotent(name = "orphaned")]
 async fn orphaned(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "orphaned", &d, delivery).await
 }
@@ -783,8 +783,8 @@ static SLOW_SAW_REDELIVERY: AtomicBool = AtomicBool::new(false);
 #[idempotent(name = "fallback")]
 async fn fallback(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
     match d.account.as_str() {
         "fails" if delivery.delivered() == 1 => {
@@ -877,8 +877,8 @@ async fn a_message_nacked_in_a_batch_fallback_is_redelivered_after_its_backoff()
 #[idempotent(name = "bomb")]
 async fn bomb(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "bomb", &d, delivery).await?;
     assert!(d.account != "bomb", "the handler hit a bug");
@@ -987,8 +987,8 @@ static RACE_LOST: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 #[idempotent(name = "check-then-insert")]
 async fn check_then_insert(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM accounts WHERE id = $1)")
         .bind(&d.account)
@@ -1125,8 +1125,8 @@ static PAST_LIMIT_WAITED: AtomicBool = AtomicBool::new(false);
 #[idempotent(name = "outlives-its-lease")]
 async fn outlives_its_lease(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     if delivery.delivered() == 1 {
         // Stay in the transaction until the redelivery, past the limit of 1,
@@ -1201,8 +1201,8 @@ async fn a_message_past_its_limit_waits_for_an_attempt_still_running() {
 #[idempotent(name = "deferred")]
 async fn deferred(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "deferred", &d, delivery).await?;
     // Checked only at COMMIT, which then fails: the server answered, so the

@@ -67,8 +67,8 @@ mod ledger {
 #[idempotent(name = "credit-v1", key = cmd.transfer_id)]
 async fn credit(
     tx: &mut sqlx::PgTransaction<'_>,
-    cmd: Credit,
     meta: &Delivery,
+    cmd: Credit,
 ) -> Result<(), LedgerError> {
     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
         .bind(cmd.amount)
@@ -121,8 +121,8 @@ async fn ignore(_tx: &mut sqlx::PgTransaction<'_>, _: Credit) -> Result<(), sqlx
 #[idempotent(name = "transfer-v1", key = cmd.transfer_id)]
 async fn transfer(
     tx: &mut sqlx::PgTransaction<'_>,
-    cmd: Credit,
     delivery: &Delivery,
+    cmd: Credit,
 ) -> Result<(), TransferError> {
     if cmd.account < 0 {
         return Err(TransferError::Closed(cmd.account));
@@ -189,19 +189,35 @@ fn handlers_have_their_names_and_keys() {
     assert_eq!(transfer::NAME, "transfer-v1");
     assert_eq!(refund::NAME, "refund-v1");
     assert_eq!(public::notify::NAME, "notify-v1");
-    assert_eq!(credit().name(), credit::NAME);
-    assert_eq!(public::notify().name(), "notify-v1");
+    assert_eq!(Handler::<()>::name(&credit()), credit::NAME);
+    assert_eq!(Handler::<()>::name(&public::notify()), "notify-v1");
 
-    assert_eq!(credit().message_key(&sample()).as_deref(), Some("t-1"));
-    assert_eq!(debit().message_key(&sample()).as_deref(), Some("7"));
-    assert_eq!(audit().message_key(&sample()).as_deref(), Some("7:t-1"));
-    assert_eq!(ignore().message_key(&sample()), None);
-    assert_eq!(refund().message_key(&sample()), None);
+    let delivery = Delivery::for_test("ledger.credit", "LEDGER", 1);
+    assert_eq!(
+        Handler::<()>::message_key(&credit(), &sample(), &delivery).as_deref(),
+        Some("t-1")
+    );
+    assert_eq!(
+        Handler::<()>::message_key(&debit(), &sample(), &delivery).as_deref(),
+        Some("7")
+    );
+    assert_eq!(
+        Handler::<()>::message_key(&audit(), &sample(), &delivery).as_deref(),
+        Some("7:t-1")
+    );
+    assert_eq!(
+        Handler::<()>::message_key(&ignore(), &sample(), &delivery),
+        None
+    );
+    assert_eq!(
+        Handler::<()>::message_key(&refund(), &sample(), &delivery),
+        None
+    );
     let notice = public::Notice {
         text: "hello".to_owned(),
     };
     assert_eq!(
-        public::notify().message_key(&notice).as_deref(),
+        Handler::<()>::message_key(&public::notify(), &notice, &delivery).as_deref(),
         Some("hello")
     );
 }

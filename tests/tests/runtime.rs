@@ -20,8 +20,8 @@ fn deposit(account: &str, amount: i64) -> Deposit {
 #[idempotent(name = "by-account", key = d.account)]
 async fn by_account(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     assert_eq!(delivery.message_id().source(), MessageIdSource::Key);
     record_effect(tx, "by-account", &d, delivery).await
@@ -68,8 +68,8 @@ async fn explicit_key_dedups_across_different_nats_msg_ids() {
 #[idempotent(name = "ids")]
 async fn ids(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "ids", &d, delivery).await
 }
@@ -112,8 +112,8 @@ async fn header_then_stream_sequence_are_the_fallback_ids() {
 #[idempotent(name = "held")]
 async fn held(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     // Long enough that the test sees them all in flight, even on a loaded machine.
     tokio::time::sleep(Duration::from_secs(2)).await;

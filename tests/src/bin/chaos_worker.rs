@@ -61,8 +61,8 @@ static HANDLER_DELAY: OnceLock<Duration> = OnceLock::new();
 #[idempotent(name = "chaos-credit-v1")]
 async fn credit(
     tx: &mut PgTransaction<'_>,
-    cmd: Credit,
     delivery: &Delivery,
+    cmd: Credit,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO chaos_ledger (message_id, account, amount, stream_seq, delivered, worker_pid) \

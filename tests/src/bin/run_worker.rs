@@ -42,8 +42,8 @@ static HOLD: OnceLock<Duration> = OnceLock::new();
 #[idempotent(name = "run-worker")]
 async fn deposit(
     tx: &mut sqlx::PgTransaction<'_>,
-    d: Deposit,
     delivery: &Delivery,
+    d: Deposit,
 ) -> Result<(), sqlx::Error> {
     say(&serde_json::json!({
         "event": "handling",

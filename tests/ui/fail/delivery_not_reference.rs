@@ -6,11 +6,12 @@ struct Credit {
     account: i64,
 }
 
+// The delivery is borrowed, `&Delivery`: an owned one cannot be taken.
 #[idempotent]
 async fn credit(
     _tx: &mut sqlx::PgTransaction<'_>,
-    cmd: Credit,
     delivery: idem_runtime::Delivery,
+    cmd: Credit,
 ) -> Result<(), sqlx::Error> {
     let _ = (cmd.account, delivery);
     Ok(())

@@ -11,9 +11,8 @@ struct Ping {
 #[tracing::instrument(name = "ping", skip_all, fields(seq = meta.stream_sequence()))]
 async fn ping(
     _tx: &mut sqlx::PgTransaction<'_>,
-    ping: Ping,
     meta: &idem_runtime::Delivery,
-) -> Result<(), sqlx::Error> {
+    ping: Ping) -> Result<(), sqlx::Error> {
     tracing::info!(
         from = ping.from,
         seq = meta.stream_sequence(),
@@ -28,17 +27,17 @@ async fn ping(
 #[idempotent(name = "pong-v1", key = pong.from)]
 async fn pong(
     _tx: &mut sqlx::PgTransaction<'_>,
-    pong: Ping,
     _: &Delivery,
-) -> Result<(), sqlx::Error> {
+    pong: Ping) -> Result<(), sqlx::Error> {
     drop(pong);
     Ok(())
 }
 
 fn main() {
-    assert_eq!(ping().name(), "ping");
+    let delivery = idem_runtime::Delivery::for_test("subject", "STREAM", 1);
+    assert_eq!(Handler::<()>::name(&ping()), "ping");
     let pong_msg = Ping {
         from: "a".to_owned(),
     };
-    assert_eq!(pong().message_key(&pong_msg).as_deref(), Some("a"));
+    assert_eq!(Handler::<()>::message_key(&pong(), &pong_msg, &delivery).as_deref(), Some("a"));
 }

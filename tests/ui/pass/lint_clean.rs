@@ -35,9 +35,8 @@ impl std::error::Error for LedgerError {}
 #[idempotent(name = "credit-v1", key = cmd.transfer_id)]
 async fn credit(
     tx: &mut sqlx::PgTransaction<'_>,
-    cmd: Credit,
     meta: &Delivery,
-) -> Result<(), LedgerError> {
+    cmd: Credit) -> Result<(), LedgerError> {
     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
         .bind(cmd.amount)
         .bind(cmd.account)

@@ -49,21 +49,22 @@ async fn place_order(
 }
 
 fn main() {
+    let delivery = idem_runtime::Delivery::for_test("subject", "STREAM", 1);
     assert_eq!(credit::NAME, "credit-v1");
-    assert_eq!(credit().name(), "credit-v1");
+    assert_eq!(Handler::<()>::name(&credit()), "credit-v1");
     let cmd = Credit {
         transfer_id: 42,
         account: 7,
         amount: 100,
     };
-    assert_eq!(credit().message_key(&cmd).as_deref(), Some("42"));
+    assert_eq!(Handler::<()>::message_key(&credit(), &cmd, &delivery).as_deref(), Some("42"));
 
     let order = PlaceOrder {
         customer: "acme".to_owned(),
         number: 9,
     };
     assert_eq!(place_order::NAME, "place-order-v2");
-    assert_eq!(place_order().message_key(&order).as_deref(), Some("acme/9"));
+    assert_eq!(Handler::<()>::message_key(&place_order(), &order, &delivery).as_deref(), Some("acme/9"));
 
     let _router = Router::new()
         .route(Route::new("LEDGER", "credit"), credit)

@@ -54,10 +54,11 @@ mod handlers {
 }
 
 fn main() {
+    let delivery = idem_runtime::Delivery::for_test("subject", "STREAM", 1);
     let transfer_msg = Transfer {
         id: "t-1".to_owned(),
     };
-    let key = transfer().message_key(&transfer_msg);
+    let key = Handler::<()>::message_key(&transfer(), &transfer_msg, &delivery);
     let transfer = key.as_deref();
     assert_eq!(transfer, Some("t-1"));
 

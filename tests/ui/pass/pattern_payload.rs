@@ -56,18 +56,19 @@ async fn ignore(_tx: &mut sqlx::PgTransaction<'_>, _: Credit) -> Result<(), sqlx
 }
 
 fn main() {
+    let delivery = idem_runtime::Delivery::for_test("subject", "STREAM", 1);
     let cmd = Credit {
         transfer_id: "t-1".to_owned(),
         account: 7,
         amount: 100,
     };
-    assert_eq!(credit().message_key(&cmd).as_deref(), Some("t-1"));
-    assert_eq!(debit().message_key(&cmd).as_deref(), Some("7"));
-    assert_eq!(audit().message_key(&cmd).as_deref(), Some("7"));
-    assert_eq!(ignore().message_key(&cmd), None);
+    assert_eq!(Handler::<()>::message_key(&credit(), &cmd, &delivery).as_deref(), Some("t-1"));
+    assert_eq!(Handler::<()>::message_key(&debit(), &cmd, &delivery).as_deref(), Some("7"));
+    assert_eq!(Handler::<()>::message_key(&audit(), &cmd, &delivery).as_deref(), Some("7"));
+    assert_eq!(Handler::<()>::message_key(&ignore(), &cmd, &delivery), None);
     let transfer_msg = Transfer("t-2".to_owned(), 5);
     assert_eq!(
-        transfer().message_key(&transfer_msg).as_deref(),
+        Handler::<()>::message_key(&transfer(), &transfer_msg, &delivery).as_deref(),
         Some("t-2")
     );
 }

@@ -1,4 +1,4 @@
-use idem_runtime::{Handler, idempotent};
+use idem_runtime::idempotent;
 use serde::Deserialize;
 
 #[derive(Debug)]
@@ -14,11 +14,8 @@ impl std::error::Error for MyError {}
 
 type Result<T> = std::result::Result<T, MyError>;
 
-/// A stand-in for `anyhow`, whose `Result<T>` has the same shape.
-mod anyhow {
-    pub type Error = Box<dyn std::error::Error + Send + Sync>;
-    pub type Result<T, E = Error> = std::result::Result<T, E>;
-}
+/// An alias under another name than `Result`.
+type Fallible = std::result::Result<(), MyError>;
 
 #[derive(Deserialize)]
 struct Msg {}
@@ -29,8 +26,21 @@ async fn alias(_tx: &mut sqlx::PgTransaction<'_>, _msg: Msg) -> Result<()> {
 }
 
 #[idempotent]
-async fn anyhow_like(_tx: &mut sqlx::PgTransaction<'_>, _msg: Msg) -> anyhow::Result<()> {
+async fn with_anyhow(_tx: &mut sqlx::PgTransaction<'_>, _msg: Msg) -> anyhow::Result<()> {
+    Err(anyhow::anyhow!("anyhow errors convert"))
+}
+
+#[idempotent]
+async fn boxed(
+    _tx: &mut sqlx::PgTransaction<'_>,
+    _msg: Msg,
+) -> std::result::Result<(), Box<dyn std::error::Error + Send + Sync>> {
     Err("boxed errors convert".into())
+}
+
+#[idempotent]
+async fn other_alias(_tx: &mut sqlx::PgTransaction<'_>, _msg: Msg) -> Fallible {
+    Ok(())
 }
 
 #[idempotent]
@@ -58,9 +68,11 @@ async fn connection(tx: &mut sqlx::PgConnection, _msg: Msg) -> Result<()> {
 }
 
 fn main() {
-    assert_eq!(alias().name(), "alias");
-    assert_eq!(anyhow_like().name(), "anyhow_like");
-    assert_eq!(full_path().name(), "full_path");
-    assert_eq!(string_error().name(), "string_error");
-    assert_eq!(connection().name(), "connection");
+    assert_eq!(alias::NAME, "alias");
+    assert_eq!(with_anyhow::NAME, "with_anyhow");
+    assert_eq!(boxed::NAME, "boxed");
+    assert_eq!(other_alias::NAME, "other_alias");
+    assert_eq!(full_path::NAME, "full_path");
+    assert_eq!(string_error::NAME, "string_error");
+    assert_eq!(connection::NAME, "connection");
 }

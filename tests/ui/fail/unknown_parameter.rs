@@ -9,9 +9,8 @@ struct Credit {
 #[idempotent]
 async fn credit(
     _tx: &mut sqlx::PgTransaction<'_>,
-    cmd: Credit,
-    _delivery: &idem_runtime::Delivery,
     retries: u32,
+    cmd: Credit,
 ) -> Result<(), sqlx::Error> {
     let _ = (cmd.account, retries);
     Ok(())

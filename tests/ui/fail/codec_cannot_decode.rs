@@ -6,10 +6,8 @@ struct Credit {
     account: i64,
 }
 
-type LedgerResult<T> = Result<T, sqlx::Error>;
-
-#[idempotent]
-async fn credit(_tx: &mut sqlx::PgTransaction<'_>, cmd: Credit) -> LedgerResult<()> {
+#[idempotent(codec = raw)]
+async fn credit(_tx: &mut sqlx::PgTransaction<'_>, cmd: Credit) -> Result<(), sqlx::Error> {
     let _ = cmd.account;
     Ok(())
 }
