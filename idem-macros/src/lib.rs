@@ -6,6 +6,8 @@
 //! signature it accepts, its arguments, how the message id is chosen, why
 //! production code pins `name = "..."`, and what it generates.
 
+#![warn(missing_docs)]
+
 mod attr;
 mod classify;
 mod expand;
@@ -46,23 +48,26 @@ use proc_macro::TokenStream;
 /// # The signature
 ///
 /// ```text
-/// async fn NAME(tx: &mut sqlx::PgTransaction<'_>, msg: Msg [, delivery: &idem_runtime::Delivery])
+/// async fn NAME(tx: &mut sqlx::PgTransaction<'_>, [State<T> | &Delivery, ...] msg: Msg)
 ///     -> Result<T, E>
 /// ```
 ///
 /// - `tx` is the transaction the claim ran in. The runtime commits it after
-///   the body returns `Ok`, then acks the message; on `Err` it rolls back and
-///   NAKs. Any `&mut` type the transaction derefs to works, such as
+///   the body returns `Ok` (if the claim is still the transaction's own),
+///   then acks the message; on `Err` it rolls back and retries or
+///   dead-letters. Any `&mut` type the transaction derefs to works, such as
 ///   `&mut sqlx::PgConnection`.
-/// - `msg` is the payload, decoded from JSON, so `Msg` must implement
-///   `serde::Deserialize`. Any irrefutable pattern works:
-///   `Credit { account, .. }: Credit`. `Msg` must be at least as visible as
-///   the fn, because the handler names it as its `Handler::Payload`.
-/// - `delivery`, if present, is the [`Delivery`] of the message: its stream
-///   sequence, delivery count, headers and message id.
+/// - Between the transaction and the message, in any order: `State<T>`, the
+///   router's state or a part of it (`T: FromRef<S>`), and `&Delivery`, the
+///   message's subject, headers, sequence, delivery count and id.
+/// - `msg`, last, is the payload, decoded by the handler's codec (JSON, so
+///   `serde::Deserialize`, unless `codec = ...` says otherwise). Any
+///   irrefutable pattern works: `Credit { account, .. }: Credit`. `Msg` must
+///   be at least as visible as the fn, because the handler names it as its
+///   `Handler::Payload`.
 /// - The return type is any `Result` whose error converts into
-///   [`BoxError`]: `Result<(), MyError>`, `anyhow::Result<()>` or a
-///   crate's own `Result<T>` alias.
+///   [`BoxError`], under any name: `Result<(), MyError>`,
+///   `anyhow::Result<()>`, a crate's own `Result<T>` alias.
 ///
 /// The fn may not be generic, take `self`, or be `unsafe`.
 ///
@@ -77,8 +82,15 @@ use proc_macro::TokenStream;
 ///   for the other. Give each handler a distinct, versioned name
 ///   (`"credit-v1"`), and change it only to reprocess on purpose.
 /// - `key = <expr>`: the message id, computed from the payload. The
-///   expression sees the payload pattern's bindings, by reference, and its
-///   value is turned into a string with `ToString`.
+///   expression sees the payload pattern's bindings, and the `&Delivery`
+///   parameter's, by reference, and its value is turned into a string with
+///   `ToString`.
+/// - `codec = json | raw | protobuf | <path>`: how the payload is decoded
+///   (JSON by default; `raw` for `Bytes`, `Vec<u8>` or `String`; `protobuf`
+///   for a `prost::Message`; or a type implementing `codec::Decode`).
+/// - `state = <type>`: implement the handler for this router state only, so
+///   that a `State<T>` it cannot provide is reported at the parameter.
+/// - `crate = <path>`: where idem-runtime is, if renamed or re-exported.
 ///
 /// # The message id
 ///
@@ -86,8 +98,8 @@ use proc_macro::TokenStream;
 ///
 /// 1. the `key = <expr>` of the handler, over the decoded payload;
 /// 2. the `Nats-Msg-Id` header;
-/// 3. `<stream>:<stream sequence>`, which is unique per stored message but
-///    differs between two publishes of the same logical message.
+/// 3. `<stream>:<stream sequence>:<stored at>`, which is unique per stored
+///    message but differs between two publishes of the same logical message.
 ///
 /// An empty id, or one too long for the dedup table, is refused: the runtime
 /// terminates the message rather than retry it.
@@ -95,36 +107,12 @@ use proc_macro::TokenStream;
 /// # What it generates
 ///
 /// A struct named like the fn, with the fn's visibility, that implements
-/// `idem_runtime::Handler`, and a fn of the same name that returns it: pass
-/// `credit` to `Router::route`. The body stays callable, unchanged, as
-/// `credit::run(tx, msg)`, for instance from a test that skips the claim, and
-/// `credit::NAME` is the handler name.
-///
-/// ```ignore
-/// /// Credits an account once per transfer.        (the fn's docs)
-/// pub struct credit {}
-///
-/// pub fn credit() -> credit {
-///     credit {}
-/// }
-///
-/// impl credit {
-///     pub const NAME: &'static str = "credit-v1";
-///
-///     pub async fn run(tx: &mut sqlx::PgTransaction<'_>, cmd: Credit) -> Result<(), sqlx::Error> {
-///         // the body as written
-///     }
-/// }
-///
-/// impl idem_runtime::Handler for credit {
-///     type Payload = Credit;
-///     // name() is NAME; message_key() evaluates `key = ...`; run_claimed()
-///     // calls `credit::run`. The runtime claims the message id in the
-///     // transaction first, and calls run_claimed() only if the claim is
-///     // fresh; batch mode claims many ids in one statement, then calls
-///     // run_claimed() for each fresh one.
-/// }
-/// ```
+/// `idem_runtime::Handler<S>` for every router state `S` that provides its
+/// parameters, and a fn of the same name that returns it: pass `credit` to
+/// `Router::route`. The body stays callable, unchanged, as
+/// `credit::run(tx, .., msg)`, for instance from a test that skips the
+/// claim, and `credit::NAME` is the handler name. The README shows a full
+/// `cargo expand` of a handler.
 ///
 /// The struct has braces so that `credit` as a value is the fn: a unit struct
 /// would make every `let credit = ...` in scope, and a payload parameter

@@ -28,7 +28,7 @@ use crate::delivery::Delivery;
 use crate::error::HandlerError;
 use crate::handler::Handler;
 use crate::heartbeat::Lease;
-use crate::pipeline::{Outage, Pipeline, Verdict};
+use crate::pipeline::{Outage, Pipeline, Verdict, no_answer};
 use crate::stats::Stats;
 use crate::transaction::{self, Ended};
 
@@ -68,7 +68,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         self.run_batch(messages).instrument(span).await;
     }
 
-    async fn run_batch(&self, messages: Vec<Message>) {
+    async fn run_batch(self: &Arc<Self>, messages: Vec<Message>) {
         let mut ready = Vec::with_capacity(messages.len());
         for message in messages {
             Stats::bump(&self.stats.received);
@@ -101,7 +101,32 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
         let mut outage = Outage::default();
         let failure = loop {
-            match self.transact_batch(&mut ready).await {
+            let transacted = {
+                let pipeline = Arc::clone(self);
+                let deliveries: Vec<Delivery> =
+                    ready.iter().map(|item| item.delivery.clone()).collect();
+                let payloads: Vec<Option<H::Payload>> =
+                    ready.iter_mut().map(|item| item.payload.take()).collect();
+                self.watched(
+                    async move {
+                        let mut payloads = payloads;
+                        let result = pipeline.transact_batch(&deliveries, &mut payloads).await;
+                        (Some(payloads), result)
+                    },
+                    |limit| (None, Err(BatchFailure::CommitUnknown(no_answer(limit)))),
+                )
+                .await
+            };
+            // What the handlers did not take goes back for the fallback; a
+            // batch left to finish on its own keeps its payloads, and the
+            // fallback decodes them again.
+            let (payloads, result) = transacted;
+            if let Some(payloads) = payloads {
+                for (item, payload) in ready.iter_mut().zip(payloads) {
+                    item.payload = payload;
+                }
+            }
+            match result {
                 Ok(fresh) => {
                     self.stats.record_batch(ready.len());
                     for (item, fresh) in ready.into_iter().zip(fresh) {
@@ -152,49 +177,48 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     /// Claims the batch in one statement, runs the handler for each fresh
-    /// message, and commits once. Returns, per message, whether it was fresh.
+    /// message, and commits once. Returns, per message, whether it was fresh;
+    /// each fresh message's payload is taken.
     ///
     /// As in per-message mode, neither BEGIN nor COMMIT is raced against a
     /// timer; the handler timeout covers each handler call alone.
     async fn transact_batch(
         &self,
-        ready: &mut [Ready<H::Payload>],
+        deliveries: &[Delivery],
+        payloads: &mut [Option<H::Payload>],
     ) -> Result<Vec<bool>, BatchFailure> {
         let name = self.handler.name();
-        let infrastructure = |error| {
-            self.connections.forget_idle();
-            BatchFailure::Infrastructure(error)
+        let before_handler = |error| match self.classify_before_handler(error) {
+            HandlerError::Infrastructure(error) => BatchFailure::Infrastructure(error),
+            other => BatchFailure::Handler(other),
         };
-        let mut connection = self.connections.take().await.map_err(infrastructure)?;
+        let mut connection = self.connections.take().await.map_err(before_handler)?;
         let mut tx = self
             .begin
             .run(&mut connection)
             .await
-            .map_err(infrastructure)?;
+            .map_err(before_handler)?;
         let mut unclaimed = {
-            let ids: Vec<&str> = ready
+            let ids: Vec<&str> = deliveries
                 .iter()
-                .map(|item| item.delivery.message_id().as_str())
+                .map(|delivery| delivery.message_id().as_str())
                 .collect();
             claim::claim_many(&mut tx, name, &ids)
                 .await
-                .map_err(infrastructure)?
+                .map_err(before_handler)?
         };
         self.health.resume();
-        let mut fresh = Vec::with_capacity(ready.len());
-        for item in ready.iter_mut() {
+        let mut fresh = Vec::with_capacity(deliveries.len());
+        for (delivery, payload) in deliveries.iter().zip(payloads.iter_mut()) {
             // An id twice in one batch: only its first message is fresh.
-            let is_fresh = unclaimed.remove(item.delivery.message_id().as_str());
+            let is_fresh = unclaimed.remove(delivery.message_id().as_str());
             fresh.push(is_fresh);
             if !is_fresh {
                 continue;
             }
-            let payload = item.payload.take().expect("each payload is used once");
+            let payload = payload.take().expect("each payload is used once");
             let outcome = self
-                .run_handler(
-                    self.handler
-                        .handle(&mut tx, payload, &item.delivery, &self.state),
-                )
+                .run_handler(self.handler.handle(&mut tx, payload, delivery, &self.state))
                 .await;
             match outcome {
                 Ok(()) => {}
@@ -210,11 +234,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 }
             }
         }
-        let claimed: Vec<&str> = ready
+        let claimed: Vec<&str> = deliveries
             .iter()
             .zip(&fresh)
             .filter(|(_, fresh)| **fresh)
-            .map(|(item, _)| item.delivery.message_id().as_str())
+            .map(|(delivery, _)| delivery.message_id().as_str())
             .collect();
         if claimed.is_empty() {
             // Every message was processed before: nothing to commit.

@@ -90,7 +90,11 @@ pub(crate) fn default_subject(stream: &str, durable: &str) -> String {
 /// some stream captures the route's own subject.
 pub(crate) async fn ensure_stream(js: &jetstream::Context, route: &Route) -> Result<(), Error> {
     let subject = route.dead_letter_target();
-    if route.dead_letter_subject.is_none() {
+    let jetstream_error = |source: async_nats::Error| Error::JetStream {
+        route: route.durable.clone(),
+        source,
+    };
+    let mut stream = if route.dead_letter_subject.is_none() {
         js.get_or_create_stream(stream::Config {
             name: DEFAULT_STREAM.to_owned(),
             subjects: vec![DEFAULT_SUBJECTS.to_owned()],
@@ -98,19 +102,38 @@ pub(crate) async fn ensure_stream(js: &jetstream::Context, route: &Route) -> Res
             ..Default::default()
         })
         .await
-        .map_err(|e| Error::JetStream {
-            route: route.durable.clone(),
-            source: e.into(),
-        })?;
-        return Ok(());
-    }
-    match js.stream_by_subject(&subject).await {
-        Ok(_) => Ok(()),
-        Err(_) => Err(Error::DeadLetterStreamMissing {
+        .map_err(|e| jetstream_error(e.into()))?
+    } else {
+        match js.stream_by_subject(&subject).await {
+            Ok(name) => js
+                .get_stream(&name)
+                .await
+                .map_err(|e| jetstream_error(e.into()))?,
+            Err(_) => {
+                return Err(Error::DeadLetterStreamMissing {
+                    route: route.durable.clone(),
+                    subject,
+                });
+            }
+        }
+    };
+    // A PubAck from a stream that keeps nothing (interest retention and no
+    // consumer) would let the original be terminated with no dead letter
+    // anywhere.
+    let config = &stream
+        .info()
+        .await
+        .map_err(|e| jetstream_error(e.into()))?
+        .config;
+    if config.retention == stream::RetentionPolicy::Interest {
+        return Err(Error::DeadLetterStreamRetention {
             route: route.durable.clone(),
             subject,
-        }),
+            stream: config.name.clone(),
+            retention: "interest".into(),
+        });
     }
+    Ok(())
 }
 
 /// Where a dead letter came from: the context its headers record.

@@ -7,7 +7,8 @@ use crate::message_id::MessageId;
 
 /// The metadata of one JetStream delivery, handed to a handler that asks for it.
 ///
-/// A handler opts in by taking `&Delivery` as its third parameter:
+/// A handler opts in by taking `&Delivery` between the transaction and the
+/// message:
 ///
 /// ```
 /// use idem_runtime::{Delivery, idempotent};
@@ -18,8 +19,8 @@ use crate::message_id::MessageId;
 /// #[idempotent]
 /// async fn ping(
 ///     tx: &mut sqlx::PgTransaction<'_>,
-///     _ping: Ping,
 ///     delivery: &Delivery,
+///     _ping: Ping,
 /// ) -> Result<(), sqlx::Error> {
 ///     tracing::info!(seq = delivery.stream_sequence(), attempt = delivery.delivered(), "ping");
 ///     Ok(())

@@ -24,14 +24,23 @@ pub enum HandlerError {
     /// delivery is used up and nothing is dead-lettered.
     #[error("the database could not be used before the handler ran: {}", describe_sqlx(.0))]
     Infrastructure(sqlx::Error),
+    /// BEGIN or the claim failed for a reason of this message's own: its id
+    /// cannot be stored (a character the database's encoding lacks), or its
+    /// claim waited past the statement timeout on a concurrent attempt.
+    /// Classed by its SQLSTATE.
+    #[error("claiming the message failed: {}", describe_sqlx(.0))]
+    ClaimFailed(sqlx::Error),
     /// The handler body returned an error.
-    #[error("the handler failed: {}", describe(&**.error))]
+    #[error("the handler failed: {}", describe_with(&**.error, .sqlstate.as_deref()))]
     Handler {
         /// The error the body returned.
         error: BoxError,
-        /// The class its type chose through [`Classify`](crate::Classify),
-        /// if it implements it.
+        /// Its class, if one was found before it was boxed (its type's
+        /// [`Classify`](crate::Classify), or one along its chain).
         class: Option<ErrorClass>,
+        /// The SQLSTATE of a database error found along its chain before it
+        /// was boxed (boxing an `anyhow::Error` hides its root).
+        sqlstate: Option<String>,
     },
     /// The handler ran longer than the route's handler timeout.
     #[error("the handler did not finish within {0:?}")]
@@ -49,11 +58,12 @@ pub enum HandlerError {
         "the handler returned Ok, but PostgreSQL had aborted its transaction: a statement failed and the handler ignored the error, so nothing was committed; propagate the error with `?`, or run a statement that may fail in a savepoint (`tx.begin()`) or with ON CONFLICT"
     )]
     Aborted,
-    /// The claim was no longer in the transaction when it was to commit: the
-    /// handler ended the transaction itself (a raw `COMMIT` or `ROLLBACK`).
-    /// Retried now a few times, then dead-lettered.
+    /// The claim was no longer this transaction's when it was to end: the
+    /// handler ended the transaction itself (a raw `COMMIT` or `ROLLBACK`),
+    /// so some of its work may be committed and some not. Never acked as
+    /// processed: dead-lettered at once, for a person to look at.
     #[error(
-        "the claim was no longer in the transaction at COMMIT: the handler ended the transaction itself (a raw COMMIT or ROLLBACK); never end `tx` in a handler, return Ok and let idem commit"
+        "the claim was no longer this transaction's when it was to end: the handler ended the transaction itself (a raw COMMIT or ROLLBACK), so part of its work may be committed; check the message's effects before a replay, and never end `tx` in a handler: return, and idem commits"
     )]
     ClaimLost,
     /// PostgreSQL refused the COMMIT (a deferred constraint, a serialization
@@ -76,6 +86,18 @@ impl HandlerError {
         HandlerError::Handler {
             error: error.into(),
             class,
+            sqlstate: None,
+        }
+    }
+
+    /// What `#[idempotent]` expansions build: an error with what was found
+    /// along its chain before it was boxed.
+    #[doc(hidden)]
+    pub fn found(error: impl Into<BoxError>, findings: crate::failure::Findings) -> Self {
+        HandlerError::Handler {
+            error: error.into(),
+            class: findings.class,
+            sqlstate: findings.sqlstate,
         }
     }
 
@@ -92,8 +114,11 @@ impl HandlerError {
                 class: Some(class), ..
             } => *class,
             HandlerError::Handler { error, .. } => ErrorClass::of(&**error),
-            HandlerError::Aborted | HandlerError::ClaimLost => ErrorClass::RetryNowThenPermanent,
-            HandlerError::CommitRefused(error) => ErrorClass::of_sqlx(error),
+            HandlerError::Aborted => ErrorClass::RetryNowThenPermanent,
+            HandlerError::ClaimLost => ErrorClass::Permanent,
+            HandlerError::CommitRefused(error) | HandlerError::ClaimFailed(error) => {
+                ErrorClass::of_sqlx(error)
+            }
         }
     }
 
@@ -155,6 +180,15 @@ impl<T, E> HandlerResult for Result<T, E> {
 
     fn into_result(self) -> Result<T, E> {
         self
+    }
+}
+
+/// [`describe`], with a SQLSTATE found before the error was boxed.
+fn describe_with(error: &(dyn std::error::Error + 'static), sqlstate: Option<&str>) -> String {
+    let text = describe(error);
+    match sqlstate {
+        Some(code) if !text.contains("SQLSTATE") => format!("{text} (SQLSTATE {code})"),
+        _ => text,
     }
 }
 
@@ -273,6 +307,29 @@ pub enum Error {
     /// The same durable consumer was bound twice in one router.
     #[error("the durable consumer `{0}` is bound twice; give each route its own consumer")]
     DuplicateRoute(String),
+    /// The NATS client stopped for good while the router ran (async-nats
+    /// panics on some malformed headers, such as a value with a bare CR):
+    /// restart the process. The message that caused it is redelivered to the
+    /// next worker, and dead-lettered as `undeliverable` once JetStream gives
+    /// up on it.
+    #[error(
+        "the NATS client's connection task stopped for good (async-nats can stop on a malformed header); restart the process: JetStream dead-letters the message after its deliveries run out"
+    )]
+    NatsClientGone,
+    /// A stream that captures the dead-letter subject would not keep them.
+    #[error(
+        "the stream `{stream}` that stores dead-letter subject `{subject}` of route `{route}` has {retention} retention, which may drop a dead letter no consumer reads; use limits retention"
+    )]
+    DeadLetterStreamRetention {
+        /// The route (durable consumer name).
+        route: String,
+        /// The dead-letter subject.
+        subject: String,
+        /// The stream that captures it.
+        stream: String,
+        /// Its retention policy.
+        retention: String,
+    },
     /// Pulling messages failed and could not be resumed.
     #[error("pulling from consumer `{route}` failed: {source}")]
     Pull {

@@ -105,26 +105,91 @@ impl ErrorClass {
 
     /// The class the first error along the chain that has one says, if any.
     pub(crate) fn found_in(error: &(dyn StdError + 'static)) -> Option<ErrorClass> {
+        Findings::of(error).class
+    }
+}
+
+/// What a handler error's chain says: its class, and the SQLSTATE of a
+/// database error in it. Found before the error is boxed.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct Findings {
+    pub(crate) class: Option<ErrorClass>,
+    pub(crate) sqlstate: Option<String>,
+}
+
+impl Findings {
+    /// Walks the chain from `error`: the first error that has a class gives
+    /// it; the first database error gives its SQLSTATE.
+    pub(crate) fn of(error: &(dyn StdError + 'static)) -> Self {
+        let mut findings = Findings::default();
         let mut next = Some(error);
         while let Some(error) = next {
-            if error.is::<Permanent>() {
-                return Some(ErrorClass::Permanent);
-            }
-            if error.is::<Transient>() {
-                return Some(ErrorClass::Transient);
-            }
-            if let Some(sqlx_error) = error.downcast_ref::<sqlx::Error>() {
-                return Some(ErrorClass::of_sqlx(sqlx_error));
-            }
-            if let Some(class) = inventory::iter::<Classifier>
-                .into_iter()
-                .find_map(|classifier| (classifier.class)(error))
+            let sqlx_error = error.downcast_ref::<sqlx::Error>();
+            if findings.sqlstate.is_none()
+                && let Some(sqlx::Error::Database(db)) = sqlx_error
             {
-                return Some(class);
+                findings.sqlstate = db.code().map(|code| code.into_owned());
+            }
+            if findings.class.is_none() {
+                findings.class = if error.is::<Permanent>() {
+                    Some(ErrorClass::Permanent)
+                } else if error.is::<Transient>() {
+                    Some(ErrorClass::Transient)
+                } else if let Some(sqlx_error) = sqlx_error {
+                    Some(ErrorClass::of_sqlx(sqlx_error))
+                } else {
+                    inventory::iter::<Classifier>
+                        .into_iter()
+                        .find_map(|classifier| (classifier.class)(error))
+                };
             }
             next = error.source();
         }
-        None
+        findings
+    }
+}
+
+/// Whether an error of BEGIN, the claim or getting a connection is the
+/// database's (it cannot be used: unreachable, restarting, overloaded, a
+/// standby, the dedup table or a permission missing), rather than the
+/// message's. Such a failure holds the message instead of using up its
+/// deliveries; any other (its id cannot be stored, its claim waited past
+/// the statement timeout on a concurrent attempt) is classed as usual.
+pub(crate) fn is_infrastructure(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            // connection exception, insufficient resources, operator
+            // intervention (shutdown), system error, invalid authorization,
+            // invalid catalog (database), invalid schema, a read-only
+            // (standby) transaction, and the objects idem needs
+            code.starts_with("08")
+                || code.starts_with("53")
+                || code.starts_with("58")
+                || code.starts_with("28")
+                || matches!(
+                    &*code,
+                    "57P01"
+                        | "57P02"
+                        | "57P03"
+                        | "3D000"
+                        | "3F000"
+                        | "25006"
+                        | "42P01"
+                        | "42501"
+                        | "42883"
+                        | "42703"
+                )
+        }),
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::BeginFailed
+        | sqlx::Error::Configuration(_) => true,
+        _ => false,
     }
 }
 
@@ -265,47 +330,50 @@ marker!(Transient);
 pub mod specialize {
     use std::error::Error as StdError;
 
-    use super::{Classify, ErrorClass};
+    use super::{Classify, Findings};
 
     pub struct ClassOf<'a, E>(pub &'a E);
 
     pub trait ByClassify {
-        fn idem_class(&self) -> Option<ErrorClass>;
+        fn idem_class(&self) -> Findings;
     }
 
     impl<E: Classify> ByClassify for &&&ClassOf<'_, E> {
-        fn idem_class(&self) -> Option<ErrorClass> {
-            Some(self.0.class())
+        fn idem_class(&self) -> Findings {
+            Findings {
+                class: Some(self.0.class()),
+                sqlstate: None,
+            }
         }
     }
 
     pub trait ByChain {
-        fn idem_class(&self) -> Option<ErrorClass>;
+        fn idem_class(&self) -> Findings;
     }
 
     impl<E: StdError + 'static> ByChain for &&ClassOf<'_, E> {
-        fn idem_class(&self) -> Option<ErrorClass> {
-            ErrorClass::found_in(self.0)
+        fn idem_class(&self) -> Findings {
+            Findings::of(self.0)
         }
     }
 
     pub trait ByHeldError {
-        fn idem_class(&self) -> Option<ErrorClass>;
+        fn idem_class(&self) -> Findings;
     }
 
     impl<E: AsRef<dyn StdError + Send + Sync + 'static>> ByHeldError for &ClassOf<'_, E> {
-        fn idem_class(&self) -> Option<ErrorClass> {
-            ErrorClass::found_in(self.0.as_ref())
+        fn idem_class(&self) -> Findings {
+            Findings::of(self.0.as_ref())
         }
     }
 
     pub trait ByDefault {
-        fn idem_class(&self) -> Option<ErrorClass>;
+        fn idem_class(&self) -> Findings;
     }
 
     impl<E> ByDefault for ClassOf<'_, E> {
-        fn idem_class(&self) -> Option<ErrorClass> {
-            None
+        fn idem_class(&self) -> Findings {
+            Findings::default()
         }
     }
 }
@@ -321,8 +389,8 @@ macro_rules! __handler_error {
             ByChain as _, ByClassify as _, ByDefault as _, ByHeldError as _,
         };
         let error = $error;
-        let class = (&&&&$crate::__private::specialize::ClassOf(&error)).idem_class();
-        $crate::HandlerError::classified(error, class)
+        let found = (&&&&$crate::__private::specialize::ClassOf(&error)).idem_class();
+        $crate::HandlerError::found(error, found)
     }};
 }
 

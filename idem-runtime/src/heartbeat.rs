@@ -113,16 +113,30 @@ async fn tick(shared: Weak<Shared>, interval: Duration) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
+        // While NATS is away a publish waits for room in the client's
+        // queue: send nothing then (the server could not reset a timer
+        // anyway), and never hold `sending` (which `Lease::end` waits on)
+        // longer than a tick.
+        if shared.client.connection_state() != async_nats::connection::State::Connected {
+            continue;
+        }
         let _sending = shared.sending.lock().await;
         let replies: Vec<Subject> = lock(&shared.leases).values().cloned().collect();
-        for reply in replies {
-            if let Err(error) = shared
-                .client
-                .publish(reply, Bytes::from_static(b"+WPI"))
-                .await
-            {
-                tracing::warn!(%error, "progress heartbeat failed");
+        let sends = async {
+            for reply in replies {
+                if let Err(error) = shared
+                    .client
+                    .publish(reply, Bytes::from_static(b"+WPI"))
+                    .await
+                {
+                    tracing::warn!(%error, "progress heartbeat failed");
+                }
             }
+        };
+        if tokio::time::timeout(interval, sends).await.is_err() {
+            tracing::warn!(
+                "progress heartbeats took longer than their interval; the rest wait for the next tick"
+            );
         }
     }
 }

@@ -78,6 +78,13 @@ pub enum InvalidMessageId {
     /// The id holds a NUL character, which PostgreSQL text cannot store.
     #[error("the {0:?} message id holds a NUL character; give the message an id without one")]
     Nul(MessageIdSource),
+    /// The id holds a line break, which no NATS header (a dead letter's
+    /// `Idem-Message-Id`, a replay's `Nats-Msg-Id`) can carry.
+    #[error("the {0:?} message id holds a line break; give the message an id without one")]
+    LineBreak(MessageIdSource),
+    /// The handler's `key = ...` panicked.
+    #[error("the handler's key panicked: {0}")]
+    KeyPanicked(String),
 }
 
 impl MessageId {
@@ -137,6 +144,9 @@ impl MessageId {
         }
         if value.contains('\0') {
             return Err(InvalidMessageId::Nul(source));
+        }
+        if value.contains(['\r', '\n']) {
+            return Err(InvalidMessageId::LineBreak(source));
         }
         Ok(Self { value, source })
     }
@@ -222,6 +232,10 @@ mod tests {
         assert_eq!(
             MessageId::from_key("a\0b".into()),
             Err(InvalidMessageId::Nul(MessageIdSource::Key))
+        );
+        assert_eq!(
+            MessageId::from_key("a\rb".into()),
+            Err(InvalidMessageId::LineBreak(MessageIdSource::Key))
         );
     }
 }

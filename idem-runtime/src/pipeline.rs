@@ -44,12 +44,24 @@ pub(crate) struct Pipeline<H, S> {
     pub(crate) state: Arc<S>,
     pub(crate) connections: Arc<Connections>,
     pub(crate) heartbeats: Heartbeats,
+    pub(crate) nats: async_nats::Client,
     pub(crate) begin: Begin,
     pub(crate) health: Health,
     pub(crate) stats: Arc<Stats>,
     pub(crate) shutdown: Signal,
+    /// How long a transaction may go on before the runtime stops waiting for
+    /// it (see [`Pipeline::watched`]); `None` without a handler timeout.
+    pub(crate) watchdog: Option<Duration>,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::fault::FaultHooks,
+}
+
+/// How long a transaction may take, at most, when every part of it gets its
+/// answer: the claim (it may wait on a concurrent attempt up to the
+/// statement timeout), the handler (up to the handler timeout) and COMMIT
+/// (up to the statement timeout), each the handler timeout, plus a margin.
+pub(crate) fn watchdog(handler_timeout: Option<Duration>) -> Option<Duration> {
+    handler_timeout.map(|timeout| timeout.saturating_mul(3) + Duration::from_secs(5))
 }
 
 /// How one delivery ended, before it is settled with JetStream.
@@ -72,6 +84,25 @@ pub(crate) enum Verdict {
     /// Held while the database could not be used, and the router is shutting
     /// down: NAK, so another worker takes it.
     Interrupted,
+}
+
+/// The message of a panic's payload.
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|text| (*text).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
+/// The error of a transaction the runtime stopped waiting for.
+pub(crate) fn no_answer(limit: Duration) -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "no answer from the database for {limit:?}, longer than its bounds allow; the transaction is left to finish on its own"
+        ),
+    ))
 }
 
 /// Consecutive attempts that failed because the database could not be used.
@@ -150,7 +181,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             delivery.message_id = id.clone();
         }
         let payload = self.decode(message)?;
-        delivery.message_id = match self.handler.message_key(&payload, delivery) {
+        delivery.message_id = match self.key_of(&payload, delivery)? {
             Some(key) => MessageId::from_key(key)?,
             None => carried?,
         };
@@ -158,13 +189,37 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         Ok(payload)
     }
 
+    /// Decodes a payload with the handler's codec. A codec that panics is a
+    /// payload that cannot be decoded, not a crash.
     pub(crate) fn decode(&self, message: &Message) -> Result<H::Payload, RejectedMessage> {
-        Ok(<H::Codec as Decode<H::Payload>>::decode(&message.payload)?)
+        let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            <H::Codec as Decode<H::Payload>>::decode(&message.payload)
+        }))
+        .unwrap_or_else(|panic| {
+            Err(crate::codec::DecodeError::new(
+                "the handler's codec",
+                format!("it panicked: {}", panic_text(&*panic)),
+            ))
+        });
+        Ok(decoded?)
+    }
+
+    /// The handler's key for a payload. A key expression that panics makes
+    /// the message's id unusable, not the route crash.
+    pub(crate) fn key_of(
+        &self,
+        payload: &H::Payload,
+        delivery: &Delivery,
+    ) -> Result<Option<String>, crate::message_id::InvalidMessageId> {
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.handler.message_key(payload, delivery)
+        }))
+        .map_err(|panic| crate::message_id::InvalidMessageId::KeyPanicked(panic_text(&*panic)))
     }
 
     /// Runs a prepared message on its own, in its own transaction.
     pub(crate) async fn decide(
-        &self,
+        self: &Arc<Self>,
         message: &Message,
         payload: H::Payload,
         delivery: &Delivery,
@@ -178,10 +233,19 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// A message past its delivery limit: ack it if an attempt committed,
     /// else dead-letter it. The check claims the message and rolls the claim
     /// back, so it waits for an attempt that is still running.
-    async fn past_limit(&self, delivery: &Delivery) -> Verdict {
+    async fn past_limit(self: &Arc<Self>, delivery: &Delivery) -> Verdict {
         let mut outage = Outage::default();
         loop {
-            match self.claimed_elsewhere(delivery).await {
+            let checked = {
+                let pipeline = Arc::clone(self);
+                let delivery = delivery.clone();
+                self.watched(
+                    async move { pipeline.claimed_elsewhere(&delivery).await },
+                    |limit| Err(no_answer(limit)),
+                )
+                .await
+            };
+            match checked {
                 Ok(true) => return Verdict::Duplicate,
                 Ok(false) => return Verdict::Exhausted,
                 Err(error) => {
@@ -205,11 +269,47 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         Ok(found.is_duplicate())
     }
 
+    /// Waits for `work` (a whole transaction), but not forever: once it has
+    /// run longer than any server-side bound allows (the network is gone
+    /// without a word: a partition, a frozen host, and TCP has not noticed),
+    /// the runtime stops waiting and settles the message with `stuck`. The
+    /// work is *not* cancelled, because a cancelled BEGIN or COMMIT can leave
+    /// a connection inside a transaction (sqlx#4393): it goes on in a task of
+    /// its own until the connection answers or fails, its connection never
+    /// returned to the pool. Meanwhile the server ends the orphaned
+    /// transaction (`idle_in_transaction_session_timeout`), so the message's
+    /// redelivery is decided by its claim as usual.
+    pub(crate) async fn watched<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = T> + Send + 'static,
+        stuck: impl FnOnce(Duration) -> T,
+    ) -> T {
+        let Some(limit) = self.watchdog else {
+            return work.await;
+        };
+        let mut work = Box::pin(work);
+        tokio::select! {
+            biased;
+            done = &mut work => done,
+            _ = tokio::time::sleep(limit) => {
+                tracing::error!(
+                    ?limit,
+                    "the database has not answered a transaction for longer than its bounds allow; no longer waiting for it (it finishes on its own), and the message is settled as of unknown outcome"
+                );
+                Stats::bump(&self.stats.abandoned_transactions);
+                tokio::spawn(async move {
+                    let _ = work.await;
+                });
+                stuck(limit)
+            }
+        }
+    }
+
     /// Runs the transaction; runs it again at once (a few times, with a
     /// short pause) when the failure is one a retry may clear; and holds the
     /// message while the database cannot be used at all.
     pub(crate) async fn transact_with_retries(
-        &self,
+        self: &Arc<Self>,
         message: &Message,
         payload: H::Payload,
         delivery: &Delivery,
@@ -228,7 +328,15 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     Err(error) => return Verdict::Rejected(error),
                 },
             };
-            let verdict = self.transact(this_try, delivery).await;
+            let verdict = {
+                let pipeline = Arc::clone(self);
+                let delivery = delivery.clone();
+                self.watched(
+                    async move { pipeline.transact(this_try, &delivery).await },
+                    |limit| Verdict::CommitUnknown(no_answer(limit)),
+                )
+                .await
+            };
             let Verdict::Failed(error) = &verdict else {
                 return verdict;
             };
@@ -258,15 +366,15 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let name = self.handler.name();
         let mut connection = match self.connections.take().await {
             Ok(connection) => connection,
-            Err(error) => return self.infrastructure(error),
+            Err(error) => return self.before_handler(error),
         };
         let mut tx = match self.begin.run(&mut connection).await {
             Ok(tx) => tx,
-            Err(error) => return self.infrastructure(error),
+            Err(error) => return self.before_handler(error),
         };
         let claimed = match claim::claim(&mut tx, name, delivery.message_id()).await {
             Ok(claimed) => claimed,
-            Err(error) => return self.infrastructure(error),
+            Err(error) => return self.before_handler(error),
         };
         self.health.resume();
         if claimed.is_duplicate() {
@@ -294,10 +402,21 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 Verdict::Failed(error)
             }
             Err(error) => {
+                // A handler that ended the transaction itself (a raw COMMIT)
+                // and then failed has committed its claim with half its
+                // work: a redelivery would be acked as a duplicate. Checked
+                // only here, on the way to a rollback: one more round trip,
+                // on a failure path.
+                let lost = !transaction::claims_still_pending(
+                    &mut tx,
+                    name,
+                    &[delivery.message_id().as_str()],
+                )
+                .await;
                 if transaction::rollback(tx).await {
                     connection.keep();
                 }
-                Verdict::Failed(error)
+                Verdict::Failed(if lost { HandlerError::ClaimLost } else { error })
             }
         }
     }
@@ -314,12 +433,22 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         }
     }
 
-    /// An attempt that failed before the handler ran.
-    fn infrastructure(&self, error: sqlx::Error) -> Verdict {
-        // A kept connection may have died (a restart): do not let the retry
-        // take another one unchecked.
-        self.connections.forget_idle();
-        Verdict::Failed(HandlerError::Infrastructure(error))
+    /// An attempt that failed before the handler ran: the database's fault
+    /// (held), or this message's (its id cannot be stored, its claim waited
+    /// past the statement timeout on another attempt), classed as usual.
+    pub(crate) fn before_handler(&self, error: sqlx::Error) -> Verdict {
+        Verdict::Failed(self.classify_before_handler(error))
+    }
+
+    pub(crate) fn classify_before_handler(&self, error: sqlx::Error) -> HandlerError {
+        if crate::failure::is_infrastructure(&error) {
+            // A kept connection may have died (a restart): do not let the
+            // retry take another one unchecked.
+            self.connections.forget_idle();
+            HandlerError::Infrastructure(error)
+        } else {
+            HandlerError::ClaimFailed(error)
+        }
     }
 
     /// Runs a handler call under the route's handler timeout, which covers
@@ -337,14 +466,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             },
             None => guarded.await,
         };
-        caught.unwrap_or_else(|panic| {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|text| (*text).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic without a message".to_owned());
-            Err(HandlerError::Panicked(message))
-        })
+        caught.unwrap_or_else(|panic| Err(HandlerError::Panicked(panic_text(&*panic))))
     }
 
     /// The database could not be used for this message: counts it, and

@@ -56,7 +56,7 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
         if health.is_paused() {
             // Hand back what was fetched and not started, and take nothing
             // new until the database answers again.
-            hand_back(pull.take()).await;
+            hand_back(pull.take(), &pipeline.nats).await;
             tracing::warn!(route = route.durable, "paused: the database cannot be used");
             tokio::select! {
                 biased;
@@ -146,7 +146,7 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
         }
     }
 
-    hand_back(pull).await;
+    hand_back(pull, &pipeline.nats).await;
     while let Some(finished) = in_flight.try_join_next() {
         report_panic(finished);
     }
@@ -178,11 +178,17 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
 /// Gives back what `pull` fetched but did not start, at once, so another
 /// worker takes it without waiting for ack_wait. The pull is dropped first
 /// (unsubscribing), so that the server cannot redeliver them into it.
+///
+/// Not while NATS is away: a publish then waits for room in the client's
+/// queue, which would hold shutdown up for as long as the outage lasts.
+/// Such messages are redelivered after ack_wait instead. The NAKs are
+/// bounded in time for the same reason.
 async fn hand_back(
     pull: Option<
         impl futures_util::Stream<Item = Result<async_nats::jetstream::Message, impl std::fmt::Debug>>
         + Unpin,
     >,
+    nats: &async_nats::Client,
 ) {
     let mut unstarted = Vec::new();
     if let Some(mut messages) = pull {
@@ -192,10 +198,30 @@ async fn hand_back(
             }
         }
     }
-    for message in &unstarted {
-        ack::nak(message, Duration::ZERO).await;
+    if unstarted.is_empty() {
+        return;
+    }
+    if nats.connection_state() != async_nats::connection::State::Connected {
+        tracing::warn!(
+            messages = unstarted.len(),
+            "NATS is away: messages fetched and not started are redelivered after ack_wait"
+        );
+        return;
+    }
+    let naks = async {
+        for message in &unstarted {
+            ack::nak(message, Duration::ZERO).await;
+        }
+    };
+    if tokio::time::timeout(HAND_BACK_BOUND, naks).await.is_err() {
+        tracing::warn!(
+            "handing messages back took too long; the rest are redelivered after ack_wait"
+        );
     }
 }
+
+/// How long handing fetched messages back may take.
+const HAND_BACK_BOUND: Duration = Duration::from_secs(2);
 
 fn report_panic(finished: Result<(), tokio::task::JoinError>) {
     if let Err(error) = finished

@@ -272,6 +272,15 @@ impl Route {
         if self.ack_wait.is_zero() {
             return refuse("ack_wait must be positive".into());
         }
+        // PostgreSQL takes the server-side bounds in milliseconds, as an
+        // int: the idle bound (the timeout plus 1 s) must fit.
+        if let Some(timeout) = self.handler_timeout
+            && (timeout.is_zero() || timeout.as_millis() + 1000 > i32::MAX as u128)
+        {
+            return refuse(format!(
+                "the handler timeout ({timeout:?}) must be between 1 ms and about 24.8 days (PostgreSQL's statement_timeout); use `without_handler_timeout()` for none"
+            ));
+        }
         let in_flight = self.concurrency.saturating_mul(self.batch) as u64;
         if self.max_ack_pending >= 0 && (self.max_ack_pending as u64) < in_flight {
             return refuse(format!(
@@ -358,6 +367,19 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(err.to_string().contains("shorter than ack_wait"));
+    }
+
+    #[test]
+    fn a_handler_timeout_postgresql_cannot_take_is_refused() {
+        let err = Route::new("S", "c")
+            .handler_timeout(Duration::from_secs(30 * 24 * 3600))
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("about 24.8 days"), "{err}");
+        Route::new("S", "c")
+            .handler_timeout(Duration::from_secs(20 * 24 * 3600))
+            .validate()
+            .unwrap();
     }
 
     #[test]

@@ -200,12 +200,43 @@ impl<S: Send + Sync + 'static> Router<S> {
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), Error> {
         let mut durables = std::collections::HashSet::new();
+        let mut handlers = HashMap::new();
         for bound in &self.routes {
             let route = bound.route();
             route.validate()?;
             if !durables.insert((route.stream.clone(), route.durable.clone())) {
                 return Err(Error::DuplicateRoute(route.durable.clone()));
             }
+            let name = bound.handler_name();
+            if name.is_empty() || name.contains(|c: char| c.is_control()) {
+                return Err(Error::Config {
+                    route: route.durable.clone(),
+                    reason: format!(
+                        "the handler name {name:?} is empty or holds a control character; it is stored with every claim and sent in dead-letter headers"
+                    ),
+                });
+            }
+            if let Some(other) = handlers.insert(name, route.durable.clone()) {
+                return Err(Error::Config {
+                    route: route.durable.clone(),
+                    reason: format!(
+                        "the handler name `{name}` is also used by route `{other}`: two handlers with one name share dedup rows, so a message processed by one would be skipped by the other; give each a name of its own (`#[idempotent(name = ...)]`)"
+                    ),
+                });
+            }
+        }
+        let in_flight: usize = self
+            .routes
+            .iter()
+            .map(|bound| bound.route().concurrency)
+            .sum();
+        let pool_size = pool.options().get_max_connections() as usize;
+        if pool_size < in_flight {
+            tracing::warn!(
+                pool_size,
+                in_flight,
+                "the pool has fewer connections than the routes' messages (or batches) in flight; messages wait for connections, and a wait past the pool's acquire timeout holds them as if the database were away"
+            );
         }
         schema::verify(&pool).await?;
         let check_client_connection =
@@ -248,10 +279,18 @@ impl<S: Send + Sync + 'static> Router<S> {
         }
 
         let mut stopped = self.signal.clone();
-        tokio::select! {
-            _ = shutdown => self.trigger.fire(),
-            _ = stopped.fired() => {}
-        }
+        let client_gone = tokio::select! {
+            _ = shutdown => {
+                self.trigger.fire();
+                false
+            }
+            _ = stopped.fired() => false,
+            _ = client_gone(&nats) => {
+                tracing::error!("the NATS client's connection task is gone (async-nats stopped, e.g. on a header it cannot parse); stopping, so that the process can be restarted");
+                self.trigger.fire();
+                true
+            }
+        };
         tracing::info!("shutting down: no new messages; waiting for in-flight ones");
         let mut abandoned = 0;
         while let Some(finished) = running.join_next().await {
@@ -279,9 +318,31 @@ impl<S: Send + Sync + 'static> Router<S> {
             );
         }
         tracing::info!("shut down");
+        if client_gone {
+            return Err(Error::NatsClientGone);
+        }
         Ok(())
     }
 }
+
+/// Resolves once the NATS client's connection task has stopped for good: a
+/// flush cannot even be queued. (While it reconnects, a flush is queued and
+/// waits; that is not gone.)
+async fn client_gone(nats: &async_nats::Client) {
+    let mut checks = tokio::time::interval(CLIENT_CHECK);
+    loop {
+        checks.tick().await;
+        let flushed = tokio::time::timeout(CLIENT_CHECK, nats.flush()).await;
+        if let Ok(Err(error)) = flushed
+            && error.kind() == async_nats::client::FlushErrorKind::SendError
+        {
+            return;
+        }
+    }
+}
+
+/// How often the router checks that its NATS client still runs.
+const CLIENT_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How long `run` waits, at the end, for its final acks to reach NATS.
 const FLUSH_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
@@ -398,6 +459,7 @@ struct Start {
 /// handlers.
 trait Bind: Send + Sync {
     fn route(&self) -> &Route;
+    fn handler_name(&self) -> &'static str;
     fn start(
         self: Box<Self>,
         start: Start,
@@ -414,6 +476,10 @@ struct Bound<H, S> {
 impl<S: Send + Sync + 'static, H: Handler<S>> Bind for Bound<H, S> {
     fn route(&self) -> &Route {
         &self.route
+    }
+
+    fn handler_name(&self) -> &'static str {
+        self.handler.name()
     }
 
     fn start(
@@ -434,17 +500,20 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
     start: Start,
 ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
     let begin = Begin::new(route.handler_timeout, start.check_client_connection);
-    let heartbeats = Heartbeats::start(start.nats, route.heartbeat_interval());
+    let route_timeout = route.handler_timeout;
+    let heartbeats = Heartbeats::start(start.nats.clone(), route.heartbeat_interval());
     let pipeline = Arc::new(Pipeline {
         route,
         handler,
         state,
         connections: crate::connections::Connections::start(start.pool, start.keep_connections),
         heartbeats,
+        nats: start.nats,
         begin,
         health: Health::new(),
         stats,
         shutdown: start.shutdown.clone(),
+        watchdog: crate::pipeline::watchdog(route_timeout),
         #[cfg(feature = "fault-injection")]
         faults: start.faults,
     });

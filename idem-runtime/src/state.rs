@@ -1,7 +1,7 @@
 //! Application state, and how a handler takes the part of it it needs.
 //!
-//! As in axum: give the router one state with [`Router::with_state`], and
-//! let each handler take what it needs with a [`State<T>`] parameter. `T` is
+//! As in axum: give the router one state ([`Router::with_state`]), and let
+//! each handler take what it needs with a [`State<T>`] parameter. `T` is
 //! the whole state, or any part of it that implements [`FromRef`] for it
 //! (`#[derive(FromRef)]` on the state implements it for every field).
 //!
@@ -38,9 +38,7 @@
 //! }
 //!
 //! let app = App { prices: Prices(Default::default()), http: HttpClient };
-//! let router = Router::new()
-//!     .route(Route::new("ORDERS", "place"), place)
-//!     .with_state(app);
+//! let router = Router::with_state(app).route(Route::new("ORDERS", "place"), place);
 //! # drop(router);
 //! ```
 //!

@@ -19,6 +19,7 @@ pub struct Stats {
     pub(crate) batch_fallbacks: AtomicU64,
     pub(crate) largest_batch: AtomicU64,
     pub(crate) infrastructure_errors: AtomicU64,
+    pub(crate) abandoned_transactions: AtomicU64,
 }
 
 impl Stats {
@@ -84,6 +85,12 @@ impl Stats {
     /// could not be used: BEGIN, the claim, or getting a connection.
     pub fn infrastructure_errors(&self) -> u64 {
         self.infrastructure_errors.load(Ordering::Relaxed)
+    }
+    /// Transactions the database stopped answering (a partition, a frozen
+    /// host) that the runtime stopped waiting for: left to finish on their
+    /// own, their messages settled as of unknown outcome.
+    pub fn abandoned_transactions(&self) -> u64 {
+        self.abandoned_transactions.load(Ordering::Relaxed)
     }
     /// Batches rolled back and rerun one message per transaction.
     pub fn batch_fallbacks(&self) -> u64 {

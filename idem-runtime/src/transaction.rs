@@ -15,7 +15,8 @@
 //!
 //! ```sql
 //! SELECT 1 / ((SELECT count(*) FROM idem_processed_messages
-//!              WHERE handler = $h$…$h$ AND message_id IN ($m$…$m$)) = 1)::int;
+//!              WHERE handler = $h$…$h$ AND message_id IN ($m$…$m$)
+//!                AND xmin = pg_current_xact_id()::xid) = 1)::int;
 //! COMMIT;
 //! BEGIN
 //! ```
@@ -24,8 +25,9 @@
 //! and the handler ignored the error) into a rollback that it reports as
 //! success, and sqlx does not look at the command tag. Here the `SELECT`
 //! fails first, with 25P02, in the same round trip, and the COMMIT never
-//! runs. If the claim is gone from the transaction (the handler ended it
-//! with a raw `ROLLBACK`), the division by zero stops the COMMIT instead.
+//! runs. If the claims are no longer this transaction's own (the handler
+//! ended it with a raw `ROLLBACK` or `COMMIT`: their `xmin` is not the
+//! current transaction's id), the division by zero stops the COMMIT instead.
 //! Either way nothing is acked. The trailing `BEGIN` keeps sqlx's view of the
 //! connection true: its transaction is still open, so dropping it queues a
 //! `ROLLBACK`, which ends that empty transaction together with the
@@ -195,19 +197,53 @@ pub(crate) async fn commit(
         Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("22012") => {
             Err(CommitError::ClaimLost)
         }
+        // The connection's own end (the server shutting down, say) can come
+        // right after the COMMIT went through: as unknown as a lost
+        // connection.
+        Err(error) if crate::failure::is_infrastructure(&error) => Err(CommitError::Unknown(error)),
         Err(error @ sqlx::Error::Database(_)) => Err(CommitError::Refused(error)),
         Err(error) => Err(CommitError::Unknown(error)),
     }
 }
 
 fn commit_sql(handler: &str, message_ids: &[&str]) -> String {
+    format!(
+        "SELECT 1 / ({})::int; COMMIT; BEGIN",
+        claims_are_pending(handler, message_ids)
+    )
+}
+
+/// SQL that is true when every claim of `handler` for `message_ids` was
+/// made by the transaction it runs in, and not committed yet: not gone (a
+/// raw ROLLBACK), not committed by the handler itself (a raw COMMIT).
+fn claims_are_pending(handler: &str, message_ids: &[&str]) -> String {
     let ids: Vec<String> = message_ids.iter().map(|id| literal(id)).collect();
     format!(
-        "SELECT 1 / ((SELECT count(*) FROM {DEDUP_TABLE} WHERE handler = {} AND message_id IN ({})) = {})::int; COMMIT; BEGIN",
+        "(SELECT count(*) FROM {DEDUP_TABLE} WHERE handler = {} AND message_id IN ({}) \
+         AND xmin = pg_current_xact_id()::xid) = {}",
         literal(handler),
         ids.join(", "),
         message_ids.len()
     )
+}
+
+/// Whether the claims are still this transaction's own, uncommitted: asked
+/// on the way to a rollback after a handler failed, so that a handler that
+/// committed its claim itself (a raw COMMIT) and then failed is not
+/// redelivered and taken for processed. A transaction PostgreSQL aborted
+/// (the handler's statement failed) still holds them.
+pub(crate) async fn claims_still_pending(
+    tx: &mut PgTransaction<'_>,
+    handler: &str,
+    message_ids: &[&str],
+) -> bool {
+    let sql = format!("SELECT {}", claims_are_pending(handler, message_ids));
+    // An error is 25P02 (aborted: the claims roll back with it), or one that
+    // leaves the usual path to decide.
+    sqlx::query_scalar::<_, bool>(AssertSqlSafe(sql))
+        .fetch_one(&mut **tx)
+        .await
+        .unwrap_or(true)
 }
 
 /// `value` as a dollar-quoted SQL literal whose tag cannot end it early.
@@ -258,7 +294,8 @@ mod tests {
         assert_eq!(
             commit_sql("h", &["a", "b"]),
             "SELECT 1 / ((SELECT count(*) FROM idem_processed_messages WHERE handler = $idem$h$idem$ \
-             AND message_id IN ($idem$a$idem$, $idem$b$idem$)) = 2)::int; COMMIT; BEGIN"
+             AND message_id IN ($idem$a$idem$, $idem$b$idem$) AND xmin = pg_current_xact_id()::xid) = 2)::int; \
+             COMMIT; BEGIN"
         );
     }
 }

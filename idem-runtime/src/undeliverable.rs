@@ -25,13 +25,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use async_nats::header::HeaderName;
+use async_nats::header::{HeaderName, HeaderValue};
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind, stream};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use serde::Deserialize;
+use std::panic::AssertUnwindSafe;
 
 use crate::codec::Decode;
 use crate::dead_letter::{self, Failure, Origin};
@@ -74,6 +75,13 @@ fn advisory_subject(stream: &str, durable: &str) -> String {
     format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}")
 }
 
+/// The durable consumer that reads a route's advisories: one per
+/// (stream, durable), the stream's length first so that no two pairs map to
+/// one name (`S-A` + `c` and `S` + `A-c` differ).
+fn watcher_name(stream: &str, durable: &str) -> String {
+    format!("idem-given-up-{}-{stream}-{durable}", stream.len())
+}
+
 /// Creates [`ADVISORY_STREAM`] if it is missing, and the route's durable
 /// consumer on it. Done before the route pulls, so that no advisory of it
 /// is missed from then on.
@@ -97,7 +105,7 @@ pub(crate) async fn bind(js: &jetstream::Context, route: &Route) -> Result<PullC
         .map_err(|e| jetstream_error(e.into()))?;
     advisories
         .create_consumer(pull::Config {
-            durable_name: Some(format!("idem-given-up-{}-{}", route.stream, route.durable)),
+            durable_name: Some(watcher_name(&route.stream, &route.durable)),
             filter_subject: advisory_subject(&route.stream, &route.durable),
             ack_policy: AckPolicy::Explicit,
             ack_wait: Duration::from_secs(30),
@@ -148,7 +156,13 @@ pub(crate) async fn watch<S: Send + Sync + 'static, H: Handler<S>>(
                 None => break,
             };
             let handled = match serde_json::from_slice::<MaxDeliveries>(&advisory.payload) {
-                Ok(given_up) => pipeline.dead_letter_given_up(&js, &given_up).await,
+                // Whatever the message holds, it does not stop the watcher.
+                Ok(given_up) => AssertUnwindSafe(pipeline.dead_letter_given_up(&js, &given_up))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|panic| {
+                        Err(format!("it panicked: {}", crate::pipeline::panic_text(&*panic)).into())
+                    }),
                 Err(error) => {
                     tracing::error!(%error, route = route.durable, "unreadable MAX_DELIVERIES advisory; dropped");
                     Ok(())
@@ -288,10 +302,16 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         header_block: Option<&[u8]>,
         delivery: &Delivery,
     ) -> Option<MessageId> {
-        if let Ok(decoded) = <H::Codec as Decode<H::Payload>>::decode(payload)
-            && let Some(key) = self.handler.message_key(&decoded, delivery)
-        {
-            return MessageId::from_key(key).ok();
+        let keyed = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            <H::Codec as Decode<H::Payload>>::decode(payload)
+                .ok()
+                .map(|decoded| self.handler.message_key(&decoded, delivery))
+        }));
+        match keyed {
+            Ok(Some(Some(key))) => return MessageId::from_key(key).ok(),
+            Ok(_) => {}
+            // The key panics: no id can be known.
+            Err(_) => return None,
         }
         match header_block.and_then(raw_nats_msg_id) {
             Some(Ok(value)) => MessageId::from_header(value).ok(),
@@ -319,9 +339,11 @@ fn header_lines(block: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
 }
 
 /// The last `Nats-Msg-Id` of a raw header block: `Err` if it is not UTF-8.
+/// The name is matched exactly, as async-nats (and so the pipeline) and
+/// JetStream's own publish dedup match it.
 fn raw_nats_msg_id(block: &[u8]) -> Option<Result<String, ()>> {
     header_lines(block)
-        .filter(|(name, _)| name.eq_ignore_ascii_case(b"Nats-Msg-Id"))
+        .filter(|(name, _)| *name == b"Nats-Msg-Id")
         .last()
         .map(|(_, value)| String::from_utf8(value.to_vec()).map_err(|_| ()))
 }
@@ -333,7 +355,8 @@ fn parse_header_block(block: &[u8]) -> HeaderMap {
         let (Ok(name), Ok(value)) = (std::str::from_utf8(name), std::str::from_utf8(value)) else {
             continue;
         };
-        if let Ok(name) = HeaderName::from_str(name) {
+        // Fallible parses: async-nats panics on a value with a bare CR.
+        if let (Ok(name), Ok(value)) = (HeaderName::from_str(name), HeaderValue::from_str(value)) {
             headers.append(name, value);
         }
     }
@@ -348,6 +371,17 @@ mod tests {
     fn the_nats_msg_id_of_a_raw_header_block() {
         let block = b"NATS/1.0\r\nTrace: t-1\r\nNats-Msg-Id: order-7\r\n\r\n";
         assert_eq!(raw_nats_msg_id(block), Some(Ok("order-7".to_owned())));
+        let lower_case = b"NATS/1.0\r\nnats-msg-id: order-7\r\n\r\n";
+        assert_eq!(
+            raw_nats_msg_id(lower_case),
+            None,
+            "matched exactly, as the pipeline does"
+        );
+        let bare_cr = b"NATS/1.0\r\nX: a\rb\r\nY: fine\r\n\r\n";
+        let headers = parse_header_block(bare_cr);
+        assert!(headers.get("X").is_none());
+        assert_eq!(headers.get("Y").map(|v| v.as_str()), Some("fine"));
+        assert_ne!(watcher_name("S-A", "c"), watcher_name("S", "A-c"));
         let not_utf8 = b"NATS/1.0\r\nNats-Msg-Id: \xff\xfe-x\r\n\r\n";
         assert_eq!(raw_nats_msg_id(not_utf8), Some(Err(())));
         assert_eq!(raw_nats_msg_id(b"NATS/1.0\r\nA: b\r\n\r\n"), None);

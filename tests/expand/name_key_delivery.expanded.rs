@@ -88,11 +88,11 @@ where
                         ByChain as _, ByClassify as _, ByDefault as _, ByHeldError as _,
                     };
                     let error = __idem_error;
-                    let class = (&&&&::idem_runtime::__private::specialize::ClassOf(
+                    let found = (&&&&::idem_runtime::__private::specialize::ClassOf(
                         &error,
                     ))
                         .idem_class();
-                    ::idem_runtime::HandlerError::classified(error, class)
+                    ::idem_runtime::HandlerError::found(error, found)
                 })
             }
         }

@@ -54,7 +54,13 @@ async fn charge_fee(
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
     calls.0.fetch_add(1, Ordering::SeqCst);
-    record_effect(tx, "state-fee", &deposit(&d.account, d.amount - fee), delivery).await
+    record_effect(
+        tx,
+        "state-fee",
+        &deposit(&d.account, d.amount - fee),
+        delivery,
+    )
+    .await
 }
 
 #[idempotent(name = "state-whole")]
@@ -65,7 +71,13 @@ async fn whole_state(
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
     bank.calls.0.fetch_add(1, Ordering::SeqCst);
-    record_effect(tx, "state-whole", &deposit(&d.account, bank.fee.0), delivery).await
+    record_effect(
+        tx,
+        "state-whole",
+        &deposit(&d.account, bank.fee.0),
+        delivery,
+    )
+    .await
 }
 
 /// Two handlers take the router's state, one a part of it and one the whole:
@@ -98,7 +110,11 @@ async fn handlers_take_the_routers_state_whole_and_in_parts() {
     wait_all_acked(&js, &stream, "whole").await;
     stop(handle, task).await;
 
-    assert_eq!(bank.calls.0.load(Ordering::SeqCst), 6, "the state's counter");
+    assert_eq!(
+        bank.calls.0.load(Ordering::SeqCst),
+        6,
+        "the state's counter"
+    );
     let amounts: Vec<(String, i64)> =
         sqlx::query_as("SELECT handler, amount FROM effects ORDER BY handler, message_id")
             .fetch_all(&pool)
@@ -229,7 +245,13 @@ async fn store_proto(
     delivery: &Delivery,
     cmd: ProtoCredit,
 ) -> Result<(), sqlx::Error> {
-    record_effect(tx, "proto", &deposit(&cmd.transfer_id, cmd.amount), delivery).await
+    record_effect(
+        tx,
+        "proto",
+        &deposit(&cmd.transfer_id, cmd.amount),
+        delivery,
+    )
+    .await
 }
 
 /// Publishes raw `payload` with `Nats-Msg-Id` `id` to `subject`.
@@ -280,19 +302,34 @@ async fn codecs_decode_what_they_should_and_dead_letter_the_rest() {
         transfer_id: "t-9".into(),
         amount: 42,
     };
-    publish_raw(&js, &proto_subject, prost::Message::encode_to_vec(&credit), "proto-1").await;
+    publish_raw(
+        &js,
+        &proto_subject,
+        prost::Message::encode_to_vec(&credit),
+        "proto-1",
+    )
+    .await;
     publish_raw(&js, &proto_subject, b"\xff\xff\xff".to_vec(), "proto-bad").await;
 
     let (handle, task) = spawn(
         Router::new()
-            .route(Route::new(&stream, "bytes").filter_subject(&bytes_subject), store_bytes)
-            .route(Route::new(&stream, "text").filter_subject(&text_subject), store_text)
-            .route(Route::new(&stream, "proto").filter_subject(&proto_subject), store_proto),
+            .route(
+                Route::new(&stream, "bytes").filter_subject(&bytes_subject),
+                store_bytes,
+            )
+            .route(
+                Route::new(&stream, "text").filter_subject(&text_subject),
+                store_text,
+            )
+            .route(
+                Route::new(&stream, "proto").filter_subject(&proto_subject),
+                store_proto,
+            ),
         nats,
         pool.clone(),
     );
-    for durable in ["bytes", "text", "proto"] {
-        wait_all_acked(&js, &stream, durable).await;
+    for (durable, messages) in [("bytes", 1), ("text", 2), ("proto", 2)] {
+        wait_consumer_settled(&js, &stream, durable, messages).await;
     }
     stop(handle, task).await;
 
@@ -328,9 +365,15 @@ async fn codecs_decode_what_they_should_and_dead_letter_the_rest() {
     rejected.sort();
     assert_eq!(rejected.len(), 2);
     assert_eq!(rejected[0].0, "proto-bad");
-    assert!(rejected[0].1.contains("does not decode as protobuf"), "{rejected:?}");
+    assert!(
+        rejected[0].1.contains("does not decode as protobuf"),
+        "{rejected:?}"
+    );
     assert_eq!(rejected[1].0, "text-not-utf8");
-    assert!(rejected[1].1.contains("does not decode as UTF-8 text"), "{rejected:?}");
+    assert!(
+        rejected[1].1.contains("does not decode as UTF-8 text"),
+        "{rejected:?}"
+    );
 }
 
 // --- Keys that see the delivery -------------------------------------------------
@@ -418,7 +461,10 @@ type ServiceResult<T> = Result<T, ServiceError>;
 
 #[idempotent(name = "anyhow-permanent")]
 async fn anyhow_permanent(_tx: &mut sqlx::PgTransaction<'_>, d: Deposit) -> anyhow::Result<()> {
-    Err(anyhow::Error::new(Permanent::new(format!("{} is closed", d.account))).context("depositing"))
+    Err(
+        anyhow::Error::new(Permanent::new(format!("{} is closed", d.account)))
+            .context("depositing"),
+    )
 }
 
 #[idempotent(name = "anyhow-classified")]

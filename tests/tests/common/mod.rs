@@ -187,8 +187,8 @@ pub async fn publish(
 }
 
 /// Runs `router` in the background until its handle shuts it down.
-pub fn spawn(
-    router: Router,
+pub fn spawn<S: Send + Sync + 'static>(
+    router: Router<S>,
     nats: async_nats::Client,
     pool: PgPool,
 ) -> (RouterHandle, JoinHandle<Result<(), idem_runtime::Error>>) {
@@ -258,6 +258,38 @@ pub async fn wait_all_acked(js: &jetstream::Context, stream: &str, durable: &str
             info.num_pending,
             info.num_ack_pending,
             info.ack_floor.stream_sequence
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until the (filtered) consumer `durable` has taken `messages`
+/// messages and settled all of them: nothing pending, nothing awaiting ack.
+/// For a consumer that sees only part of its stream, where the ack floor
+/// never reaches the stream's last message.
+pub async fn wait_consumer_settled(
+    js: &jetstream::Context,
+    stream: &str,
+    durable: &str,
+    messages: u64,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(info) = js
+            .get_stream(stream)
+            .await
+            .expect("stream exists")
+            .consumer_info(durable)
+            .await
+            && info.num_pending == 0
+            && info.num_ack_pending == 0
+            && info.delivered.consumer_sequence >= messages
+        {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "consumer {durable} did not settle {messages} messages within 60 s"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
