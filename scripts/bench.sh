@@ -4,7 +4,8 @@
 #   scripts/bench.sh [MODE] [OPTIONS...]    default: compare
 #   scripts/bench.sh smoke                  every mode, small N, checks only
 #                                           correctness (for CI)
-#   scripts/bench.sh help                   modes and options
+#   scripts/bench.sh --help                 modes and scenarios
+#   scripts/bench.sh MODE --help            the options of one of them
 #
 # The bench itself starts a throwaway nats-server and PostgreSQL on 127.0.0.1
 # (random ports, files under TMPDIR on disk, durability settings on) unless

@@ -74,10 +74,6 @@ impl Mode {
         }
     }
 
-    pub fn parse(name: &str) -> Option<Mode> {
-        Mode::ALL.into_iter().find(|mode| mode.name() == name)
-    }
-
     pub fn uses_database(self) -> bool {
         self != Mode::Raw
     }
@@ -283,7 +279,7 @@ impl Consumer {
     }
 }
 
-/// How the hand-written modes fetch messages.
+/// How the hand-written modes fetch messages (`--pull`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pull {
     /// `consumer.messages()`: async-nats keeps pull requests of 200 going
@@ -301,6 +297,17 @@ impl Pull {
             Pull::Prefetch => "prefetch",
             Pull::Slots => "slots",
         }
+    }
+}
+
+/// `--pull prefetch|slots`, by [`Pull::name`].
+impl clap::ValueEnum for Pull {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[Pull::Prefetch, Pull::Slots]
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.name()))
     }
 }
 

@@ -2,11 +2,12 @@
 //! the same work, on real servers with their durability settings on.
 //!
 //! ```text
-//! cargo run --release -p idem-bench -- <mode> [--messages N] [--concurrency C] [--batch B]
+//! cargo run --release -p idem-bench -- <mode> [--messages N] [--concurrency C] [options]
 //! ```
 //!
-//! Run `idem-bench help` for the modes and options. Each run prints one JSON
-//! object on stdout; progress, tables and targets go to stderr.
+//! Run `idem-bench --help` for the modes and scenarios, and
+//! `idem-bench <mode> --help` for the options of each. Each run prints one
+//! JSON object on stdout; progress, tables and targets go to stderr.
 
 mod consumers;
 mod probe;
@@ -18,59 +19,268 @@ use std::fmt;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use clap::{Args, Parser, Subcommand};
 use consumers::{Mode, Pull};
 use run::{Context, Measurement, Plan};
 use servers::Servers;
 
-const USAGE: &str = "\
-usage: idem-bench <mode> [options]
+/// How fast idem consumes, against hand-written consumers doing the same
+/// work, on real servers with their durability settings on.
+#[derive(Debug, Parser)]
+#[command(
+    name = "idem-bench",
+    version,
+    arg_required_else_help = true,
+    subcommand_value_name = "MODE",
+    subcommand_help_heading = "Modes and scenarios",
+    after_help = AFTER_HELP
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-modes (each publishes N messages first, then times the consumer from its
-start to the last commit):
-  raw          JetStream pull + ack, no database
-  naive        async-nats + sqlx, BEGIN / INSERT / COMMIT / ack, no dedup
-  manual       as naive, with a dedup INSERT .. ON CONFLICT DO NOTHING first
-  idem         an #[idempotent] handler run by idem_runtime::Router
-  idem-batch   the framework, batched: Route::batch(B), C batches in flight
-  compare      all of the above, one after another, and a table
-
-scenarios:
-  latency      idem and naive at a fixed offered load (--rate, default 500
-               msgs/s; default 5000 messages): p50/p99 publish to commit
-  backlog      idem over a 200000-message backlog: peak RSS
-  prefilled    idem and manual with an empty dedup table, then with one
-               pre-filled with --prefill rows (default 5000000)
-  smoke        every mode and scenario with small numbers, a tenth of the
-               messages published twice; checks only correctness (effects =
-               distinct messages, and each duplicate applied once in the
-               dedup modes and twice without). For CI.
-
-options:
-  --messages N      messages per run (default 20000; see the scenarios)
-  --concurrency C   messages in flight (default 8)
-  --batch B         messages per transaction for idem-batch (default 64)
-  --rate R          offered load of `latency`, msgs/s (default 500)
-  --prefill ROWS    dedup rows of `prefilled` (default 5000000)
-  --duplicates D    publish D of the messages a second time with the same
-                    Nats-Msg-Id, after the stream's duplicate window (made
-                    100 ms), so JetStream stores both (default 0; smoke: N/10)
-  --no-ping         pools skip sqlx's liveness check on acquire
-                    (test_before_acquire(false)), in every mode
-  --pull slots      the hand-written modes pull only as many messages as
-                    there are free slots, a task per message
-                    instead of async-nats' prefetching messages() (default:
-                    --pull prefetch); for attributing differences
+const AFTER_HELP: &str = "\
+Each mode publishes its messages first, then times the consumer from its
+start to the last commit. Each run prints one JSON object on stdout;
+progress, tables and targets go to stderr. `idem-bench <MODE> --help` lists
+the options of a mode or scenario.
 
 NATS_URL and DATABASE_URL select servers (the bench creates and drops a
 database per run there: it needs CREATEDB); without them it starts its own
 nats-server and PostgreSQL on 127.0.0.1, under TMPDIR on disk, and removes
-them on exit. RUST_LOG sets the log filter (default: warn).
-";
+them on exit. RUST_LOG sets the log filter (default: warn).";
+
+/// The modes (one consumer each) and the scenarios (several runs each).
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// JetStream pull + ack, no database
+    Raw(RawArgs),
+    /// async-nats + sqlx: BEGIN / INSERT / COMMIT / ack, no dedup
+    Naive(HandWrittenArgs),
+    /// As naive, with a dedup INSERT .. ON CONFLICT DO NOTHING first
+    Manual(HandWrittenArgs),
+    /// An #[idempotent] handler run by idem_runtime::Router
+    Idem(IdemArgs),
+    /// The framework, batched: Route::batch(B), C batches in flight
+    #[command(mut_arg("concurrency", |arg| arg.help("Batches in flight")))]
+    IdemBatch(IdemBatchArgs),
+    /// All five modes, one after another, and a table
+    #[command(mut_arg("concurrency", |arg| arg.help(CONCURRENCY_WITH_BATCHES)))]
+    Compare(CompareArgs),
+    /// idem and naive at a fixed offered load: p50/p99 publish to commit
+    Latency(LatencyArgs),
+    /// idem over a large backlog: peak RSS
+    Backlog(BacklogArgs),
+    /// idem and manual with an empty dedup table, then a pre-filled one
+    Prefilled(PrefilledArgs),
+    /// Every mode and scenario, small, with duplicates: checks correctness only (CI)
+    #[command(after_help = SMOKE)]
+    Smoke(SmokeArgs),
+}
+
+const SMOKE: &str = "\
+Every mode and scenario with small numbers, a tenth of the messages
+published twice (with the same Nats-Msg-Id, after the stream's duplicate
+window, so that JetStream stores both copies). It checks only correctness:
+effects = distinct messages and one skipped duplicate per second copy in the
+dedup modes, and a second effect per copy in naive, the control. The target
+lines mean little at this size.";
+
+const CONCURRENCY_WITH_BATCHES: &str = "Messages in flight (idem-batch: batches in flight)";
+
+/// What every run takes.
+#[derive(Debug, Args)]
+struct Load {
+    /// Messages in flight
+    #[arg(long, value_name = "C", default_value_t = 8, value_parser = positive::<usize>)]
+    concurrency: usize,
+    /// Messages published a second time, after the 100 ms duplicate window
+    #[arg(long, value_name = "D", default_value_t = 0, value_parser = whole::<usize>)]
+    duplicates: usize,
+}
+
+/// The database pools' settings.
+#[derive(Debug, Args)]
+struct Pools {
+    /// Skip sqlx's liveness ping when a pool hands out a connection [default: ping]
+    #[arg(long)]
+    no_ping: bool,
+}
+
+/// How the hand-written consumers fetch.
+#[derive(Debug, Args)]
+struct Fetch {
+    /// Hand-written modes: prefetch with async-nats' messages(), or pull into free slots as the runtime
+    #[arg(long, value_name = "HOW", value_enum, default_value_t = Pull::Prefetch)]
+    pull: Pull,
+}
+
+/// The batch size of `idem-batch`.
+#[derive(Debug, Args)]
+struct Batch {
+    /// Messages per transaction in idem-batch
+    #[arg(long, value_name = "B", default_value_t = DEFAULT_BATCH, value_parser = positive::<usize>)]
+    batch: usize,
+}
+
+const DEFAULT_BATCH: usize = 64;
+const DEFAULT_RATE: u64 = 500;
+
+#[derive(Debug, Args)]
+struct RawArgs {
+    /// Messages published, then consumed
+    #[arg(long, value_name = "N", default_value_t = 20_000, value_parser = positive::<usize>)]
+    messages: usize,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    fetch: Fetch,
+}
+
+#[derive(Debug, Args)]
+struct HandWrittenArgs {
+    /// Messages published, then consumed
+    #[arg(long, value_name = "N", default_value_t = 20_000, value_parser = positive::<usize>)]
+    messages: usize,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+    #[command(flatten)]
+    fetch: Fetch,
+}
+
+#[derive(Debug, Args)]
+struct IdemArgs {
+    /// Messages published, then consumed
+    #[arg(long, value_name = "N", default_value_t = 20_000, value_parser = positive::<usize>)]
+    messages: usize,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+}
+
+#[derive(Debug, Args)]
+struct IdemBatchArgs {
+    /// Messages published, then consumed
+    #[arg(long, value_name = "N", default_value_t = 20_000, value_parser = positive::<usize>)]
+    messages: usize,
+    #[command(flatten)]
+    batch: Batch,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+}
+
+#[derive(Debug, Args)]
+struct CompareArgs {
+    /// Messages per mode, published, then consumed
+    #[arg(long, value_name = "N", default_value_t = 20_000, value_parser = positive::<usize>)]
+    messages: usize,
+    #[command(flatten)]
+    batch: Batch,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+    #[command(flatten)]
+    fetch: Fetch,
+}
+
+#[derive(Debug, Args)]
+struct LatencyArgs {
+    /// Messages per mode, published at --rate while consuming
+    #[arg(long, value_name = "N", default_value_t = 5_000, value_parser = positive::<usize>)]
+    messages: usize,
+    /// Offered load, messages per second
+    #[arg(long, value_name = "R", default_value_t = DEFAULT_RATE, value_parser = positive::<u64>)]
+    rate: u64,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+    #[command(flatten)]
+    fetch: Fetch,
+}
+
+#[derive(Debug, Args)]
+struct BacklogArgs {
+    /// Messages queued before the consumer starts
+    #[arg(long, value_name = "N", default_value_t = 200_000, value_parser = positive::<usize>)]
+    messages: usize,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+}
+
+#[derive(Debug, Args)]
+struct PrefilledArgs {
+    /// Messages per run, published, then consumed
+    #[arg(long, value_name = "N", default_value_t = 20_000, value_parser = positive::<usize>)]
+    messages: usize,
+    /// Rows in the pre-filled dedup table
+    #[arg(long, value_name = "ROWS", default_value_t = 5_000_000, value_parser = positive::<u64>)]
+    prefill: u64,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+    #[command(flatten)]
+    fetch: Fetch,
+}
+
+#[derive(Debug, Args)]
+struct SmokeArgs {
+    /// Messages per run (latency: at most 250)
+    #[arg(long, value_name = "N", default_value_t = 500, value_parser = positive::<usize>)]
+    messages: usize,
+    #[command(flatten)]
+    batch: Batch,
+    /// Offered load of the latency run, messages per second
+    #[arg(long, value_name = "R", default_value_t = DEFAULT_RATE, value_parser = positive::<u64>)]
+    rate: u64,
+    #[arg(long, value_name = "C", default_value_t = 8, value_parser = positive::<usize>,
+          help = CONCURRENCY_WITH_BATCHES)]
+    concurrency: usize,
+    /// Messages published twice [default: a tenth of --messages, at least 1]
+    #[arg(long, value_name = "D", value_parser = whole::<usize>)]
+    duplicates: Option<usize>,
+    #[command(flatten)]
+    pools: Pools,
+    #[command(flatten)]
+    fetch: Fetch,
+}
+
+/// A whole number above zero; `_` may group its digits (`20_000`).
+fn positive<T>(value: &str) -> Result<T, String>
+where
+    T: std::str::FromStr<Err = std::num::ParseIntError> + PartialEq + From<u8>,
+{
+    let number = whole::<T>(value)?;
+    if number == T::from(0) {
+        return Err("must be at least 1".into());
+    }
+    Ok(number)
+}
+
+/// A whole number; `_` may group its digits (`20_000`).
+fn whole<T>(value: &str) -> Result<T, String>
+where
+    T: std::str::FromStr<Err = std::num::ParseIntError>,
+{
+    value
+        .replace('_', "")
+        .parse()
+        .map_err(|e: std::num::ParseIntError| format!("not a whole number: {e}"))
+}
 
 /// Why the bench stopped.
 #[derive(Debug)]
 pub enum BenchError {
-    Usage(String),
     /// Servers, connections, fixtures.
     Setup(String),
     /// A run went wrong or its end state is wrong.
@@ -89,7 +299,6 @@ impl BenchError {
 
     fn exit_code(&self) -> u8 {
         match self {
-            BenchError::Usage(_) => 2,
             BenchError::Interrupted => 130,
             BenchError::Setup(_) | BenchError::Failed(_) => 1,
         }
@@ -99,7 +308,6 @@ impl BenchError {
 impl fmt::Display for BenchError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            BenchError::Usage(m) => write!(f, "{m}\n\n{USAGE}"),
             BenchError::Setup(m) => write!(f, "set-up failed: {m}"),
             BenchError::Failed(m) => write!(f, "FAILED: {m}"),
             BenchError::Interrupted => f.write_str("interrupted"),
@@ -109,8 +317,9 @@ impl fmt::Display for BenchError {
 
 impl std::error::Error for BenchError {}
 
+/// What to run.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Command {
+enum Job {
     Mode(Mode),
     Compare,
     Latency,
@@ -119,11 +328,14 @@ enum Command {
     Smoke,
 }
 
+/// The parsed command line, whatever the mode. A field for an option the
+/// mode does not take holds a placeholder that the mode does not read.
 #[derive(Debug, Clone, Copy)]
 struct Options {
-    command: Command,
-    messages: Option<usize>,
-    /// Messages published a second time (`--duplicates`).
+    job: Job,
+    messages: usize,
+    /// Messages published a second time (`--duplicates`); `None`: smoke's
+    /// default, a tenth of the messages.
     duplicates: Option<usize>,
     concurrency: usize,
     batch: usize,
@@ -133,57 +345,86 @@ struct Options {
     pull: Pull,
 }
 
-fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, BenchError> {
-    let usage = |m: String| BenchError::Usage(m);
-    let mut args = args.into_iter();
-    let command = match args.next().as_deref() {
-        None | Some("help" | "-h" | "--help") => return Err(usage("no mode given".into())),
-        Some("compare") => Command::Compare,
-        Some("latency") => Command::Latency,
-        Some("backlog") => Command::Backlog,
-        Some("prefilled") => Command::Prefilled,
-        Some("smoke") => Command::Smoke,
-        Some(name) => {
-            Command::Mode(Mode::parse(name).ok_or_else(|| usage(format!("unknown mode {name:?}")))?)
-        }
-    };
-    let mut options = Options {
-        command,
-        messages: None,
-        duplicates: None,
-        concurrency: 8,
-        batch: 64,
-        rate: 500.0,
-        prefill: 5_000_000,
-        ping: true,
-        pull: Pull::Prefetch,
-    };
-    while let Some(flag) = args.next() {
-        let mut number = |flag: &str| -> Result<u64, BenchError> {
-            args.next()
-                .and_then(|v| v.replace('_', "").parse::<u64>().ok())
-                .filter(|&v| v > 0)
-                .ok_or_else(|| usage(format!("{flag} needs a positive whole number")))
-        };
-        match flag.as_str() {
-            "--messages" => options.messages = Some(number("--messages")? as usize),
-            "--duplicates" => options.duplicates = Some(number("--duplicates")? as usize),
-            "--concurrency" => options.concurrency = number("--concurrency")? as usize,
-            "--batch" => options.batch = number("--batch")? as usize,
-            "--rate" => options.rate = number("--rate")? as f64,
-            "--prefill" => options.prefill = number("--prefill")?,
-            "--no-ping" => options.ping = false,
-            "--pull" => {
-                options.pull = match args.next().as_deref() {
-                    Some("prefetch") => Pull::Prefetch,
-                    Some("slots") => Pull::Slots,
-                    _ => return Err(usage("--pull takes prefetch or slots".into())),
-                }
-            }
-            other => return Err(usage(format!("unknown option {other:?}"))),
+impl Options {
+    fn new(job: Job, messages: usize, load: Load) -> Options {
+        Options {
+            job,
+            messages,
+            duplicates: Some(load.duplicates),
+            concurrency: load.concurrency,
+            batch: DEFAULT_BATCH,
+            rate: DEFAULT_RATE as f64,
+            prefill: 0,
+            ping: true,
+            pull: Pull::Prefetch,
         }
     }
-    Ok(options)
+}
+
+impl Pools {
+    fn ping(&self) -> bool {
+        !self.no_ping
+    }
+}
+
+impl From<Command> for Options {
+    fn from(command: Command) -> Options {
+        let hand_written = |mode, a: HandWrittenArgs| Options {
+            ping: a.pools.ping(),
+            pull: a.fetch.pull,
+            ..Options::new(Job::Mode(mode), a.messages, a.load)
+        };
+        match command {
+            Command::Raw(a) => Options {
+                pull: a.fetch.pull,
+                ..Options::new(Job::Mode(Mode::Raw), a.messages, a.load)
+            },
+            Command::Naive(a) => hand_written(Mode::Naive, a),
+            Command::Manual(a) => hand_written(Mode::Manual, a),
+            Command::Idem(a) => Options {
+                ping: a.pools.ping(),
+                ..Options::new(Job::Mode(Mode::Idem), a.messages, a.load)
+            },
+            Command::IdemBatch(a) => Options {
+                batch: a.batch.batch,
+                ping: a.pools.ping(),
+                ..Options::new(Job::Mode(Mode::IdemBatch), a.messages, a.load)
+            },
+            Command::Compare(a) => Options {
+                batch: a.batch.batch,
+                ping: a.pools.ping(),
+                pull: a.fetch.pull,
+                ..Options::new(Job::Compare, a.messages, a.load)
+            },
+            Command::Latency(a) => Options {
+                rate: a.rate as f64,
+                ping: a.pools.ping(),
+                pull: a.fetch.pull,
+                ..Options::new(Job::Latency, a.messages, a.load)
+            },
+            Command::Backlog(a) => Options {
+                ping: a.pools.ping(),
+                ..Options::new(Job::Backlog, a.messages, a.load)
+            },
+            Command::Prefilled(a) => Options {
+                prefill: a.prefill,
+                ping: a.pools.ping(),
+                pull: a.fetch.pull,
+                ..Options::new(Job::Prefilled, a.messages, a.load)
+            },
+            Command::Smoke(a) => Options {
+                job: Job::Smoke,
+                messages: a.messages,
+                duplicates: a.duplicates,
+                concurrency: a.concurrency,
+                batch: a.batch.batch,
+                rate: a.rate as f64,
+                prefill: 0,
+                ping: a.pools.ping(),
+                pull: a.fetch.pull,
+            },
+        }
+    }
 }
 
 /// When the process started, for the timestamps of progress lines.
@@ -195,6 +436,9 @@ pub fn since_start() -> std::time::Duration {
 
 fn main() -> ExitCode {
     since_start();
+    // On a bad argument clap prints the error and the usage and exits with
+    // 2; on --help it prints the help and exits with 0.
+    let options = Options::from(Cli::parse().command);
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -204,19 +448,12 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn,sqlx::query=error".into()),
         )
         .init();
-    let options = match parse_args(std::env::args().skip(1)) {
-        Ok(options) => options,
-        Err(e) => {
-            eprintln!("idem-bench: {e}");
-            return ExitCode::from(e.exit_code());
-        }
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("a tokio runtime");
     let result = runtime.block_on(async {
-        let need_postgres = options.command != Command::Mode(Mode::Raw);
+        let need_postgres = options.job != Job::Mode(Mode::Raw);
         let servers = tokio::select! {
             servers = Servers::start(need_postgres) => servers?,
             _ = interrupted() => return Err(BenchError::Interrupted),
@@ -262,26 +499,26 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
         servers.owned_pids(),
     )
     .await?;
-    let messages = |default: usize| options.messages.unwrap_or(default);
-    match options.command {
-        Command::Mode(mode) => {
-            let plan = plan(options, mode, "throughput", messages(20_000));
+    let messages = options.messages;
+    match options.job {
+        Job::Mode(mode) => {
+            let plan = plan(options, mode, "throughput", messages);
             let measured = run::run(&ctx, &plan).await?;
             println!("{}", report::json_line(&measured));
         }
-        Command::Compare => {
-            compare(&ctx, options, messages(20_000)).await?;
+        Job::Compare => {
+            compare(&ctx, options, messages).await?;
         }
-        Command::Latency => {
-            latency(&ctx, options, messages(5_000), options.rate).await?;
+        Job::Latency => {
+            latency(&ctx, options, messages, options.rate).await?;
         }
-        Command::Backlog => {
-            backlog(&ctx, options, messages(200_000)).await?;
+        Job::Backlog => {
+            backlog(&ctx, options, messages).await?;
         }
-        Command::Prefilled => {
-            prefilled(&ctx, options, messages(20_000), options.prefill).await?;
+        Job::Prefilled => {
+            prefilled(&ctx, options, messages, options.prefill).await?;
         }
-        Command::Smoke => smoke(&ctx, options).await?,
+        Job::Smoke => smoke(&ctx, options).await?,
     }
     Ok(())
 }
@@ -427,7 +664,7 @@ async fn prefilled(
 /// every copy, which proves the duplicates reach the consumer.
 async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
     let started = Instant::now();
-    let n = options.messages.unwrap_or(500);
+    let n = options.messages;
     let options = &Options {
         duplicates: Some(options.duplicates.unwrap_or((n / 10).max(1))),
         ..*options
@@ -503,29 +740,80 @@ async fn describe_database(url: &str) -> Result<(), BenchError> {
 
 #[cfg(test)]
 mod tests {
+    use clap::CommandFactory;
+
     use super::*;
 
-    fn args(line: &str) -> Vec<String> {
-        line.split_whitespace().map(str::to_owned).collect()
+    fn parse(line: &str) -> Result<Options, clap::Error> {
+        let args = std::iter::once("idem-bench").chain(line.split_whitespace());
+        Cli::try_parse_from(args).map(|cli| Options::from(cli.command))
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
     }
 
     #[test]
     fn parses_modes_and_flags() {
-        let o = parse_args(args("idem --messages 1_000 --concurrency 4 --no-ping")).unwrap();
-        assert_eq!(o.command, Command::Mode(Mode::Idem));
-        assert_eq!(o.messages, Some(1000));
-        assert_eq!(o.duplicates, None);
-        assert_eq!(
-            parse_args(args("smoke --duplicates 7")).unwrap().duplicates,
-            Some(7)
-        );
+        let o = parse("idem --messages 1_000 --concurrency 4 --no-ping").unwrap();
+        assert_eq!(o.job, Job::Mode(Mode::Idem));
+        assert_eq!(o.messages, 1000);
+        assert_eq!(o.duplicates, Some(0));
         assert_eq!(o.concurrency, 4);
         assert!(!o.ping);
+        assert_eq!(parse("smoke --duplicates 7").unwrap().duplicates, Some(7));
+        let o = parse("naive --pull slots").unwrap();
         assert_eq!(
-            parse_args(args("compare")).unwrap().command,
-            Command::Compare
+            (o.job, o.pull, o.ping),
+            (Job::Mode(Mode::Naive), Pull::Slots, true)
         );
-        assert!(parse_args(args("idem --messages 0")).is_err());
-        assert!(parse_args(args("fast")).is_err());
+        let o = parse("idem-batch --batch 128").unwrap();
+        assert_eq!((o.job, o.batch), (Job::Mode(Mode::IdemBatch), 128));
+        assert_eq!(parse("latency --rate 250").unwrap().rate, 250.0);
+        assert_eq!(parse("prefilled --prefill 1_000").unwrap().prefill, 1000);
+        assert_eq!(parse("compare").unwrap().job, Job::Compare);
+    }
+
+    #[test]
+    fn each_mode_has_its_defaults() {
+        let messages = |line| parse(line).unwrap().messages;
+        assert_eq!(messages("raw"), 20_000);
+        assert_eq!(messages("compare"), 20_000);
+        assert_eq!(messages("latency"), 5_000);
+        assert_eq!(messages("backlog"), 200_000);
+        assert_eq!(messages("prefilled"), 20_000);
+        assert_eq!(messages("smoke"), 500);
+        let smoke = parse("smoke").unwrap();
+        assert_eq!(smoke.duplicates, None, "smoke's default is a tenth of N");
+        assert_eq!((smoke.concurrency, smoke.batch), (8, 64));
+        assert_eq!(
+            (smoke.rate, smoke.ping, smoke.pull),
+            (500.0, true, Pull::Prefetch)
+        );
+        assert_eq!(parse("prefilled").unwrap().prefill, 5_000_000);
+    }
+
+    #[test]
+    fn refuses_bad_arguments() {
+        use clap::error::ErrorKind;
+        let kind = |line| parse(line).unwrap_err().kind();
+        assert_eq!(
+            kind(""),
+            ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        );
+        assert_eq!(kind("fast"), ErrorKind::InvalidSubcommand);
+        assert_eq!(kind("idem --messages 0"), ErrorKind::ValueValidation);
+        assert_eq!(kind("idem --messages many"), ErrorKind::ValueValidation);
+        assert_eq!(kind("naive --pull sometimes"), ErrorKind::InvalidValue);
+        // An option the mode does not read is refused, not ignored.
+        assert_eq!(kind("idem --batch 8"), ErrorKind::UnknownArgument);
+        assert_eq!(kind("backlog --pull slots"), ErrorKind::UnknownArgument);
+        assert_eq!(kind("raw --no-ping"), ErrorKind::UnknownArgument);
+        assert_eq!(parse("--help").unwrap_err().kind(), ErrorKind::DisplayHelp);
+        assert_eq!(
+            parse("help smoke").unwrap_err().kind(),
+            ErrorKind::DisplayHelp
+        );
     }
 }
