@@ -247,7 +247,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
             return Ok(fresh);
         }
-        let (ended, reusable) = transaction::finish(tx, name, &claimed).await;
+        let (ended, reusable) = transaction::finish(tx).await;
         if reusable {
             connection.keep();
         }

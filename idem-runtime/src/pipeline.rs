@@ -21,7 +21,6 @@ use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
 use crate::ack;
-use crate::claim;
 use crate::codec::Decode;
 use crate::connections::Connections;
 use crate::dead_letter::{self, Failure};
@@ -260,13 +259,24 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
     async fn claimed_elsewhere(&self, delivery: &Delivery) -> Result<bool, sqlx::Error> {
         let mut connection = self.connections.take().await?;
-        let mut tx = self.begin.run(&mut connection).await?;
-        let found = claim::claim(&mut tx, self.handler.name(), delivery.message_id()).await?;
+        let statement = self
+            .begin
+            .and_claim(self.handler.name(), delivery.message_id().as_str());
+        let begun = transaction::begin_and_claim(&mut connection, statement).await;
+        let processed = if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
+            drop(begun);
+            transaction::end_failed_claim(&mut connection).await?;
+            true
+        } else {
+            // Fresh: no attempt committed it. Roll this claim back.
+            if !transaction::rollback(begun?).await {
+                return Ok(false);
+            }
+            false
+        };
         self.health.resume();
-        if transaction::rollback(tx).await {
-            connection.keep();
-        }
-        Ok(found.is_duplicate())
+        connection.keep();
+        Ok(processed)
     }
 
     /// Waits for `work` (a whole transaction), but not forever: once it has
@@ -368,28 +378,31 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             Ok(connection) => connection,
             Err(error) => return self.before_handler(error),
         };
-        let mut tx = match self.begin.run(&mut connection).await {
-            Ok(tx) => tx,
-            Err(error) => return self.before_handler(error),
-        };
-        let claimed = match claim::claim(&mut tx, name, delivery.message_id()).await {
-            Ok(claimed) => claimed,
-            Err(error) => return self.before_handler(error),
-        };
-        self.health.resume();
-        if claimed.is_duplicate() {
-            if transaction::rollback(tx).await {
+        let statement = self.begin.and_claim(name, delivery.message_id().as_str());
+        let begun = transaction::begin_and_claim(&mut connection, statement).await;
+        if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
+            drop(begun);
+            self.health.resume();
+            // Processed before. (If the ROLLBACK fails, the connection is
+            // closed on drop.)
+            if transaction::end_failed_claim(&mut connection).await.is_ok() {
                 connection.keep();
             }
             return Verdict::Duplicate;
         }
+        // Moved out of `begun` (the block), so that nothing keeps the borrow
+        // of `connection` once `tx` is gone.
+        let mut tx = match { begun } {
+            Ok(tx) => tx,
+            Err(error) => return self.before_handler(error),
+        };
+        self.health.resume();
         let outcome = self
             .run_handler(self.handler.handle(&mut tx, payload, delivery, &self.state))
             .await;
         match outcome {
             Ok(()) => {
-                let (ended, reusable) =
-                    transaction::finish(tx, name, &[delivery.message_id().as_str()]).await;
+                let (ended, reusable) = transaction::finish(tx).await;
                 if reusable {
                     connection.keep();
                 }
@@ -407,12 +420,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 // work: a redelivery would be acked as a duplicate. Checked
                 // only here, on the way to a rollback: one more round trip,
                 // on a failure path.
-                let lost = !transaction::claims_still_pending(
-                    &mut tx,
-                    name,
-                    &[delivery.message_id().as_str()],
-                )
-                .await;
+                let lost = !transaction::claims_still_pending(&mut tx).await;
                 if transaction::rollback(tx).await {
                     connection.keep();
                 }

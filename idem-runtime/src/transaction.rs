@@ -1,22 +1,36 @@
 //! A message's transaction: how it begins, and how it commits.
 //!
-//! **BEGIN** carries the route's bounds on the server, in the same round
-//! trip: `statement_timeout` (a statement stuck on a lock is cancelled by the
-//! server at the handler timeout) and `idle_in_transaction_session_timeout`
-//! (a backend whose client vanished behind a network partition, still
-//! holding its claim, is ended soon after, so redeliveries do not wait on it
-//! until TCP keepalive gives up). Where the server supports it,
-//! `client_connection_check_interval` also ends a statement whose client
-//! went away. No timer or `select!` is ever held around BEGIN or COMMIT: a
-//! cancelled BEGIN can hand back a pooled connection still inside a
-//! transaction (sqlx#4393).
+//! Per message, the runtime pays as many round trips as a hand-written
+//! at-least-once consumer does (BEGIN, its write, COMMIT): three, plus the
+//! handler's own statements beyond the first.
 //!
-//! **COMMIT** is sent in one simple-query message together with a check:
+//! **BEGIN** goes out in one simple-query message with the route's bounds and
+//! the claim:
 //!
 //! ```sql
-//! SELECT 1 / ((SELECT count(*) FROM idem_processed_messages
-//!              WHERE handler = $h$…$h$ AND message_id IN ($m$…$m$)
-//!                AND xmin = pg_current_xact_id()::xid) = 1)::int;
+//! BEGIN;
+//! SELECT set_config('statement_timeout', '300000', true),
+//!        set_config('idle_in_transaction_session_timeout', '301000', true);
+//! INSERT INTO idem_processed_messages (handler, message_id) VALUES ($idem$h$idem$, $idem$m$idem$)
+//!   RETURNING set_config('idem.claim', xmin::text, true)
+//! ```
+//!
+//! The bounds: a statement stuck on a lock is cancelled by the server at the
+//! handler timeout, and a backend whose client vanished behind a partition,
+//! still holding its claim, is ended soon after, so redeliveries do not wait
+//! on it until TCP keepalive gives up (where the server supports it,
+//! `client_connection_check_interval` also ends a statement whose client went
+//! away). The claim is a plain INSERT: if another transaction holds an
+//! uncommitted claim on the key, it waits; if that one commits, it fails
+//! with a unique violation, which is how a duplicate is told (the runtime
+//! then rolls back and acks); if that one rolls back, it proceeds. It records
+//! its transaction's id in the transaction-local setting `idem.claim`.
+//!
+//! **COMMIT** goes out in one simple-query message with a check:
+//!
+//! ```sql
+//! SELECT 1 / coalesce(current_setting('idem.claim', true)
+//!                     = pg_current_xact_id_if_assigned()::xid::text, false)::int;
 //! COMMIT;
 //! BEGIN
 //! ```
@@ -25,13 +39,18 @@
 //! and the handler ignored the error) into a rollback that it reports as
 //! success, and sqlx does not look at the command tag. Here the `SELECT`
 //! fails first, with 25P02, in the same round trip, and the COMMIT never
-//! runs. If the claims are no longer this transaction's own (the handler
-//! ended it with a raw `ROLLBACK` or `COMMIT`: their `xmin` is not the
-//! current transaction's id), the division by zero stops the COMMIT instead.
-//! Either way nothing is acked. The trailing `BEGIN` keeps sqlx's view of the
-//! connection true: its transaction is still open, so dropping it queues a
-//! `ROLLBACK`, which ends that empty transaction together with the
-//! connection's next statement, without a round trip of its own.
+//! runs. If the transaction is no longer the one that claimed (the handler
+//! ended it with a raw `ROLLBACK` or `COMMIT`, which also clears the
+//! transaction-local setting), the division by zero stops the COMMIT
+//! instead. Either way nothing is acked. The trailing `BEGIN` keeps sqlx's
+//! view of the connection true: its transaction is still open, so dropping
+//! it queues a `ROLLBACK`, which ends that empty transaction together with
+//! the connection's next statement, without a round trip of its own.
+//!
+//! No timer or `select!` is ever held around BEGIN or COMMIT: a cancelled
+//! BEGIN can hand back a pooled connection still inside a transaction
+//! (sqlx#4393). (A transaction the database stops answering altogether is
+//! left to finish on its own; see `Pipeline::watched`.)
 //!
 //! Values go into this SQL as dollar-quoted literals, whose tag is chosen so
 //! that it cannot occur in the value: safe whatever the value holds and
@@ -53,10 +72,10 @@ pub(crate) struct Begin {
 }
 
 impl Begin {
-    /// `BEGIN` with `SET LOCAL` bounds derived from the handler timeout:
-    /// statements end at it, and a transaction left idle longer (its client
-    /// gone) is ended by the server shortly after. Without a handler timeout
-    /// there are no bounds.
+    /// `BEGIN` with the bounds derived from the handler timeout: statements
+    /// end at it, and a transaction left idle longer (its client gone) is
+    /// ended by the server shortly after. Without a handler timeout there are
+    /// no bounds.
     pub(crate) fn new(handler_timeout: Option<Duration>, check_client_connection: bool) -> Self {
         let mut sql = String::from("BEGIN");
         if let Some(timeout) = handler_timeout {
@@ -66,12 +85,12 @@ impl Begin {
             // by it: the handler timeout fires first.
             let idle = millis + IDLE_MARGIN.as_millis();
             sql.push_str(&format!(
-                "; SET LOCAL statement_timeout = {millis}; \
-                 SET LOCAL idle_in_transaction_session_timeout = {idle}"
+                "; SELECT set_config('statement_timeout', '{millis}', true), \
+                 set_config('idle_in_transaction_session_timeout', '{idle}', true)"
             ));
             if check_client_connection {
                 sql.push_str(&format!(
-                    "; SET LOCAL client_connection_check_interval = {}",
+                    ", set_config('client_connection_check_interval', '{}', true)",
                     CLIENT_CHECK.as_millis()
                 ));
             }
@@ -86,6 +105,52 @@ impl Begin {
     ) -> Result<PgTransaction<'c>, sqlx::Error> {
         sqlx::Connection::begin_with(connection, AssertSqlSafe(self.sql.clone())).await
     }
+
+    /// The statement that begins a transaction and claims `message_id` for
+    /// `handler` in it: one round trip (see the module docs). Run it with
+    /// [`begin_and_claim`].
+    pub(crate) fn and_claim(&self, handler: &str, message_id: &str) -> String {
+        format!(
+            "{}; INSERT INTO {DEDUP_TABLE} (handler, message_id) VALUES ({}, {}) {RECORD_CLAIM}",
+            self.sql,
+            literal(handler),
+            literal(message_id)
+        )
+    }
+}
+
+/// What a claim returns: it records its transaction's id for the check
+/// before COMMIT.
+pub(crate) const RECORD_CLAIM: &str = "RETURNING set_config('idem.claim', xmin::text, true)";
+
+/// Whether the transaction running it is the one that made the claims:
+/// true, false, never NULL.
+const STILL_CLAIMING: &str = "coalesce(current_setting('idem.claim', true) \
+     = pg_current_xact_id_if_assigned()::xid::text, false)";
+
+/// Runs `statement` (from [`Begin::and_claim`]) on `connection`: the
+/// transaction, with the claim in it, or an error. [`is_duplicate_claim`]
+/// tells the error of a message processed before, after which
+/// [`end_failed_claim`] makes the connection clean again.
+pub(crate) async fn begin_and_claim(
+    connection: &mut PgConnection,
+    statement: String,
+) -> Result<PgTransaction<'_>, sqlx::Error> {
+    sqlx::Connection::begin_with(connection, AssertSqlSafe(statement)).await
+}
+
+/// Ends the transaction a failed claim left aborted, which sqlx never
+/// counted as begun.
+pub(crate) async fn end_failed_claim(connection: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql("ROLLBACK").execute(connection).await?;
+    Ok(())
+}
+
+/// Whether the claim found the message processed before: the dedup table's
+/// unique key refused it.
+pub(crate) fn is_duplicate_claim(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db)
+        if db.code().as_deref() == Some("23505") && db.table() == Some(DEDUP_TABLE))
 }
 
 /// How much longer than the handler timeout a transaction may sit idle
@@ -142,12 +207,8 @@ pub(crate) enum Ended {
 
 /// Commits `tx` (see [`commit`]) or rolls back what is left of it. Also says
 /// whether its connection ended in a known, clean state and may be kept.
-pub(crate) async fn finish(
-    mut tx: PgTransaction<'_>,
-    handler: &str,
-    message_ids: &[&str],
-) -> (Ended, bool) {
-    match commit(&mut tx, handler, message_ids).await {
+pub(crate) async fn finish(mut tx: PgTransaction<'_>) -> (Ended, bool) {
+    match commit(&mut tx).await {
         // Dropping `tx` queues the ROLLBACK of the empty transaction the
         // commit statement began.
         Ok(()) => (Ended::Committed, true),
@@ -178,18 +239,13 @@ pub(crate) async fn rollback(tx: PgTransaction<'_>) -> bool {
     }
 }
 
-/// Commits `tx` if it still holds the claims of `handler` for `message_ids`,
-/// in one round trip (see the module docs).
+/// Commits `tx` if it is still the transaction that claimed, in one round
+/// trip (see the module docs).
 ///
 /// On `Ok`, drop `tx`: its trailing empty transaction is rolled back with
 /// the connection's next statement.
-pub(crate) async fn commit(
-    tx: &mut PgTransaction<'_>,
-    handler: &str,
-    message_ids: &[&str],
-) -> Result<(), CommitError> {
-    let sql = commit_sql(handler, message_ids);
-    match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut **tx).await {
+pub(crate) async fn commit(tx: &mut PgTransaction<'_>) -> Result<(), CommitError> {
+    match sqlx::raw_sql(CHECKED_COMMIT).execute(&mut **tx).await {
         Ok(_) => Ok(()),
         Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25P02") => {
             Err(CommitError::Aborted)
@@ -206,41 +262,20 @@ pub(crate) async fn commit(
     }
 }
 
-fn commit_sql(handler: &str, message_ids: &[&str]) -> String {
-    format!(
-        "SELECT 1 / ({})::int; COMMIT; BEGIN",
-        claims_are_pending(handler, message_ids)
-    )
-}
-
-/// SQL that is true when every claim of `handler` for `message_ids` was
-/// made by the transaction it runs in, and not committed yet: not gone (a
-/// raw ROLLBACK), not committed by the handler itself (a raw COMMIT).
-fn claims_are_pending(handler: &str, message_ids: &[&str]) -> String {
-    let ids: Vec<String> = message_ids.iter().map(|id| literal(id)).collect();
-    format!(
-        "(SELECT count(*) FROM {DEDUP_TABLE} WHERE handler = {} AND message_id IN ({}) \
-         AND xmin = pg_current_xact_id()::xid) = {}",
-        literal(handler),
-        ids.join(", "),
-        message_ids.len()
-    )
-}
+/// The check, COMMIT, and the BEGIN that keeps sqlx's view true, in one
+/// message (see the module docs).
+const CHECKED_COMMIT: &str = "SELECT 1 / coalesce(current_setting('idem.claim', true) \
+     = pg_current_xact_id_if_assigned()::xid::text, false)::int; COMMIT; BEGIN";
 
 /// Whether the claims are still this transaction's own, uncommitted: asked
 /// on the way to a rollback after a handler failed, so that a handler that
 /// committed its claim itself (a raw COMMIT) and then failed is not
 /// redelivered and taken for processed. A transaction PostgreSQL aborted
 /// (the handler's statement failed) still holds them.
-pub(crate) async fn claims_still_pending(
-    tx: &mut PgTransaction<'_>,
-    handler: &str,
-    message_ids: &[&str],
-) -> bool {
-    let sql = format!("SELECT {}", claims_are_pending(handler, message_ids));
+pub(crate) async fn claims_still_pending(tx: &mut PgTransaction<'_>) -> bool {
     // An error is 25P02 (aborted: the claims roll back with it), or one that
     // leaves the usual path to decide.
-    sqlx::query_scalar::<_, bool>(AssertSqlSafe(sql))
+    sqlx::query_scalar::<_, bool>(AssertSqlSafe(format!("SELECT {STILL_CLAIMING}")))
         .fetch_one(&mut **tx)
         .await
         .unwrap_or(true)
@@ -276,26 +311,24 @@ mod tests {
     }
 
     #[test]
-    fn begin_carries_the_bounds_of_the_handler_timeout() {
+    fn begin_carries_the_bounds_of_the_handler_timeout_and_the_claim() {
         assert_eq!(Begin::new(None, true).sql, "BEGIN");
+        let begin = Begin::new(Some(Duration::from_secs(2)), false);
         assert_eq!(
-            Begin::new(Some(Duration::from_secs(2)), false).sql,
-            "BEGIN; SET LOCAL statement_timeout = 2000; SET LOCAL idle_in_transaction_session_timeout = 3000"
+            begin.sql,
+            "BEGIN; SELECT set_config('statement_timeout', '2000', true), \
+             set_config('idle_in_transaction_session_timeout', '3000', true)"
         );
         assert!(
             Begin::new(Some(Duration::from_secs(2)), true)
                 .sql
-                .ends_with("; SET LOCAL client_connection_check_interval = 1000")
+                .ends_with(", set_config('client_connection_check_interval', '1000', true)")
         );
-    }
-
-    #[test]
-    fn the_commit_checks_every_claim_first() {
         assert_eq!(
-            commit_sql("h", &["a", "b"]),
-            "SELECT 1 / ((SELECT count(*) FROM idem_processed_messages WHERE handler = $idem$h$idem$ \
-             AND message_id IN ($idem$a$idem$, $idem$b$idem$) AND xmin = pg_current_xact_id()::xid) = 2)::int; \
-             COMMIT; BEGIN"
+            Begin::new(None, false).and_claim("h", "m-1"),
+            "BEGIN; INSERT INTO idem_processed_messages (handler, message_id) \
+             VALUES ($idem$h$idem$, $idem$m-1$idem$) \
+             RETURNING set_config('idem.claim', xmin::text, true)"
         );
     }
 }
