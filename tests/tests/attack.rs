@@ -146,7 +146,8 @@ async fn stored_messages(js: &jetstream::Context, stream: &str) -> u64 {
 //    the given-up watcher of the route dies on it.
 // ---------------------------------------------------------------------------
 
-/// How often the key below was computed.
+/// How often the key below was computed. A `static`, not router state: a
+/// `key = ...` expression sees the payload and the delivery, not the state.
 static KEY_CALLS: AtomicUsize = AtomicUsize::new(0);
 
 /// The first 8 bytes of the account: a bug for short accounts.

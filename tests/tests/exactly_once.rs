@@ -5,12 +5,13 @@
 
 mod common;
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
 use idem_runtime::fault::{AfterCommit, FaultHooks};
-use idem_runtime::{Delivery, Route, Router, idempotent};
+use idem_runtime::{Delivery, Route, Router, State, idempotent};
 
 fn deposit(amount: i64) -> Deposit {
     Deposit {
@@ -144,14 +145,15 @@ async fn crash_after_commit_before_ack_is_applied_once(batch: usize) {
     assert_eq!(redelivered_effects, 0, "no redelivery ran the body");
 }
 
-/// The streams whose first attempt saw the redelivery blocked on its claim
-/// (keyed by stream, since both modes' tests may share a process).
-static SAW_BLOCKED_CLAIM: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// Whether the first attempt saw the redelivery blocked on its claim.
+#[derive(Clone, Default)]
+struct SawBlockedClaim(Arc<AtomicBool>);
 
 #[idempotent(name = "racing-redelivery")]
 async fn racing_redelivery(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(saw_blocked_claim): State<SawBlockedClaim>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
     if delivery.delivered() == 1 {
@@ -167,10 +169,7 @@ async fn racing_redelivery(
             .fetch_one(&mut **tx)
             .await?;
             if waiters > 0 {
-                SAW_BLOCKED_CLAIM
-                    .lock()
-                    .unwrap()
-                    .push(delivery.stream().to_owned());
+                saw_blocked_claim.0.store(true, Ordering::SeqCst);
                 break;
             }
             if tokio::time::Instant::now() > deadline {
@@ -206,13 +205,15 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: usize)
             .allow_redelivery_while_running()
             .concurrency(1)
     };
+    // Both workers share the flag: either may take the first attempt.
+    let saw_blocked_claim = SawBlockedClaim::default();
     let (first, first_task) = spawn(
-        Router::new().route(route(), racing_redelivery),
+        Router::with_state(saw_blocked_claim.clone()).route(route(), racing_redelivery),
         nats.clone(),
         pool.clone(),
     );
     let (second, second_task) = spawn(
-        Router::new().route(route(), racing_redelivery),
+        Router::with_state(saw_blocked_claim.clone()).route(route(), racing_redelivery),
         nats,
         pool.clone(),
     );
@@ -221,7 +222,7 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: usize)
     stop(second.clone(), second_task).await;
 
     assert!(
-        SAW_BLOCKED_CLAIM.lock().unwrap().contains(&stream),
+        saw_blocked_claim.0.load(Ordering::SeqCst),
         "the redelivery blocked on the claim while the first attempt was open"
     );
     let (a, b) = (
@@ -242,9 +243,10 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: usize)
     );
 }
 
-/// What the second attempt saw before it wrote: (effects of this message,
+/// What each later attempt saw before it wrote: (effects of this message,
 /// dedup rows of this message including its own fresh claim).
-static SEEN_BY_RETRY: Mutex<Vec<(String, (i64, i64))>> = Mutex::new(Vec::new());
+#[derive(Clone, Default)]
+struct SeenByRetry(Arc<Mutex<Vec<(i64, i64)>>>);
 
 #[derive(Debug, thiserror::Error)]
 #[error("injected failure on delivery {0}")]
@@ -254,6 +256,7 @@ struct InjectedFailure(u64);
 async fn fails_once(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(seen_by_retry): State<SeenByRetry>,
     d: Deposit,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if delivery.delivered() == 1 {
@@ -268,10 +271,7 @@ async fn fails_once(
     .bind(delivery.message_id().as_str())
     .fetch_one(&mut **tx)
     .await?;
-    SEEN_BY_RETRY
-        .lock()
-        .unwrap()
-        .push((delivery.stream().to_owned(), seen));
+    seen_by_retry.0.lock().unwrap().push(seen);
     record_effect(tx, "fails-once", &d, delivery).await?;
     Ok(())
 }
@@ -289,7 +289,8 @@ async fn handler_error_leaves_nothing_and_redelivery_applies_once(batch: usize) 
     } = scenario("FAIL", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit(3), Some("fail-1")).await;
 
-    let router = Router::new().route(
+    let seen_by_retry = SeenByRetry::default();
+    let router = Router::with_state(seen_by_retry.clone()).route(
         Route::new(&stream, "credit")
             .batch(batch)
             .backoff(Duration::from_millis(200), Duration::from_secs(1)),
@@ -306,13 +307,7 @@ async fn handler_error_leaves_nothing_and_redelivery_applies_once(batch: usize) 
         "one failure, then one success, and no duplicate: the failed claim did not persist"
     );
     assert_eq!(
-        SEEN_BY_RETRY
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(seen_in, _)| *seen_in == stream)
-            .map(|(_, seen)| *seen)
-            .collect::<Vec<_>>(),
+        *seen_by_retry.0.lock().unwrap(),
         vec![(0, 1)],
         "the retry saw no effect of the failed attempt, and only its own claim"
     );

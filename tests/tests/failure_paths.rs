@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::BufRead;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull;
@@ -19,7 +19,7 @@ use common::pg_proxy::{PgProxy, upstream_of};
 use common::*;
 use futures_util::StreamExt;
 use idem_runtime::fault::{AfterCommit, FaultHooks};
-use idem_runtime::{Delivery, Route, Router, Transient, dead_letter, idempotent};
+use idem_runtime::{Delivery, FromRef, Route, Router, State, Transient, dead_letter, idempotent};
 
 fn deposit(account: &str, amount: i64) -> Deposit {
     Deposit {
@@ -168,15 +168,17 @@ fn ack_subjects_of_both_formats_parse() {
 // Past max_deliver.
 
 /// Every run of the `past-limit` body: (message id, delivery count).
-static PAST_LIMIT_RUNS: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+#[derive(Clone, Default)]
+struct PastLimitRuns(Arc<Mutex<Vec<(String, u64)>>>);
 
 #[idempotent(name = "past-limit")]
 async fn past_limit(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(runs): State<PastLimitRuns>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
-    PAST_LIMIT_RUNS.lock().unwrap().push((
+    runs.0.lock().unwrap().push((
         delivery.message_id().as_str().to_owned(),
         delivery.delivered(),
     ));
@@ -208,11 +210,13 @@ async fn a_message_past_max_deliver_is_acked_if_processed_else_dead_lettered_unr
             .ack_wait(ACK_WAIT)
             .max_deliver(MAX_DELIVER)
     };
+    // Both routers record into the same log.
+    let runs = PastLimitRuns::default();
 
     // 1. An attempt commits, then "dies" before its ack (the fault hook
     //    drops the message after COMMIT): the dedup row exists.
     let done = publish(&js, &subject, &deposit("a", 1), Some("committed-then-died")).await;
-    let first = Router::new()
+    let first = Router::with_state(runs.clone())
         .route(route(), past_limit)
         .fault_hooks(FaultHooks::default().after_commit(|_| AfterCommit::DropWithoutAck));
     let (handle, task) = spawn(first, nats.clone(), pool.clone());
@@ -288,7 +292,11 @@ async fn a_message_past_max_deliver_is_acked_if_processed_else_dead_lettered_unr
 
     // 4. The router gets both past the limit.
     let acks = AckLog::start(env.nats().await, &stream, || false).await;
-    let (handle, task) = spawn(Router::new().route(route(), past_limit), nats, pool.clone());
+    let (handle, task) = spawn(
+        Router::with_state(runs.clone()).route(route(), past_limit),
+        nats,
+        pool.clone(),
+    );
     wait_all_acked(&js, &stream, "c").await;
     stop(handle.clone(), task).await;
     let stats = handle.stats("c").unwrap();
@@ -315,7 +323,7 @@ async fn a_message_past_max_deliver_is_acked_if_processed_else_dead_lettered_unr
     assert!(acks.of(never.sequence, AckKind::Ack).is_empty());
 
     assert_eq!(
-        *PAST_LIMIT_RUNS.lock().unwrap(),
+        *runs.0.lock().unwrap(),
         vec![("committed-then-died".to_owned(), 1)],
         "the handler ran once, for the first attempt, and never past the limit"
     );
@@ -353,19 +361,35 @@ async fn a_message_past_max_deliver_is_acked_if_processed_else_dead_lettered_unr
 // ---------------------------------------------------------------------------
 // An ambiguous COMMIT in batch mode.
 
-/// The proxy in front of the database, for the handler to arm.
-static BATCH_PROXY: OnceLock<PgProxy> = OnceLock::new();
-/// Set once the handler has armed the cut.
-static BATCH_ARMED: AtomicBool = AtomicBool::new(false);
-/// The transaction (xid) whose COMMIT is cut.
-static BATCH_CUT_TX: Mutex<Option<String>> = Mutex::new(None);
+/// The state of the ambiguous batch test: the cut the handler arms, and
+/// what its runs saw.
+#[derive(Clone, FromRef)]
+struct AmbiguousBatch {
+    cut: BatchCut,
+    runs: BatchRuns,
+}
+
+/// The cut of one batch's COMMIT, which the handler arms.
+#[derive(Clone)]
+struct BatchCut {
+    /// The proxy in front of the database, for the handler to arm.
+    proxy: Arc<PgProxy>,
+    /// Set once the handler has armed the cut.
+    armed: Arc<AtomicBool>,
+    /// The transaction (xid) whose COMMIT is cut.
+    xid: Arc<Mutex<Option<String>>>,
+}
+
 /// Every run of the body: (message id, its transaction's xid).
-static BATCH_RUNS: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+#[derive(Clone, Default)]
+struct BatchRuns(Arc<Mutex<Vec<(String, String)>>>);
 
 #[idempotent(name = "ambiguous-batch")]
 async fn ambiguous_batch(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(cut): State<BatchCut>,
+    State(runs): State<BatchRuns>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
     // The batch's claims are this transaction's own rows.
@@ -377,14 +401,11 @@ async fn ambiguous_batch(
     .await?;
     // Cut the COMMIT of the first batch that claimed more than one message:
     // it is this transaction's next COMMIT.
-    if claims >= 2 && !BATCH_ARMED.swap(true, Ordering::SeqCst) {
-        BATCH_PROXY
-            .get()
-            .expect("the proxy is set")
-            .cut_next_commit();
-        *BATCH_CUT_TX.lock().unwrap() = Some(xid.clone());
+    if claims >= 2 && !cut.armed.swap(true, Ordering::SeqCst) {
+        cut.proxy.cut_next_commit();
+        *cut.xid.lock().unwrap() = Some(xid.clone());
     }
-    BATCH_RUNS
+    runs.0
         .lock()
         .unwrap()
         .push((delivery.message_id().as_str().to_owned(), xid));
@@ -407,13 +428,15 @@ async fn batch_ambiguous_commit_is_resolved_per_message_and_applied_once() {
         stream,
         subject,
     } = scenario("AMBIGBATCH", Duration::from_secs(120)).await;
-    assert!(
-        BATCH_PROXY
-            .set(PgProxy::start(upstream_of(env.database_url())).await)
-            .is_ok(),
-        "only this test sets the proxy"
-    );
-    let proxy = BATCH_PROXY.get().expect("just set");
+    let state = AmbiguousBatch {
+        cut: BatchCut {
+            proxy: Arc::new(PgProxy::start(upstream_of(env.database_url())).await),
+            armed: Arc::default(),
+            xid: Arc::default(),
+        },
+        runs: BatchRuns::default(),
+    };
+    let proxy = state.cut.proxy.clone();
     let proxied = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .connect(&proxy.url_for(env.database_url()))
@@ -427,12 +450,10 @@ async fn batch_ambiguous_commit_is_resolved_per_message_and_applied_once() {
         let ack = publish(&js, &subject, &deposit("a", i as i64), Some(&id)).await;
         sequence_of.insert(id, ack.sequence);
     }
-    let acks = AckLog::start(env.nats().await, &stream, || {
-        BATCH_PROXY.get().is_some_and(|p| p.cuts() > 0)
-    })
-    .await;
+    let probe = proxy.clone();
+    let acks = AckLog::start(env.nats().await, &stream, move || probe.cuts() > 0).await;
     let (handle, task) = spawn(
-        Router::new().route(
+        Router::with_state(state.clone()).route(
             fast(Route::new(&stream, "c"))
                 .batch(MESSAGES)
                 .concurrency(1),
@@ -449,12 +470,14 @@ async fn batch_ambiguous_commit_is_resolved_per_message_and_applied_once() {
         1,
         "the connection was cut after the batch's COMMIT reached the server"
     );
-    let cut_tx = BATCH_CUT_TX
+    let cut_tx = state
+        .cut
+        .xid
         .lock()
         .unwrap()
         .clone()
         .expect("a batch was cut");
-    let runs = BATCH_RUNS.lock().unwrap().clone();
+    let runs = state.runs.0.lock().unwrap().clone();
     let cut_batch: BTreeSet<String> = runs
         .iter()
         .filter(|(_, xid)| *xid == cut_tx)
@@ -540,19 +563,32 @@ async fn batch_ambiguous_commit_is_resolved_per_message_and_applied_once() {
 // ---------------------------------------------------------------------------
 // A replay of a processed message.
 
+/// The state of the replay test: the bug the test fixes, and the runs the
+/// test checks.
+#[derive(Clone, FromRef)]
+struct Replay {
+    bug: ReplayBug,
+    runs: ReplayRuns,
+}
+
 /// Whether the bug that makes `replayed` refuse every message is in.
-static REPLAY_BUG: AtomicBool = AtomicBool::new(true);
+#[derive(Clone)]
+struct ReplayBug(Arc<AtomicBool>);
+
 /// The stream sequences whose body ran.
-static REPLAY_RUNS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+#[derive(Clone, Default)]
+struct ReplayRuns(Arc<Mutex<Vec<u64>>>);
 
 #[idempotent(name = "replayed")]
 async fn replayed(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(bug): State<ReplayBug>,
+    State(runs): State<ReplayRuns>,
     d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
-    REPLAY_RUNS.lock().unwrap().push(delivery.stream_sequence());
-    if REPLAY_BUG.load(Ordering::SeqCst) {
+    runs.0.lock().unwrap().push(delivery.stream_sequence());
+    if bug.0.load(Ordering::SeqCst) {
         return Err(idem_runtime::Permanent::new("refused by a bug").into());
     }
     record_effect(tx, "replayed", &d, delivery).await?;
@@ -598,8 +634,12 @@ async fn a_replay_of_a_processed_message_is_acked_as_a_duplicate() {
     } = scenario("REPLAYDONE", Duration::from_millis(300)).await;
     let order = deposit("a", 42);
     let first = publish(&js, &subject, &order, Some("order-1")).await;
+    let state = Replay {
+        bug: ReplayBug(Arc::new(AtomicBool::new(true))),
+        runs: ReplayRuns::default(),
+    };
     let (handle, task) = spawn(
-        Router::new().route(fast(Route::new(&stream, "c")), replayed),
+        Router::with_state(state.clone()).route(fast(Route::new(&stream, "c")), replayed),
         nats,
         pool.clone(),
     );
@@ -611,7 +651,7 @@ async fn a_replay_of_a_processed_message_is_acked_as_a_duplicate() {
     assert_eq!(header(&letters[0], "Idem-Message-Id"), "order-1");
 
     // The fix; then the publisher retries, after the window: processed.
-    REPLAY_BUG.store(false, Ordering::SeqCst);
+    state.bug.0.store(false, Ordering::SeqCst);
     let retried = publish_until_stored(&js, &subject, &order, "order-1").await;
     wait_all_acked(&js, &stream, "c").await;
     assert_eq!(stats.processed(), 1);
@@ -651,7 +691,7 @@ async fn a_replay_of_a_processed_message_is_acked_as_a_duplicate() {
         "the replay and the last copy were acked as duplicates"
     );
     assert_eq!(
-        *REPLAY_RUNS.lock().unwrap(),
+        *state.runs.0.lock().unwrap(),
         vec![1, 2],
         "the body ran for the first copy (which failed) and the retry, never after"
     );
@@ -674,16 +714,15 @@ struct RaceLog {
     applied: Vec<(i32, u64)>,
 }
 
-static RACE: Mutex<RaceLog> = Mutex::new(RaceLog {
-    first_saw_claims: None,
-    waiter: None,
-    applied: Vec::new(),
-});
+/// The [`RaceLog`] both workers of the test write to.
+#[derive(Clone, Default)]
+struct Race(Arc<Mutex<RaceLog>>);
 
 #[idempotent(name = "rolls-back-first")]
 async fn rolls_back_first(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(race): State<Race>,
     d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
     if delivery.delivered() == 1 {
@@ -694,7 +733,7 @@ async fn rolls_back_first(
         .bind(delivery.message_id().as_str())
         .fetch_one(&mut **tx)
         .await?;
-        RACE.lock().unwrap().first_saw_claims = Some(claims);
+        race.0.lock().unwrap().first_saw_claims = Some(claims);
         // A write that must not survive.
         record_effect(tx, "rolls-back-first", &d, delivery).await?;
         // Stay inside the transaction until another backend waits on its
@@ -708,7 +747,7 @@ async fn rolls_back_first(
             .fetch_optional(&mut **tx)
             .await?;
             if let Some(pid) = waiter {
-                RACE.lock().unwrap().waiter = Some(pid);
+                race.0.lock().unwrap().waiter = Some(pid);
                 break;
             }
             if tokio::time::Instant::now() > deadline {
@@ -721,7 +760,8 @@ async fn rolls_back_first(
     let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut **tx)
         .await?;
-    RACE.lock()
+    race.0
+        .lock()
         .unwrap()
         .applied
         .push((backend, delivery.delivered()));
@@ -751,13 +791,14 @@ async fn when_the_first_attempt_rolls_back_the_waiting_redelivery_proceeds() {
             .allow_redelivery_while_running()
             .concurrency(1)
     };
+    let race = Race::default();
     let (first, first_task) = spawn(
-        Router::new().route(route(), rolls_back_first),
+        Router::with_state(race.clone()).route(route(), rolls_back_first),
         nats.clone(),
         pool.clone(),
     );
     let (second, second_task) = spawn(
-        Router::new().route(route(), rolls_back_first),
+        Router::with_state(race.clone()).route(route(), rolls_back_first),
         nats,
         pool.clone(),
     );
@@ -765,7 +806,7 @@ async fn when_the_first_attempt_rolls_back_the_waiting_redelivery_proceeds() {
     stop(first.clone(), first_task).await;
     stop(second.clone(), second_task).await;
 
-    let race = std::mem::take(&mut *RACE.lock().unwrap());
+    let race = std::mem::take(&mut *race.0.lock().unwrap());
     eprintln!("{race:?}");
     assert_eq!(
         race.first_saw_claims,

@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use async_nats::jetstream;
 use common::pg_proxy::{PgProxy, upstream_of};
 use common::*;
 use idem_runtime::{
-    Classify, Delivery, Error, ErrorClass, Route, Router, Transient, dead_letter, idempotent,
+    Classify, Delivery, Error, ErrorClass, Route, Router, State, Transient, dead_letter, idempotent,
 };
 
 fn deposit(account: &str, amount: i64) -> Deposit {
@@ -159,15 +160,18 @@ async fn bad_message_ids_are_dead_lettered_with_a_reason() {
     );
 }
 
-static FLAKY_CALLS: AtomicU32 = AtomicU32::new(0);
+/// How often a handler's body ran.
+#[derive(Clone, Default)]
+struct Calls(Arc<AtomicU32>);
 
 #[idempotent(name = "flaky")]
 async fn flaky(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(calls): State<Calls>,
     d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
-    FLAKY_CALLS.fetch_add(1, Ordering::SeqCst);
+    calls.0.fetch_add(1, Ordering::SeqCst);
     if delivery.delivered() < 3 {
         return Err(
             Transient::new(format!("not yet, on delivery {}", delivery.delivered())).into(),
@@ -190,8 +194,9 @@ async fn transient_failures_are_retried_until_one_effect_on_the_third_delivery()
         subject,
     } = scenario("FLAKY", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit("a", 5), Some("flaky-1")).await;
+    let calls = Calls::default();
     let (handle, task) = spawn(
-        Router::new().route(fast(Route::new(&stream, "c")), flaky),
+        Router::with_state(calls.clone()).route(fast(Route::new(&stream, "c")), flaky),
         nats,
         pool.clone(),
     );
@@ -203,7 +208,7 @@ async fn transient_failures_are_retried_until_one_effect_on_the_third_delivery()
         (stats.received(), stats.failed(), stats.processed()),
         (3, 2, 1)
     );
-    assert_eq!(FLAKY_CALLS.load(Ordering::SeqCst), 3);
+    assert_eq!(calls.0.load(Ordering::SeqCst), 3);
     let delivered: i64 = sqlx::query_scalar("SELECT delivered FROM effects")
         .fetch_one(&pool)
         .await
@@ -286,15 +291,17 @@ impl Classify for LedgerError {
 }
 
 /// Whether the bug that makes `closed_accounts` refuse account "a" is in.
-static BUG_PRESENT: AtomicBool = AtomicBool::new(true);
+#[derive(Clone)]
+struct BugPresent(Arc<AtomicBool>);
 
 #[idempotent(name = "closed-accounts")]
 async fn closed_accounts(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(bug): State<BugPresent>,
     d: Deposit,
 ) -> Result<(), LedgerError> {
-    if BUG_PRESENT.load(Ordering::SeqCst) {
+    if bug.0.load(Ordering::SeqCst) {
         return Err(LedgerError::Closed(d.account));
     }
     record_effect(tx, "closed-accounts", &d, delivery).await?;
@@ -317,7 +324,9 @@ async fn permanent_error_is_dead_lettered_at_once_and_replay_applies_it_once() {
     // No Nats-Msg-Id: the id is `<stream>:1:<stored at>`, and the replay must
     // keep it.
     publish(&js, &subject, &deposit("a", 9), None).await;
-    let router = Router::new().route(fast(Route::new(&stream, "c")), closed_accounts);
+    let bug = BugPresent(Arc::new(AtomicBool::new(true)));
+    let router =
+        Router::with_state(bug.clone()).route(fast(Route::new(&stream, "c")), closed_accounts);
     let (handle, task) = spawn(router, nats.clone(), pool.clone());
     wait_all_acked(&js, &stream, "c").await;
     let stats = handle.stats("c").unwrap();
@@ -330,7 +339,7 @@ async fn permanent_error_is_dead_lettered_at_once_and_replay_applies_it_once() {
         stream_position(&js, &stream, 1).await
     );
 
-    BUG_PRESENT.store(false, Ordering::SeqCst);
+    bug.0.store(false, Ordering::SeqCst);
     let replayed = dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, letters[0].sequence)
         .await
         .expect("the replay is published");
@@ -362,15 +371,14 @@ async fn permanent_error_is_dead_lettered_at_once_and_replay_applies_it_once() {
     );
 }
 
-static SERIALIZATION_FAILURES: AtomicU32 = AtomicU32::new(0);
-
 #[idempotent(name = "conflicted")]
 async fn conflicted(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(calls): State<Calls>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
-    if SERIALIZATION_FAILURES.fetch_add(1, Ordering::SeqCst) == 0 {
+    if calls.0.fetch_add(1, Ordering::SeqCst) == 0 {
         // A real 40001 from the server, as a serializable conflict raises.
         sqlx::query("DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$")
             .execute(&mut **tx)
@@ -391,8 +399,9 @@ async fn serialization_failure_is_retried_in_process() {
         subject,
     } = scenario("SERIAL", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit("a", 1), Some("serial-1")).await;
+    let calls = Calls::default();
     let (handle, task) = spawn(
-        Router::new().route(Route::new(&stream, "c"), conflicted),
+        Router::with_state(calls.clone()).route(Route::new(&stream, "c"), conflicted),
         nats,
         pool.clone(),
     );
@@ -400,11 +409,7 @@ async fn serialization_failure_is_retried_in_process() {
     stop(handle.clone(), task).await;
 
     let stats = handle.stats("c").unwrap();
-    assert_eq!(
-        SERIALIZATION_FAILURES.load(Ordering::SeqCst),
-        2,
-        "the 40001 happened"
-    );
+    assert_eq!(calls.0.load(Ordering::SeqCst), 2, "the 40001 happened");
     assert_eq!(
         (
             stats.received(),

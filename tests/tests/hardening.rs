@@ -6,15 +6,15 @@
 mod common;
 
 use std::collections::HashSet;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use common::pg_proxy::{PgProxy, upstream_of};
 use common::*;
 use futures_util::StreamExt;
-use idem_runtime::{Delivery, Permanent, Route, Router, Transient, dead_letter, idempotent};
+use idem_runtime::{Delivery, Permanent, Route, Router, State, Transient, dead_letter, idempotent};
 use sqlx::Connection as _;
 
 fn deposit(account: &str, amount: i64) -> Deposit {
@@ -88,20 +88,30 @@ async fn a_swallowed_sql_error_is_never_acked_as_processed(batch: usize) {
     assert_eq!(ledger(&pool, "swallows").await, Ledger::once_each(0));
 }
 
-static SWALLOWED_ONCE: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+/// The message ids a handler has run for: it misbehaves on the first run
+/// of each.
+#[derive(Clone, Default)]
+struct FirstRuns(Arc<Mutex<HashSet<String>>>);
+
+impl FirstRuns {
+    /// Records a run of `delivery`'s message: whether it is the first.
+    fn first(&self, delivery: &Delivery) -> bool {
+        self.0
+            .lock()
+            .unwrap()
+            .insert(delivery.message_id().to_string())
+    }
+}
 
 #[idempotent(name = "swallows-once")]
 async fn swallows_once(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(swallowed_once): State<FirstRuns>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "swallows-once", &d, delivery).await?;
-    let first = SWALLOWED_ONCE
-        .lock()
-        .unwrap()
-        .get_or_insert_with(HashSet::new)
-        .insert(delivery.message_id().to_string());
+    let first = swallowed_once.first(delivery);
     if first {
         let _ = sqlx::query("INSERT INTO effects (handler) VALUES (NULL)")
             .execute(&mut **tx)
@@ -125,15 +135,17 @@ async fn a_swallowed_error_that_clears_is_retried_and_applied_once(batch: usize)
     for i in 0..MESSAGES {
         publish(&js, &subject, &deposit("a", 1), Some(&format!("s1-{i}"))).await;
     }
+    let swallowed_once = FirstRuns::default();
     let (handle, task) = spawn(
-        Router::new().route(fast(Route::new(&stream, "c")).batch(batch), swallows_once),
+        Router::with_state(swallowed_once.clone())
+            .route(fast(Route::new(&stream, "c")).batch(batch), swallows_once),
         nats,
         pool.clone(),
     );
     wait_all_acked(&js, &stream, "c").await;
     stop(handle.clone(), task).await;
 
-    let seen = SWALLOWED_ONCE.lock().unwrap().clone().unwrap_or_default();
+    let seen = swallowed_once.0.lock().unwrap().clone();
     assert_eq!(seen.len(), MESSAGES, "each message swallowed an error once");
     assert!(dead_letters(&js, &stream).await.is_empty());
     assert_eq!(
@@ -773,24 +785,29 @@ async fn shutdown_ends_after_the_grace_period_and_leaves_the_pool_open() {
 
 // --- 8. Heartbeats in a batch fallback ---------------------------------------
 
-/// Whether the "fails" message's second delivery has started.
-static REDELIVERY_STARTED: AtomicBool = AtomicBool::new(false);
-/// Whether the slow neighbour ran in a transaction of its own (the batch's
-/// fallback) and saw the redelivery start before it finished.
-static SLOW_IN_FALLBACK: AtomicBool = AtomicBool::new(false);
-static SLOW_SAW_REDELIVERY: AtomicBool = AtomicBool::new(false);
+/// What the `fallback` handler saw, shared by its runs and the test.
+#[derive(Clone, Default)]
+struct FallbackFlags {
+    /// Whether the "fails" message's second delivery has started.
+    redelivery_started: Arc<AtomicBool>,
+    /// Whether the slow neighbour ran in a transaction of its own (the
+    /// batch's fallback) and saw the redelivery start before it finished.
+    slow_in_fallback: Arc<AtomicBool>,
+    slow_saw_redelivery: Arc<AtomicBool>,
+}
 
 #[idempotent(name = "fallback")]
 async fn fallback(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(flags): State<FallbackFlags>,
     d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
     match d.account.as_str() {
         "fails" if delivery.delivered() == 1 => {
             return Err(Transient::new("fails on its first delivery").into());
         }
-        "fails" => REDELIVERY_STARTED.store(true, Ordering::SeqCst),
+        "fails" => flags.redelivery_started.store(true, Ordering::SeqCst),
         "slow" => {
             // The claims this transaction made: one in the fallback, where
             // each message runs on its own.
@@ -800,14 +817,14 @@ async fn fallback(
             )
             .fetch_one(&mut **tx)
             .await?;
-            SLOW_IN_FALLBACK.store(claims == 1, Ordering::SeqCst);
+            flags.slow_in_fallback.store(claims == 1, Ordering::SeqCst);
             // "fails" was NAKed with a 1 s backoff just before: it comes
             // back long before ack_wait (20 s), while this still runs and
             // heartbeats go out every 100 ms.
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline {
-                if REDELIVERY_STARTED.load(Ordering::SeqCst) {
-                    SLOW_SAW_REDELIVERY.store(true, Ordering::SeqCst);
+                if flags.redelivery_started.load(Ordering::SeqCst) {
+                    flags.slow_saw_redelivery.store(true, Ordering::SeqCst);
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -838,8 +855,9 @@ async fn a_message_nacked_in_a_batch_fallback_is_redelivered_after_its_backoff()
     for (i, account) in ["ok", "fails", "slow", "ok"].iter().enumerate() {
         publish(&js, &subject, &deposit(account, 1), Some(&format!("f-{i}"))).await;
     }
+    let flags = FallbackFlags::default();
     let (handle, task) = spawn(
-        Router::new().route(
+        Router::with_state(flags.clone()).route(
             Route::new(&stream, "c")
                 .backoff(Duration::from_secs(1), Duration::from_secs(1))
                 .batch(4)
@@ -855,7 +873,7 @@ async fn a_message_nacked_in_a_batch_fallback_is_redelivered_after_its_backoff()
     stop(handle.clone(), task).await;
     assert_eq!(handle.stats("c").unwrap().batch_fallbacks(), 1);
     assert!(
-        SLOW_IN_FALLBACK.load(Ordering::SeqCst),
+        flags.slow_in_fallback.load(Ordering::SeqCst),
         "the slow message ran in the fallback of the batch that failed"
     );
     assert!(acks.count("+WPI") > 0, "heartbeats were sent");
@@ -866,7 +884,7 @@ async fn a_message_nacked_in_a_batch_fallback_is_redelivered_after_its_backoff()
         "no heartbeat after a delivery was settled"
     );
     assert!(
-        SLOW_SAW_REDELIVERY.load(Ordering::SeqCst),
+        flags.slow_saw_redelivery.load(Ordering::SeqCst),
         "the NAKed message was redelivered while its neighbour still ran"
     );
     assert_eq!(ledger(&pool, "fallback").await, Ledger::once_each(4));
@@ -982,23 +1000,18 @@ async fn a_missing_dedup_table_dead_letters_nothing() {
     assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(6));
 }
 
-static RACE_LOST: Mutex<Option<HashSet<String>>> = Mutex::new(None);
-
 #[idempotent(name = "check-then-insert")]
 async fn check_then_insert(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(race_lost): State<FirstRuns>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
     let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM accounts WHERE id = $1)")
         .bind(&d.account)
         .fetch_one(&mut **tx)
         .await?;
-    let first = RACE_LOST
-        .lock()
-        .unwrap()
-        .get_or_insert_with(HashSet::new)
-        .insert(delivery.message_id().to_string());
+    let first = race_lost.first(delivery);
     if first {
         // Another transaction creates the account between our check and our
         // insert, and commits: READ COMMITTED lets both through the check.
@@ -1054,7 +1067,8 @@ async fn a_unique_violation_from_a_lost_race_is_retried_and_applied_once() {
         .await;
     }
     let (handle, task) = spawn(
-        Router::new().route(fast(Route::new(&stream, "c")), check_then_insert),
+        Router::with_state(FirstRuns::default())
+            .route(fast(Route::new(&stream, "c")), check_then_insert),
         nats,
         pool.clone(),
     );
@@ -1120,12 +1134,15 @@ async fn a_unique_violation_that_persists_is_dead_lettered_after_its_retries() {
 
 // --- 11. Past the delivery limit while an attempt still runs ---------------
 
-static PAST_LIMIT_WAITED: AtomicBool = AtomicBool::new(false);
+/// Whether the past-limit redelivery waited on the running attempt's claim.
+#[derive(Clone, Default)]
+struct PastLimitWaited(Arc<AtomicBool>);
 
 #[idempotent(name = "outlives-its-lease")]
 async fn outlives_its_lease(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(past_limit_waited): State<PastLimitWaited>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
     if delivery.delivered() == 1 {
@@ -1140,7 +1157,7 @@ async fn outlives_its_lease(
             .fetch_one(&mut **tx)
             .await?;
             if waiters > 0 {
-                PAST_LIMIT_WAITED.store(true, Ordering::SeqCst);
+                past_limit_waited.0.store(true, Ordering::SeqCst);
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1172,13 +1189,15 @@ async fn a_message_past_its_limit_waits_for_an_attempt_still_running() {
             .allow_redelivery_while_running()
             .concurrency(1)
     };
+    // Both workers share the flag: either may take the first attempt.
+    let past_limit_waited = PastLimitWaited::default();
     let (first, first_task) = spawn(
-        Router::new().route(route(), outlives_its_lease),
+        Router::with_state(past_limit_waited.clone()).route(route(), outlives_its_lease),
         nats.clone(),
         pool.clone(),
     );
     let (second, second_task) = spawn(
-        Router::new().route(route(), outlives_its_lease),
+        Router::with_state(past_limit_waited.clone()).route(route(), outlives_its_lease),
         nats,
         pool.clone(),
     );
@@ -1186,7 +1205,7 @@ async fn a_message_past_its_limit_waits_for_an_attempt_still_running() {
     stop(first, first_task).await;
     stop(second, second_task).await;
     assert!(
-        PAST_LIMIT_WAITED.load(Ordering::SeqCst),
+        past_limit_waited.0.load(Ordering::SeqCst),
         "the past-limit redelivery waited on the running attempt's claim"
     );
     assert!(dead_letters(&js, &stream).await.is_empty());

@@ -21,10 +21,9 @@
 use std::io::Write;
 use std::process::ExitCode;
 use std::str::FromStr;
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use idem_runtime::{Delivery, Route, Router, idempotent};
+use idem_runtime::{Delivery, Route, Router, State, idempotent};
 use serde::Deserialize;
 
 /// The handler name in the dedup table and in `effects`.
@@ -37,12 +36,16 @@ struct Deposit {
     amount: i64,
 }
 
-static HOLD: OnceLock<Duration> = OnceLock::new();
+/// How long the handler holds each message inside its transaction
+/// (`RUN_HOLD_MS`): the router's state.
+#[derive(Clone, Copy)]
+struct Hold(Duration);
 
 #[idempotent(name = "run-worker")]
 async fn deposit(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
+    State(Hold(hold)): State<Hold>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
     say(&serde_json::json!({
@@ -50,7 +53,7 @@ async fn deposit(
         "id": delivery.message_id().as_str(),
         "seq": delivery.stream_sequence(),
     }));
-    tokio::time::sleep(HOLD.get().copied().unwrap_or_default()).await;
+    tokio::time::sleep(hold).await;
     sqlx::query(
         "INSERT INTO effects (handler, message_id, account, amount, delivered) \
          VALUES ($1, $2, $3, $4, $5)",
@@ -90,7 +93,6 @@ async fn run() -> Result<(), String> {
     let concurrency: usize = env_or("RUN_CONCURRENCY", Some(4))?;
     let hold = Duration::from_millis(env_or("RUN_HOLD_MS", Some(1500))?);
     let ack_wait = Duration::from_millis(env_or("RUN_ACK_WAIT_MS", Some(30_000))?);
-    HOLD.set(hold).expect("set once");
 
     let nats = async_nats::connect(&nats_url)
         .await
@@ -100,7 +102,7 @@ async fn run() -> Result<(), String> {
         .connect(&database_url)
         .await
         .map_err(|e| format!("connect to {database_url}: {e}"))?;
-    Router::new()
+    Router::with_state(Hold(hold))
         .route(
             Route::new(stream, durable)
                 .concurrency(concurrency)
