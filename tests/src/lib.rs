@@ -45,6 +45,7 @@
 //!
 //! `scripts/setup.sh` installs the servers.
 
+pub mod fault_proxy;
 mod nats;
 mod postgres;
 mod process;
@@ -57,6 +58,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use tokio::sync::OnceCell;
 
+pub use crate::fault_proxy::FaultProxy;
 pub use crate::nats::NatsServer;
 pub use crate::postgres::Postgres;
 
