@@ -48,6 +48,7 @@
 //!
 //! `scripts/setup.sh` installs the servers.
 
+pub mod fault_proxy;
 mod nats;
 mod postgres;
 mod process;
@@ -60,6 +61,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use tokio::sync::OnceCell;
 
+pub use crate::fault_proxy::FaultProxy;
 pub use crate::nats::NatsServer;
 pub use crate::postgres::Postgres;
 

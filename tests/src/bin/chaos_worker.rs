@@ -7,11 +7,28 @@
 //!
 //! - `{"event":"started",..}` once the database is prepared, before the
 //!   router starts;
-//! - `{"event":"stats",..}` every `CHAOS_REPORT_MS`, with the route's
-//!   [`Stats`] and what the worker observed of the servers: NATS connection
-//!   events and the outages of a `SELECT 1` probe on PostgreSQL;
+//! - `{"event":"stats",..}` whenever a counter changed (checked every 10 ms)
+//!   and at least every `CHAOS_REPORT_MS`, with the route's [`Stats`] and
+//!   what the worker observed of the servers: NATS connection events and the
+//!   outages of a `SELECT 1` probe on PostgreSQL;
+//! - the journal, one line per event of one message, written as it happens:
+//!   `{"event":"begin","id":..,"delivered":..,"seq":..}` when the handler
+//!   body starts (its claim was fresh: the transaction is open), and
+//!   `{"event":"committed",..}` from the runtime's after-commit hook, after
+//!   COMMIT and before the ack;
+//! - `{"event":"held",..}` after `committed` when the hook holds the
+//!   message (see SIGUSR1 below);
 //! - `{"event":"stopped",..}` after the router returned from a graceful
 //!   shutdown, just before the process exits 0.
+//!
+//! Each line goes out in one `write(2)` to the stdout pipe, so a SIGKILL
+//! loses no line already written: the journal of a killed worker says which
+//! transactions it had open and which commits it had not acked.
+//!
+//! **SIGUSR1** arms a hold: the next commit's after-commit hook journals
+//! `held` and then blocks (up to 30 s) before the ack, so that a test can
+//! SIGKILL the worker between COMMIT and ack for certain rather than by luck.
+//! Only the window is widened: the COMMIT and the kill are real.
 //!
 //! Logs go to stderr (`RUST_LOG`, default `warn,idem_runtime=info`).
 //!
@@ -26,20 +43,31 @@
 //! | `CHAOS_CONCURRENCY` | 8 | |
 //! | `CHAOS_BATCH` | 1 | `Route::batch`: 1 is per-message mode |
 //! | `CHAOS_HANDLER_DELAY_MS` | 0 | extra time each handler spends inside its transaction |
-//! | `CHAOS_REPORT_MS` | 200 | |
+//! | `CHAOS_REPORT_MS` | 200 | the longest gap between two stats lines |
+//! | `CHAOS_NATS_PING_MS` | async-nats's (60 s) | the client's PING interval: three unanswered PINGs drop the connection |
+//! | `CHAOS_PG_PROBE_TIMEOUT_MS` | 1000 | how long the `SELECT 1` probe waits before it counts a failure |
+//! | `CHAOS_PG_DEADLOCK_TIMEOUT_MS` | 50 | the router's sessions' `deadlock_timeout` (PostgreSQL's default is 1 s) |
+//!
+//! In batch mode, concurrent batches upsert the same account rows in
+//! different orders and deadlock now and then; PostgreSQL aborts one (40P01)
+//! and the runtime reruns its messages one per transaction. That path is
+//! worth exercising, but with the default `deadlock_timeout` every deadlock
+//! stalls the batches involved for a full second.
 //! | `CHAOS_SHUTDOWN_GRACE_MS` | 10000 | how long shutdown waits for in-flight messages |
 //!
 //! The business table, `chaos_ledger`, has no unique key: a message applied
 //! twice shows up as two rows.
 
+use std::io::Write;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use idem_runtime::fault::{AfterCommit, FaultHooks};
 use idem_runtime::{Delivery, Route, Router, Stats, idempotent};
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Connection, PgTransaction};
 use tokio::sync::watch;
 
@@ -56,6 +84,59 @@ struct Credit {
 /// Set once at start-up from `CHAOS_HANDLER_DELAY_MS`.
 static HANDLER_DELAY: OnceLock<Duration> = OnceLock::new();
 
+/// Set by SIGUSR1: hold the next commit before its ack.
+static HOLD_NEXT: AtomicBool = AtomicBool::new(false);
+
+/// How long a held commit waits for the SIGKILL before it acks after all.
+const HOLD_FOR: Duration = Duration::from_secs(30);
+
+/// Writes one line to stdout in one `write(2)`, so that a SIGKILL cannot
+/// leave half of it (the pipe keeps what was written).
+fn emit(mut line: String) {
+    line.push('\n');
+    let mut stdout = std::io::stdout().lock();
+    // Stdout is line-buffered: a whole line goes straight to the pipe.
+    stdout
+        .write_all(line.as_bytes())
+        .expect("the test reads stdout");
+}
+
+/// One journal line: an event of one message.
+#[derive(Serialize)]
+struct JournalLine<'a> {
+    event: &'static str,
+    pid: u32,
+    id: &'a str,
+    delivered: u64,
+    seq: u64,
+}
+
+fn journal(event: &'static str, delivery: &Delivery) {
+    emit(
+        serde_json::to_string(&JournalLine {
+            event,
+            pid: std::process::id(),
+            id: delivery.message_id().as_str(),
+            delivered: delivery.delivered(),
+            seq: delivery.stream_sequence(),
+        })
+        .expect("a journal line serializes"),
+    );
+}
+
+/// The after-commit hook: journals the commit and, if SIGUSR1 armed it,
+/// holds the message between COMMIT and ack until the test kills us.
+fn after_commit(delivery: &Delivery) -> AfterCommit {
+    journal("committed", delivery);
+    if HOLD_NEXT.swap(false, Ordering::SeqCst) {
+        journal("held", delivery);
+        // Blocks this runtime thread only; the others go on.
+        tokio::task::block_in_place(|| std::thread::sleep(HOLD_FOR));
+        tracing::warn!(message_id = %delivery.message_id(), "held past COMMIT for {HOLD_FOR:?} without a kill; acking");
+    }
+    AfterCommit::Ack
+}
+
 /// Records one ledger row per applied credit (with the delivery and the
 /// worker's pid, so a double-apply can be traced) and adds to the balance.
 #[idempotent(name = "chaos-credit-v1")]
@@ -64,6 +145,8 @@ async fn credit(
     delivery: &Delivery,
     cmd: Credit,
 ) -> Result<(), sqlx::Error> {
+    // The claim was fresh: this transaction is open until COMMIT or rollback.
+    journal("begin", delivery);
     sqlx::query(
         "INSERT INTO chaos_ledger (message_id, account, amount, stream_seq, delivered, worker_pid) \
          VALUES ($1, $2, $3, $4, $5, $6)",
@@ -118,6 +201,9 @@ struct Config {
     handler_delay: Duration,
     report_every: Duration,
     shutdown_grace: Duration,
+    nats_ping: Option<Duration>,
+    pg_probe_timeout: Duration,
+    pg_deadlock_timeout_ms: u64,
 }
 
 impl Config {
@@ -134,6 +220,12 @@ impl Config {
             handler_delay: Duration::from_millis(env_or("CHAOS_HANDLER_DELAY_MS", 0)?),
             report_every: Duration::from_millis(env_or("CHAOS_REPORT_MS", 200)?),
             shutdown_grace: Duration::from_millis(env_or("CHAOS_SHUTDOWN_GRACE_MS", 10_000)?),
+            nats_ping: match env_or("CHAOS_NATS_PING_MS", 0)? {
+                0 => None,
+                ms => Some(Duration::from_millis(ms)),
+            },
+            pg_probe_timeout: Duration::from_millis(env_or("CHAOS_PG_PROBE_TIMEOUT_MS", 1000)?),
+            pg_deadlock_timeout_ms: env_or("CHAOS_PG_DEADLOCK_TIMEOUT_MS", 50)?,
         })
     }
 
@@ -168,6 +260,11 @@ struct Observed {
     pg_outages: AtomicU64,
     /// Probe went from failure back to success after an outage.
     pg_recoveries: AtomicU64,
+    /// Failed probes by cause: no answer within the timeout, a connection
+    /// reset (ECONNRESET), anything else (EOF, refused, ...).
+    pg_probe_timeouts: AtomicU64,
+    pg_probe_resets: AtomicU64,
+    pg_probe_other: AtomicU64,
     /// Router start-ups that failed (a server was down) and were retried.
     startup_failures: AtomicU64,
 }
@@ -191,8 +288,8 @@ impl Observed {
     }
 }
 
-/// One line of output.
-#[derive(Serialize)]
+/// One stats line.
+#[derive(Serialize, PartialEq, Eq)]
 struct Report {
     event: &'static str,
     pid: u32,
@@ -205,6 +302,9 @@ struct Report {
     retried_in_process: u64,
     dead_lettered: u64,
     dead_letter_failed: u64,
+    batches: u64,
+    largest_batch: u64,
+    batch_fallbacks: u64,
     /// Received but not yet settled one way or another.
     in_flight: u64,
     nats_connects: u64,
@@ -214,6 +314,9 @@ struct Report {
     pg_probe_failures: u64,
     pg_outages: u64,
     pg_recoveries: u64,
+    pg_probe_timeouts: u64,
+    pg_probe_resets: u64,
+    pg_probe_other: u64,
     startup_failures: u64,
 }
 
@@ -221,9 +324,14 @@ struct Report {
 type AllStats = Arc<Mutex<Vec<Arc<Stats>>>>;
 
 fn report(event: &'static str, stats: &AllStats, observed: &Observed) {
+    emit(serde_json::to_string(&snapshot(event, stats, observed)).expect("a report serializes"));
+}
+
+fn snapshot(event: &'static str, stats: &AllStats, observed: &Observed) -> Report {
     let (mut received, mut processed, mut duplicates) = (0, 0, 0);
     let (mut failed, mut commit_failed, mut rejected) = (0, 0, 0);
     let (mut retried_in_process, mut dead_lettered, mut dead_letter_failed) = (0, 0, 0);
+    let (mut batches, mut largest_batch, mut batch_fallbacks) = (0, 0, 0);
     for s in stats.lock().expect("stats lock").iter() {
         received += s.received();
         processed += s.processed();
@@ -234,10 +342,13 @@ fn report(event: &'static str, stats: &AllStats, observed: &Observed) {
         retried_in_process += s.retried_in_process();
         dead_lettered += s.dead_lettered();
         dead_letter_failed += s.dead_letter_failed();
+        batches += s.batches();
+        largest_batch = largest_batch.max(s.largest_batch());
+        batch_fallbacks += s.batch_fallbacks();
     }
     let settled = processed + duplicates + failed + commit_failed + rejected;
     let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
-    let line = Report {
+    Report {
         event,
         pid: std::process::id(),
         received,
@@ -249,6 +360,9 @@ fn report(event: &'static str, stats: &AllStats, observed: &Observed) {
         retried_in_process,
         dead_lettered,
         dead_letter_failed,
+        batches,
+        largest_batch,
+        batch_fallbacks,
         in_flight: received.saturating_sub(settled),
         nats_connects: load(&observed.nats_connects),
         nats_disconnects: load(&observed.nats_disconnects),
@@ -257,47 +371,90 @@ fn report(event: &'static str, stats: &AllStats, observed: &Observed) {
         pg_probe_failures: load(&observed.pg_probe_failures),
         pg_outages: load(&observed.pg_outages),
         pg_recoveries: load(&observed.pg_recoveries),
+        pg_probe_timeouts: load(&observed.pg_probe_timeouts),
+        pg_probe_resets: load(&observed.pg_probe_resets),
+        pg_probe_other: load(&observed.pg_probe_other),
         startup_failures: load(&observed.startup_failures),
-    };
-    println!(
-        "{}",
-        serde_json::to_string(&line).expect("a report serializes")
-    );
+    }
+}
+
+/// Prints a stats line whenever a counter changed (checked every 10 ms, so
+/// a killed worker's last line is at most that old) and at least every
+/// `every`.
+async fn report_changes(stats: AllStats, observed: Arc<Observed>, every: Duration) {
+    let mut ticks = tokio::time::interval(Duration::from_millis(10));
+    let mut last: Option<(Report, Instant)> = None;
+    loop {
+        ticks.tick().await;
+        let now = snapshot("stats", &stats, &observed);
+        if let Some((before, at)) = &last
+            && *before == now
+            && at.elapsed() < every
+        {
+            continue;
+        }
+        emit(serde_json::to_string(&now).expect("a report serializes"));
+        last = Some((now, Instant::now()));
+    }
+}
+
+/// Why a probe failed.
+enum ProbeFailure {
+    Timeout,
+    Reset,
+    Other,
+}
+
+impl ProbeFailure {
+    fn of(error: &sqlx::Error) -> ProbeFailure {
+        match error {
+            sqlx::Error::Io(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                ProbeFailure::Reset
+            }
+            _ => ProbeFailure::Other,
+        }
+    }
 }
 
 /// Runs `SELECT 1` every 100 ms on a connection of its own (not the router's
 /// pool, so it never competes with handlers) and counts outages and
-/// recoveries.
-async fn probe_postgres(url: String, observed: Arc<Observed>) {
-    const TIMEOUT: Duration = Duration::from_secs(1);
+/// recoveries, and failures by cause.
+async fn probe_postgres(url: String, timeout: Duration, observed: Arc<Observed>) {
     let mut conn: Option<PgConnection> = None;
     let mut was_up: Option<bool> = None;
     let mut had_outage = false;
     loop {
+        let mut failure = None;
         if conn.is_none() {
-            conn = tokio::time::timeout(TIMEOUT, PgConnection::connect(&url))
-                .await
-                .ok()
-                .and_then(Result::ok);
-        }
-        let up = match conn.as_mut() {
-            Some(c) => {
-                let ok = matches!(
-                    tokio::time::timeout(TIMEOUT, sqlx::query("SELECT 1").execute(&mut *c)).await,
-                    Ok(Ok(_))
-                );
-                if !ok {
-                    conn = None;
-                }
-                ok
+            match tokio::time::timeout(timeout, PgConnection::connect(&url)).await {
+                Ok(Ok(c)) => conn = Some(c),
+                Ok(Err(e)) => failure = Some(ProbeFailure::of(&e)),
+                Err(_) => failure = Some(ProbeFailure::Timeout),
             }
-            None => false,
-        };
-        if up {
-            observed.pg_probe_ok.fetch_add(1, Ordering::Relaxed);
-        } else {
-            observed.pg_probe_failures.fetch_add(1, Ordering::Relaxed);
         }
+        if let Some(c) = conn.as_mut() {
+            match tokio::time::timeout(timeout, sqlx::query("SELECT 1").execute(&mut *c)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => failure = Some(ProbeFailure::of(&e)),
+                Err(_) => failure = Some(ProbeFailure::Timeout),
+            }
+            if failure.is_some() {
+                conn = None;
+            }
+        }
+        let up = failure.is_none();
+        match failure {
+            None => observed.pg_probe_ok.fetch_add(1, Ordering::Relaxed),
+            Some(failure) => {
+                observed.pg_probe_failures.fetch_add(1, Ordering::Relaxed);
+                match failure {
+                    ProbeFailure::Timeout => &observed.pg_probe_timeouts,
+                    ProbeFailure::Reset => &observed.pg_probe_resets,
+                    ProbeFailure::Other => &observed.pg_probe_other,
+                }
+                .fetch_add(1, Ordering::Relaxed)
+            }
+        };
         match (was_up, up) {
             (Some(true), false) => {
                 had_outage = true;
@@ -367,6 +524,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
+    // First, before anything can be slow: SIGUSR1's default action would
+    // kill the process.
+    let mut usr1 = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
+        .expect("SIGUSR1 handler installs");
+    tokio::spawn(async move {
+        while usr1.recv().await.is_some() {
+            HOLD_NEXT.store(true, Ordering::SeqCst);
+            tracing::warn!("SIGUSR1: holding the next commit before its ack");
+        }
+    });
     let config = Config::from_env()?;
     HANDLER_DELAY
         .set(config.handler_delay)
@@ -383,7 +550,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let events = observed.clone();
     // Reconnect every 100 ms rather than with the default backoff (up to
     // 4 s), so that the test's NATS outages stay short.
-    let nats = async_nats::ConnectOptions::new()
+    let mut nats_options = async_nats::ConnectOptions::new();
+    if let Some(ping) = config.nats_ping {
+        nats_options = nats_options.ping_interval(ping);
+    }
+    let nats = nats_options
         .name("idem-chaos-worker")
         .retry_on_initial_connect()
         .reconnect_delay_callback(|attempts| {
@@ -395,12 +566,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .connect(&config.nats_url)
         .await?;
+    let connect: PgConnectOptions = config.database_url.parse()?;
+    let connect = connect.options([(
+        "deadlock_timeout",
+        format!("{}ms", config.pg_deadlock_timeout_ms),
+    )]);
     let pool = PgPoolOptions::new()
         .max_connections(config.concurrency as u32 + 2)
         .acquire_timeout(Duration::from_secs(3))
-        .connect_lazy(&config.database_url)?;
+        .connect_lazy_with(connect);
     tokio::spawn(probe_postgres(
         config.database_url.clone(),
+        config.pg_probe_timeout,
         observed.clone(),
     ));
 
@@ -413,24 +590,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     report("started", &all_stats, &observed);
-    let reporter = {
-        let (all_stats, observed) = (all_stats.clone(), observed.clone());
-        let every = config.report_every;
-        tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(every);
-            loop {
-                ticks.tick().await;
-                report("stats", &all_stats, &observed);
-            }
-        })
-    };
+    let reporter = tokio::spawn(report_changes(
+        all_stats.clone(),
+        observed.clone(),
+        config.report_every,
+    ));
 
     // Start-up fails while a server is down (schema check, consumer
     // creation); try again until it succeeds or we are told to stop.
     loop {
         let router = Router::new()
             .route(config.route(), credit)
-            .shutdown_grace(config.shutdown_grace);
+            .shutdown_grace(config.shutdown_grace)
+            .fault_hooks(FaultHooks::default().after_commit(after_commit));
         let stats = router
             .handle()
             .stats(&config.durable)

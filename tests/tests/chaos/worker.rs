@@ -1,6 +1,8 @@
 //! The `chaos_worker` binary as a child process of the test: start it, read
-//! the JSON lines it prints, SIGKILL or SIGTERM it.
+//! the JSON lines it prints (stats, and the journal of its messages), hold a
+//! commit before its ack, SIGKILL or SIGTERM it.
 
+use std::collections::HashSet;
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -11,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-/// One line the worker printed (see `src/bin/chaos_worker.rs`).
+/// One line the worker printed (see `src/bin/chaos_worker.rs`): a stats
+/// report, or a journal line (`begin`, `committed`, `held`) with `id`,
+/// `delivered` and `seq` set.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default)]
 pub struct Report {
@@ -26,6 +30,9 @@ pub struct Report {
     pub retried_in_process: u64,
     pub dead_lettered: u64,
     pub dead_letter_failed: u64,
+    pub batches: u64,
+    pub largest_batch: u64,
+    pub batch_fallbacks: u64,
     pub in_flight: u64,
     pub nats_connects: u64,
     pub nats_disconnects: u64,
@@ -34,7 +41,59 @@ pub struct Report {
     pub pg_probe_failures: u64,
     pub pg_outages: u64,
     pub pg_recoveries: u64,
+    pub pg_probe_timeouts: u64,
+    pub pg_probe_resets: u64,
+    pub pg_probe_other: u64,
     pub startup_failures: u64,
+    /// Journal lines: the message.
+    pub id: String,
+    pub delivered: u64,
+    pub seq: u64,
+}
+
+impl Report {
+    /// Transactions the router saw fail or retried: what a server outage
+    /// leaves in its own counters.
+    pub fn router_failures(&self) -> u64 {
+        self.failed + self.retried_in_process + self.commit_failed
+    }
+}
+
+/// What one worker process journaled of its messages, line by line as it
+/// happened, so that a SIGKILL loses none of it.
+#[derive(Clone, Default)]
+pub struct Journal {
+    /// Messages whose handler body started: the claim was fresh and the
+    /// transaction open.
+    pub begun: HashSet<String>,
+    /// Messages whose COMMIT succeeded (the runtime's after-commit hook ran,
+    /// before the ack).
+    pub committed: HashSet<String>,
+    /// Messages held between COMMIT and ack after SIGUSR1: id and stream
+    /// sequence.
+    pub held: Vec<(String, u64)>,
+    /// How many `begin` lines, and the latest one's message.
+    begins: u64,
+    last_begun: Option<String>,
+}
+
+impl std::fmt::Debug for Journal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Journal")
+            .field("begun", &self.begun.len())
+            .field("committed", &self.committed.len())
+            .field("open", &self.open().count())
+            .field("held", &self.held)
+            .finish()
+    }
+}
+
+impl Journal {
+    /// Messages begun and never committed: their transactions were open
+    /// when the journal ended (or failed; see the caller).
+    pub fn open(&self) -> impl Iterator<Item = &String> {
+        self.begun.difference(&self.committed)
+    }
 }
 
 /// What the reader thread has seen on the worker's stdout.
@@ -43,6 +102,7 @@ struct Seen {
     started: bool,
     last: Report,
     stopped: Option<Report>,
+    journal: Journal,
     /// Lines that were not reports (a panic message would go to stderr, so
     /// these should not exist).
     garbage: Vec<String>,
@@ -70,6 +130,8 @@ pub struct Ended {
     pub last: Report,
     /// Its `stopped` report, if it shut down gracefully.
     pub stopped: Option<Report>,
+    /// Its whole journal.
+    pub journal: Journal,
 }
 
 impl Worker {
@@ -118,14 +180,25 @@ impl Worker {
                     let _ = writeln!(reports, "{line}");
                     let mut seen = seen.lock().expect("reader lock");
                     match serde_json::from_str::<Report>(&line) {
-                        Ok(report) => {
-                            match report.event.as_str() {
-                                "started" => seen.started = true,
-                                "stopped" => seen.stopped = Some(report.clone()),
-                                _ => {}
+                        Ok(report) => match report.event.as_str() {
+                            "begin" => {
+                                seen.journal.begins += 1;
+                                seen.journal.last_begun = Some(report.id.clone());
+                                seen.journal.begun.insert(report.id);
                             }
-                            seen.last = report;
-                        }
+                            "committed" => {
+                                seen.journal.committed.insert(report.id);
+                            }
+                            "held" => seen.journal.held.push((report.id, report.seq)),
+                            event => {
+                                match event {
+                                    "started" => seen.started = true,
+                                    "stopped" => seen.stopped = Some(report.clone()),
+                                    _ => {}
+                                }
+                                seen.last = report;
+                            }
+                        },
                         Err(_) => seen.garbage.push(line),
                     }
                 }
@@ -189,6 +262,73 @@ impl Worker {
         }
     }
 
+    /// Arms the worker's hold (SIGUSR1): its next commit waits before the
+    /// ack, and journals `held`.
+    pub fn hold_next_commit(&self) {
+        // SAFETY: plain kill(2) on our own child, not yet reaped.
+        unsafe { libc::kill(self.pid() as libc::pid_t, libc::SIGUSR1) };
+    }
+
+    /// Waits until the worker journals a held commit; returns its message
+    /// id and stream sequence.
+    pub async fn wait_for_held(&mut self, timeout: Duration) -> Result<(String, u64), String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(id) = self.seen.lock().expect("reader lock").journal.held.last() {
+                return Ok(id.clone());
+            }
+            if let Some(status) = self.exited() {
+                return Err(format!(
+                    "worker #{} ended ({status}) before it held a commit",
+                    self.ordinal
+                ));
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "worker #{} held no commit within {timeout:?} of SIGUSR1; last report {:?}",
+                    self.ordinal,
+                    self.last()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Waits until the worker journals the start of a new transaction that
+    /// it has not committed yet; returns its message id. The caller kills
+    /// at once to land mid-transaction (the journal shows later whether it
+    /// did).
+    pub async fn wait_for_open_transaction(&mut self, timeout: Duration) -> Result<String, String> {
+        let deadline = Instant::now() + timeout;
+        let begins_before = self.seen.lock().expect("reader lock").journal.begins;
+        loop {
+            {
+                let seen = self.seen.lock().expect("reader lock");
+                let journal = &seen.journal;
+                if journal.begins > begins_before
+                    && let Some(id) = &journal.last_begun
+                    && !journal.committed.contains(id)
+                {
+                    return Ok(id.clone());
+                }
+            }
+            if let Some(status) = self.exited() {
+                return Err(format!(
+                    "worker #{} ended ({status}) while we waited for a transaction",
+                    self.ordinal
+                ));
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "worker #{} began no transaction within {timeout:?}; last report {:?}",
+                    self.ordinal,
+                    self.last()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     /// SIGKILLs the worker and reaps it.
     pub fn sigkill(mut self) -> Ended {
         // Child::kill sends SIGKILL. It has not been reaped, so the pid is
@@ -225,7 +365,7 @@ impl Worker {
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();
         }
-        let seen = self.seen.lock().expect("reader lock");
+        let mut seen = self.seen.lock().expect("reader lock");
         assert!(
             seen.garbage.is_empty(),
             "worker #{} printed lines that are not reports: {:?}",
@@ -238,6 +378,7 @@ impl Worker {
             status,
             last: seen.last.clone(),
             stopped: seen.stopped.clone(),
+            journal: std::mem::take(&mut seen.journal),
         }
     }
 
