@@ -390,11 +390,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
             return Verdict::Duplicate;
         }
-        // Moved out of `begun` (the block), so that nothing keeps the borrow
-        // of `connection` once `tx` is gone.
-        let mut tx = match { begun } {
+        // Consumed by `map_err`, so that nothing keeps the borrow of
+        // `connection` once `tx` is gone.
+        let mut tx = match begun.map_err(|error| self.before_handler(error)) {
             Ok(tx) => tx,
-            Err(error) => return self.before_handler(error),
+            Err(verdict) => return verdict,
         };
         self.health.resume();
         let outcome = self

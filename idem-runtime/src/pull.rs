@@ -2,8 +2,9 @@
 //!
 //! The pull (async-nats's `Consumer::stream`) keeps at most about
 //! `concurrency × batch` messages requested ahead, re-requesting at half, and
-//! sends idle heartbeats so that a dead server is noticed and the pull
-//! re-issued after a reconnect. A message is taken off it only once a slot
+//! asks for idle heartbeats so that a dead server is noticed: on a missed
+//! heartbeat or any other error of the pull, it is dropped and a new one
+//! opened. A message is taken off it only once a slot
 //! is free, so what waits locally is bounded; one that waited past ack_wait
 //! is redelivered, and its claim skips whichever copy comes second.
 //!
@@ -114,10 +115,15 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
             next = messages.next() => match next {
                 Some(Ok(message)) => message,
                 Some(Err(error)) => {
-                    // Missed heartbeats, a reconnect, a server-side limit:
-                    // the pull re-issues itself.
+                    // Missed idle heartbeats, a reconnect, a server-side
+                    // limit: open a new pull. Keeping this one can stall it
+                    // (after a reconnect the server may still count a pull
+                    // request of the dead connection, while the client
+                    // waits for deliveries that went into it) until the
+                    // request expires.
                     failures += 1;
-                    tracing::debug!(%error, route = route.durable, "pull interrupted");
+                    tracing::debug!(%error, route = route.durable, "pull interrupted; opening a new one");
+                    pull = None;
                     continue 'pulling;
                 }
                 None => {

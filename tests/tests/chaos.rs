@@ -93,7 +93,8 @@
 //! test fails), `IDEM_CHAOS_WORKER_LOG` (the workers' `RUST_LOG`).
 //!
 //! The tests need servers of their own: with `NATS_URL` or `DATABASE_URL`
-//! set they are skipped.
+//! set they are built as ignored (reported as skipped), except under `CI`,
+//! where they fail loudly (see `tests/build.rs`).
 
 #[path = "chaos/acks.rs"]
 mod acks;
@@ -284,13 +285,10 @@ enum Route {
     Proxied,
 }
 
-/// Starts the servers and creates the stream; `None` (the test is skipped)
-/// if `NATS_URL` or `DATABASE_URL` point at servers the test cannot crash.
+/// Starts the servers and creates the stream. Panics if `NATS_URL` or
+/// `DATABASE_URL` point at servers the test cannot crash.
 async fn setup(test: &str, extra_worker_env: &[(&str, &str)], route: Route) -> Option<Setup> {
-    if std::env::var_os("NATS_URL").is_some() || std::env::var_os("DATABASE_URL").is_some() {
-        eprintln!("skipped: NATS_URL or DATABASE_URL is set, and this test crashes its servers");
-        return None;
-    }
+    idem_tests::require_own_servers();
     let env = TestEnv::start().await;
     let pool = env.pool().await;
     // A short timeout, so that a request lost in a NATS outage is retried
@@ -1378,12 +1376,20 @@ impl KillEvidence {
 /// message is applied exactly once and the consumer ends with nothing
 /// pending.
 #[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
 async fn worker_kills_and_server_crashes_apply_every_message_once() {
     chaos_run("kills", 1).await;
 }
 
 /// The same chaos, with the worker in batch mode (batches of up to 16).
 #[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
 async fn worker_kills_and_server_crashes_apply_every_message_once_in_batch_mode() {
     chaos_run("kills-batch", 16).await;
 }
@@ -1392,6 +1398,10 @@ async fn worker_kills_and_server_crashes_apply_every_message_once_in_batch_mode(
 /// and nats-server pause traffic, drop connections and reset them, each kind
 /// on each server at least twice. Every message is applied exactly once.
 #[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
 async fn network_faults_apply_every_message_once() {
     network::run("network", 1).await;
 }
@@ -1399,6 +1409,10 @@ async fn network_faults_apply_every_message_once() {
 /// The same network faults, with the worker in batch mode (batches of up
 /// to 16).
 #[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
 async fn network_faults_apply_every_message_once_in_batch_mode() {
     network::run("network-batch", 16).await;
 }
@@ -1595,6 +1609,10 @@ async fn chaos_run(test: &str, batch: usize) {
 /// having settled every message it started; a fresh worker finishes the rest,
 /// and every message is applied exactly once.
 #[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
 async fn sigterm_during_load_exits_zero_and_loses_nothing() {
     const MESSAGES: u64 = 1_000;
     let started = Instant::now();

@@ -61,11 +61,11 @@
 use std::io::Write;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem_runtime::fault::{AfterCommit, FaultHooks};
-use idem_runtime::{Delivery, Route, Router, Stats, idempotent};
+use idem_runtime::{Delivery, Route, Router, State, Stats, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Connection, PgTransaction};
@@ -81,8 +81,10 @@ struct Credit {
     amount: i64,
 }
 
-/// Set once at start-up from `CHAOS_HANDLER_DELAY_MS`.
-static HANDLER_DELAY: OnceLock<Duration> = OnceLock::new();
+/// How long each handler waits inside its transaction
+/// (`CHAOS_HANDLER_DELAY_MS`): the router's state.
+#[derive(Clone, Copy)]
+struct HandlerDelay(Duration);
 
 /// Set by SIGUSR1: hold the next commit before its ack.
 static HOLD_NEXT: AtomicBool = AtomicBool::new(false);
@@ -142,6 +144,7 @@ fn after_commit(delivery: &Delivery) -> AfterCommit {
 #[idempotent(name = "chaos-credit-v1")]
 async fn credit(
     tx: &mut PgTransaction<'_>,
+    State(HandlerDelay(delay)): State<HandlerDelay>,
     delivery: &Delivery,
     cmd: Credit,
 ) -> Result<(), sqlx::Error> {
@@ -167,7 +170,6 @@ async fn credit(
     .bind(cmd.amount)
     .execute(&mut **tx)
     .await?;
-    let delay = HANDLER_DELAY.get().copied().unwrap_or_default();
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
@@ -535,9 +537,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     });
     let config = Config::from_env()?;
-    HANDLER_DELAY
-        .set(config.handler_delay)
-        .expect("set once at start-up");
 
     let (stop_tx, stop) = watch::channel(false);
     tokio::spawn(async move {
@@ -599,7 +598,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Start-up fails while a server is down (schema check, consumer
     // creation); try again until it succeeds or we are told to stop.
     loop {
-        let router = Router::new()
+        let router = Router::with_state(HandlerDelay(config.handler_delay))
             .route(config.route(), credit)
             .shutdown_grace(config.shutdown_grace)
             .fault_hooks(FaultHooks::default().after_commit(after_commit));
