@@ -42,7 +42,7 @@
 //!   sends SIGUSR1, the worker's after-commit hook journals `held` and blocks
 //!   before the ack, and the test SIGKILLs it there.
 //! - **PostgreSQL restart:** while PostgreSQL is down, the router's own
-//!   counters (failed, retried in process, commit failed) must move, not
+//!   counters (failed, retried in process, commit failed, held for the database) must move, not
 //!   only the worker's side probe; then the probe must see it come back.
 //! - **nats-server restart:** the worker's client reports the disconnect and
 //!   the reconnect.
@@ -846,6 +846,8 @@ impl Tally {
             t.commit_failed += r.commit_failed;
             t.rejected += r.rejected;
             t.retried_in_process += r.retried_in_process;
+            t.infrastructure_errors += r.infrastructure_errors;
+            t.abandoned_transactions += r.abandoned_transactions;
             t.dead_lettered += r.dead_lettered;
             t.dead_letter_failed += r.dead_letter_failed;
             t.batches += r.batches;
@@ -1073,7 +1075,7 @@ impl FaultDriver<'_> {
         if let Err(e) = self
             .worker()
             .wait_for(
-                "see PostgreSQL down in its own transactions (failed, retried or commit failed)",
+                "see PostgreSQL down in its own transactions (failed, retried, commit failed or held)",
                 Duration::from_secs(30),
                 |r| r.router_failures() > before.router_failures(),
             )

@@ -302,6 +302,8 @@ struct Report {
     commit_failed: u64,
     rejected: u64,
     retried_in_process: u64,
+    infrastructure_errors: u64,
+    abandoned_transactions: u64,
     dead_lettered: u64,
     dead_letter_failed: u64,
     batches: u64,
@@ -334,7 +336,10 @@ fn snapshot(event: &'static str, stats: &AllStats, observed: &Observed) -> Repor
     let (mut failed, mut commit_failed, mut rejected) = (0, 0, 0);
     let (mut retried_in_process, mut dead_lettered, mut dead_letter_failed) = (0, 0, 0);
     let (mut batches, mut largest_batch, mut batch_fallbacks) = (0, 0, 0);
+    let (mut infrastructure_errors, mut abandoned_transactions) = (0, 0);
     for s in stats.lock().expect("stats lock").iter() {
+        infrastructure_errors += s.infrastructure_errors();
+        abandoned_transactions += s.abandoned_transactions();
         received += s.received();
         processed += s.processed();
         duplicates += s.duplicates();
@@ -360,6 +365,8 @@ fn snapshot(event: &'static str, stats: &AllStats, observed: &Observed) -> Repor
         commit_failed,
         rejected,
         retried_in_process,
+        infrastructure_errors,
+        abandoned_transactions,
         dead_lettered,
         dead_letter_failed,
         batches,

@@ -11,7 +11,7 @@
 //! - PostgreSQL: the worker's `SELECT 1` probe, which goes through the same
 //!   proxy, fails and then recovers. A pause lasts 1 to 2 s, twice the
 //!   probe's 500 ms timeout or more. Across the run, the router's own counters
-//!   (failed, retried in process, commit failed) must move with the cuts,
+//!   (failed, retried in process, commit failed, held for the database) must move with the cuts,
 //!   and the probe must have seen a reset as ECONNRESET.
 //! - NATS: the worker's client reports a disconnect and a reconnect. A
 //!   pause lasts 2 to 3.5 s; the worker PINGs every 300 ms, and three
@@ -247,7 +247,9 @@ pub async fn run(test: &str, batch: usize) {
     let Some(mut setup) = crate::setup(
         test,
         &[
-            ("CHAOS_HANDLER_DELAY_MS", "5"),
+            // Transactions that stay open a while, so that PostgreSQL cuts meet
+            // them, not only idle connections the pool replaces unseen.
+            ("CHAOS_HANDLER_DELAY_MS", "20"),
             ("CHAOS_BATCH", batch_env.as_str()),
             ("CHAOS_NATS_PING_MS", "300"),
             ("CHAOS_PG_PROBE_TIMEOUT_MS", "500"),

@@ -28,6 +28,8 @@ pub struct Report {
     pub commit_failed: u64,
     pub rejected: u64,
     pub retried_in_process: u64,
+    pub infrastructure_errors: u64,
+    pub abandoned_transactions: u64,
     pub dead_lettered: u64,
     pub dead_letter_failed: u64,
     pub batches: u64,
@@ -52,10 +54,14 @@ pub struct Report {
 }
 
 impl Report {
-    /// Transactions the router saw fail or retried: what a server outage
-    /// leaves in its own counters.
+    /// Transactions the router saw fail, retried, held for the database, or
+    /// stopped waiting for: what a server outage leaves in its own counters.
     pub fn router_failures(&self) -> u64 {
-        self.failed + self.retried_in_process + self.commit_failed
+        self.failed
+            + self.retried_in_process
+            + self.commit_failed
+            + self.infrastructure_errors
+            + self.abandoned_transactions
     }
 }
 
