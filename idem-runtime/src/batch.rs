@@ -193,9 +193,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             other => BatchFailure::Handler(other),
         };
         let mut connection = self.connections.take().await.map_err(before_handler)?;
-        let mut tx = self
-            .begin
-            .run(&mut connection)
+        let mut tx = transaction::begin(&mut connection, &self.begin, None)
             .await
             .map_err(before_handler)?;
         let mut unclaimed = {

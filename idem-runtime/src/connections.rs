@@ -63,13 +63,16 @@ impl Connections {
             drop(stale);
             kept
         };
-        let connection = match kept {
-            Some((connection, _)) => connection,
-            None => self.pool.acquire().await?,
+        // A kept connection began a transaction of the route's before, so
+        // its session holds the prepared statements (see `transaction`).
+        let (connection, prepared) = match kept {
+            Some((connection, _)) => (connection, true),
+            None => (self.pool.acquire().await?, false),
         };
         Ok(Leased {
             connection: Some(connection),
             home: self,
+            prepared,
         })
     }
 
@@ -91,9 +94,17 @@ impl Connections {
 pub(crate) struct Leased<'a> {
     connection: Option<PoolConnection<Postgres>>,
     home: &'a Connections,
+    /// Whether the session holds idem's prepared statements.
+    prepared: bool,
 }
 
 impl Leased<'_> {
+    /// Whether the session holds idem's prepared statements; from now on it
+    /// is taken to (the statement about to run prepares them).
+    pub(crate) fn mark_prepared(&mut self) -> bool {
+        std::mem::replace(&mut self.prepared, true)
+    }
+
     /// Keeps the connection for the route's next message: its last
     /// transaction ended cleanly. Past the route's share it goes back to the
     /// pool instead.

@@ -65,6 +65,10 @@ impl ErrorClass {
                 // admin_shutdown, crash_shutdown, cannot_connect_now,
                 // connection exceptions
                 Some("57P01" | "57P02" | "57P03") => ErrorClass::RetryNow,
+                // invalid_sql_statement_name: a prepared statement the
+                // session lost (`DEALLOCATE ALL`, a pooler that moved it);
+                // the connection is closed, and another prepares it again
+                Some("26000") => ErrorClass::RetryNow,
                 Some(code) if code.starts_with("08") => ErrorClass::RetryNow,
                 // unique_violation, foreign_key_violation: a check-then-write
                 // race under READ COMMITTED, which a retry clears

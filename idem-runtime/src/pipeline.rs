@@ -259,10 +259,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
     async fn claimed_elsewhere(&self, delivery: &Delivery) -> Result<bool, sqlx::Error> {
         let mut connection = self.connections.take().await?;
-        let statement = self
-            .begin
-            .and_claim(self.handler.name(), delivery.message_id().as_str());
-        let begun = transaction::begin_and_claim(&mut connection, statement).await;
+        let claim = (self.handler.name(), delivery.message_id().as_str());
+        let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
         let processed = if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
             drop(begun);
             transaction::end_failed_claim(&mut connection).await?;
@@ -378,8 +376,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             Ok(connection) => connection,
             Err(error) => return self.before_handler(error),
         };
-        let statement = self.begin.and_claim(name, delivery.message_id().as_str());
-        let begun = transaction::begin_and_claim(&mut connection, statement).await;
+        let claim = (name, delivery.message_id().as_str());
+        let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
         if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
             drop(begun);
             self.health.resume();

@@ -9,43 +9,54 @@
 //!
 //! ```sql
 //! BEGIN;
-//! SELECT set_config('statement_timeout', '300000', true),
-//!        set_config('idle_in_transaction_session_timeout', '301000', true);
-//! INSERT INTO idem_processed_messages (handler, message_id) VALUES ($idem$h$idem$, $idem$m$idem$)
-//!   RETURNING set_config('idem.claim', xmin::text, true)
+//! EXECUTE idem_bounds_v1('300000', '301000');
+//! EXECUTE idem_claim_v1($idem$h$idem$, $idem$m$idem$)
 //! ```
 //!
-//! The bounds: a statement stuck on a lock is cancelled by the server at the
-//! handler timeout, and a backend whose client vanished behind a partition,
-//! still holding its claim, is ended soon after, so redeliveries do not wait
-//! on it until TCP keepalive gives up (where the server supports it,
-//! `client_connection_check_interval` also ends a statement whose client went
-//! away). The claim is a plain INSERT: if another transaction holds an
-//! uncommitted claim on the key, it waits; if that one commits, it fails
-//! with a unique violation, which is how a duplicate is told (the runtime
-//! then rolls back and acks); if that one rolls back, it proceeds. It records
-//! its transaction's id in the transaction-local setting `idem.claim`.
+//! The bounds (`set_config(.., true)`, transaction-local): a statement stuck
+//! on a lock is cancelled by the server at the handler timeout, and a backend
+//! whose client vanished behind a partition, still holding its claim, is
+//! ended soon after, so redeliveries do not wait on it until TCP keepalive
+//! gives up (where the server supports it, `client_connection_check_interval`
+//! also ends a statement whose client went away). The claim is a plain
+//! INSERT into the dedup table: if another transaction holds an uncommitted
+//! claim on the key, it waits; if that one commits, it fails with a unique
+//! violation, which is how a duplicate is told (the runtime then rolls back
+//! and acks); if that one rolls back, it proceeds. It records its
+//! transaction's id in the transaction-local setting `idem.claim`.
 //!
 //! **COMMIT** goes out in one simple-query message with a check:
 //!
 //! ```sql
-//! SELECT 1 / coalesce(current_setting('idem.claim', true)
-//!                     = pg_current_xact_id_if_assigned()::xid::text, false)::int;
+//! EXECUTE idem_check_v1;  -- SELECT 1 / coalesce(current_setting('idem.claim', true)
+//!                         --   = pg_current_xact_id_if_assigned()::xid::text, false)::int
 //! COMMIT;
 //! BEGIN
 //! ```
 //!
 //! PostgreSQL turns the COMMIT of an aborted transaction (a statement failed
 //! and the handler ignored the error) into a rollback that it reports as
-//! success, and sqlx does not look at the command tag. Here the `SELECT`
-//! fails first, with 25P02, in the same round trip, and the COMMIT never
-//! runs. If the transaction is no longer the one that claimed (the handler
-//! ended it with a raw `ROLLBACK` or `COMMIT`, which also clears the
+//! success, and sqlx does not look at the command tag. Here the check fails
+//! first, with 25P02, in the same round trip, and the COMMIT never runs. If
+//! the transaction is no longer the one that claimed (the handler ended it
+//! with a raw `ROLLBACK` or `COMMIT`, which also clears the
 //! transaction-local setting), the division by zero stops the COMMIT
 //! instead. Either way nothing is acked. The trailing `BEGIN` keeps sqlx's
 //! view of the connection true: its transaction is still open, so dropping
 //! it queues a `ROLLBACK`, which ends that empty transaction together with
 //! the connection's next statement, without a round trip of its own.
+//!
+//! **Prepared statements.** The claim, the bounds and the check are the
+//! session's prepared statements (`PREPARE`), so that the server parses and
+//! plans them once per connection rather than once per message: a simple
+//! query cannot bind parameters, and sqlx's own prepared statements would
+//! each cost a round trip. A connection the route used moments ago has them;
+//! on any other (one straight from the pool), the BEGIN message first runs a
+//! `DO` block that prepares whichever of them the session lacks, in the same
+//! round trip. Should they vanish all the same (`DEALLOCATE ALL` in a
+//! handler, a pooler that moved the session), the claim fails with 26000:
+//! the connection is closed, and the message is retried at once on another
+//! (see `ErrorClass::of_sqlx`), which prepares them again.
 //!
 //! No timer or `select!` is ever held around BEGIN or COMMIT: a cancelled
 //! BEGIN can hand back a pooled connection still inside a transaction
@@ -62,13 +73,66 @@ use std::time::Duration;
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, PgTransaction};
 
+use crate::connections::Leased;
 use crate::error::HandlerError;
 use crate::schema::DEDUP_TABLE;
 
-/// The statement that begins a route's transactions.
+/// What a claim returns: it records its transaction's id for the check
+/// before COMMIT.
+macro_rules! record_claim {
+    () => {
+        "RETURNING set_config('idem.claim', xmin::text, true)"
+    };
+}
+pub(crate) const RECORD_CLAIM: &str = record_claim!();
+
+/// Whether the transaction running it is the one that made the claims:
+/// true, false, never NULL.
+macro_rules! still_claiming {
+    () => {
+        "coalesce(current_setting('idem.claim', true) \
+         = pg_current_xact_id_if_assigned()::xid::text, false)"
+    };
+}
+
+/// The prepared statements of the module docs: (name, parameters, SQL).
+/// A name carries a version, so that a runtime whose statement changed
+/// never executes an older one a session still holds.
+const CLAIM: (&str, &str, &str) = (
+    "idem_claim_v1",
+    "(text, text)",
+    concat!(
+        "INSERT INTO idem_processed_messages (handler, message_id) VALUES ($1, $2) ",
+        record_claim!()
+    ),
+);
+const CHECK: (&str, &str, &str) = (
+    "idem_check_v1",
+    "",
+    concat!("SELECT 1 / ", still_claiming!(), "::int"),
+);
+const BOUNDS: (&str, &str, &str) = (
+    "idem_bounds_v1",
+    "(text, text)",
+    "SELECT set_config('statement_timeout', $1, true), \
+     set_config('idle_in_transaction_session_timeout', $2, true)",
+);
+const BOUNDS_AND_CLIENT_CHECK: (&str, &str, &str) = (
+    "idem_bounds_client_check_v1",
+    "(text, text, text)",
+    "SELECT set_config('statement_timeout', $1, true), \
+     set_config('idle_in_transaction_session_timeout', $2, true), \
+     set_config('client_connection_check_interval', $3, true)",
+);
+
+/// How a route begins its transactions.
 #[derive(Debug, Clone)]
 pub(crate) struct Begin {
-    sql: String,
+    /// The bounds, through the prepared statements, to follow `BEGIN`.
+    bounds: String,
+    /// A `DO` block that prepares the statements this route uses, where the
+    /// session lacks them.
+    prepare: String,
 }
 
 impl Begin {
@@ -77,66 +141,79 @@ impl Begin {
     /// ended by the server shortly after. Without a handler timeout there are
     /// no bounds.
     pub(crate) fn new(handler_timeout: Option<Duration>, check_client_connection: bool) -> Self {
-        let mut sql = String::from("BEGIN");
+        let mut bounds = String::new();
+        let mut statements = vec![CLAIM, CHECK];
         if let Some(timeout) = handler_timeout {
             let millis = timeout.as_millis().max(1);
             // The idle bound waits a little longer than the handler may take,
             // so that a slow handler between two statements is never cut off
             // by it: the handler timeout fires first.
             let idle = millis + IDLE_MARGIN.as_millis();
-            sql.push_str(&format!(
-                "; SELECT set_config('statement_timeout', '{millis}', true), \
-                 set_config('idle_in_transaction_session_timeout', '{idle}', true)"
-            ));
             if check_client_connection {
-                sql.push_str(&format!(
-                    ", set_config('client_connection_check_interval', '{}', true)",
-                    CLIENT_CHECK.as_millis()
+                let check = CLIENT_CHECK.as_millis();
+                let (name, ..) = BOUNDS_AND_CLIENT_CHECK;
+                bounds.push_str(&format!(
+                    "; EXECUTE {name}('{millis}', '{idle}', '{check}')"
                 ));
+                statements.push(BOUNDS_AND_CLIENT_CHECK);
+            } else {
+                let (name, ..) = BOUNDS;
+                bounds.push_str(&format!("; EXECUTE {name}('{millis}', '{idle}')"));
+                statements.push(BOUNDS);
             }
         }
-        Self { sql }
+        let prepare = statements
+            .iter()
+            .map(|(name, parameters, sql)| {
+                format!(
+                    "IF NOT EXISTS (SELECT FROM pg_prepared_statements WHERE name = '{name}') \
+                     THEN EXECUTE {}; END IF;",
+                    literal(&format!("PREPARE {name}{parameters} AS {sql}"))
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ");
+        let prepare = format!("DO {}", literal(&format!("BEGIN {prepare} END")));
+        Self { bounds, prepare }
     }
 
-    /// Begins a transaction on `connection`: one round trip.
-    pub(crate) async fn run<'c>(
-        &self,
-        connection: &'c mut PgConnection,
-    ) -> Result<PgTransaction<'c>, sqlx::Error> {
-        sqlx::Connection::begin_with(connection, AssertSqlSafe(self.sql.clone())).await
-    }
-
-    /// The statement that begins a transaction and claims `message_id` for
-    /// `handler` in it: one round trip (see the module docs). Run it with
-    /// [`begin_and_claim`].
-    pub(crate) fn and_claim(&self, handler: &str, message_id: &str) -> String {
-        format!(
-            "{}; INSERT INTO {DEDUP_TABLE} (handler, message_id) VALUES ({}, {}) {RECORD_CLAIM}",
-            self.sql,
-            literal(handler),
-            literal(message_id)
-        )
+    /// The statement that begins a transaction, and claims `message_id` for
+    /// `handler` in it if given: one round trip (see the module docs).
+    /// `prepared`: whether the session holds the prepared statements.
+    fn statement(&self, claim: Option<(&str, &str)>, prepared: bool) -> String {
+        let mut sql = String::from("BEGIN");
+        if !prepared {
+            sql.push_str("; ");
+            sql.push_str(&self.prepare);
+        }
+        sql.push_str(&self.bounds);
+        if let Some((handler, message_id)) = claim {
+            let (name, ..) = CLAIM;
+            sql.push_str(&format!(
+                "; EXECUTE {name}({}, {})",
+                literal(handler),
+                literal(message_id)
+            ));
+        }
+        sql
     }
 }
 
-/// What a claim returns: it records its transaction's id for the check
-/// before COMMIT.
-pub(crate) const RECORD_CLAIM: &str = "RETURNING set_config('idem.claim', xmin::text, true)";
-
-/// Whether the transaction running it is the one that made the claims:
-/// true, false, never NULL.
-const STILL_CLAIMING: &str = "coalesce(current_setting('idem.claim', true) \
-     = pg_current_xact_id_if_assigned()::xid::text, false)";
-
-/// Runs `statement` (from [`Begin::and_claim`]) on `connection`: the
-/// transaction, with the claim in it, or an error. [`is_duplicate_claim`]
-/// tells the error of a message processed before, after which
-/// [`end_failed_claim`] makes the connection clean again.
-pub(crate) async fn begin_and_claim(
-    connection: &mut PgConnection,
-    statement: String,
-) -> Result<PgTransaction<'_>, sqlx::Error> {
-    sqlx::Connection::begin_with(connection, AssertSqlSafe(statement)).await
+/// Begins a transaction on `connection`, and claims `message_id` for
+/// `handler` in it if given: one round trip. The transaction, with the
+/// claim in it, or an error: [`is_duplicate_claim`] tells the error of a
+/// message processed before, after which [`end_failed_claim`] makes the
+/// connection clean again.
+pub(crate) async fn begin<'c>(
+    connection: &'c mut Leased<'_>,
+    begin: &Begin,
+    claim: Option<(&str, &str)>,
+) -> Result<PgTransaction<'c>, sqlx::Error> {
+    // Marked before the statement runs: once it has run, the session holds
+    // the statements; if it fails otherwise, the connection is not kept.
+    let prepared = connection.mark_prepared();
+    let statement = begin.statement(claim, prepared);
+    sqlx::Connection::begin_with(&mut **connection, AssertSqlSafe(statement)).await
 }
 
 /// Ends the transaction a failed claim left aborted, which sqlx never
@@ -264,8 +341,7 @@ pub(crate) async fn commit(tx: &mut PgTransaction<'_>) -> Result<(), CommitError
 
 /// The check, COMMIT, and the BEGIN that keeps sqlx's view true, in one
 /// message (see the module docs).
-const CHECKED_COMMIT: &str = "SELECT 1 / coalesce(current_setting('idem.claim', true) \
-     = pg_current_xact_id_if_assigned()::xid::text, false)::int; COMMIT; BEGIN";
+const CHECKED_COMMIT: &str = "EXECUTE idem_check_v1; COMMIT; BEGIN";
 
 /// Whether the claims are still this transaction's own, uncommitted: asked
 /// on the way to a rollback after a handler failed, so that a handler that
@@ -275,7 +351,7 @@ const CHECKED_COMMIT: &str = "SELECT 1 / coalesce(current_setting('idem.claim', 
 pub(crate) async fn claims_still_pending(tx: &mut PgTransaction<'_>) -> bool {
     // An error is 25P02 (aborted: the claims roll back with it), or one that
     // leaves the usual path to decide.
-    sqlx::query_scalar::<_, bool>(AssertSqlSafe(format!("SELECT {STILL_CLAIMING}")))
+    sqlx::query_scalar::<_, bool>(concat!("SELECT ", still_claiming!()))
         .fetch_one(&mut **tx)
         .await
         .unwrap_or(true)
@@ -312,23 +388,45 @@ mod tests {
 
     #[test]
     fn begin_carries_the_bounds_of_the_handler_timeout_and_the_claim() {
-        assert_eq!(Begin::new(None, true).sql, "BEGIN");
+        let unbounded = Begin::new(None, true);
+        assert_eq!(unbounded.statement(None, true), "BEGIN");
+        assert_eq!(
+            unbounded.statement(Some(("h", "m-1")), true),
+            "BEGIN; EXECUTE idem_claim_v1($idem$h$idem$, $idem$m-1$idem$)"
+        );
         let begin = Begin::new(Some(Duration::from_secs(2)), false);
         assert_eq!(
-            begin.sql,
-            "BEGIN; SELECT set_config('statement_timeout', '2000', true), \
-             set_config('idle_in_transaction_session_timeout', '3000', true)"
-        );
-        assert!(
-            Begin::new(Some(Duration::from_secs(2)), true)
-                .sql
-                .ends_with(", set_config('client_connection_check_interval', '1000', true)")
+            begin.statement(Some(("h", "m")), true),
+            "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); \
+             EXECUTE idem_claim_v1($idem$h$idem$, $idem$m$idem$)"
         );
         assert_eq!(
-            Begin::new(None, false).and_claim("h", "m-1"),
-            "BEGIN; INSERT INTO idem_processed_messages (handler, message_id) \
-             VALUES ($idem$h$idem$, $idem$m-1$idem$) \
-             RETURNING set_config('idem.claim', xmin::text, true)"
+            Begin::new(Some(Duration::from_secs(2)), true).statement(None, true),
+            "BEGIN; EXECUTE idem_bounds_client_check_v1('2000', '3000', '1000')"
         );
+    }
+
+    #[test]
+    fn an_unprepared_session_prepares_what_the_route_uses_first() {
+        let begin = Begin::new(Some(Duration::from_secs(2)), false);
+        let statement = begin.statement(Some(("h", "m")), false);
+        let (prefix, rest) = statement
+            .split_once("; EXECUTE idem_bounds_v1")
+            .expect("the bounds follow the DO block");
+        assert!(
+            prefix.starts_with("BEGIN; DO $idem1$BEGIN IF NOT EXISTS"),
+            "{prefix}"
+        );
+        for name in ["idem_claim_v1", "idem_check_v1", "idem_bounds_v1"] {
+            assert!(
+                prefix.contains(&format!(
+                    "WHERE name = '{name}') THEN EXECUTE $idem$PREPARE {name}"
+                )),
+                "{name}: {prefix}"
+            );
+        }
+        assert!(!prefix.contains("idem_bounds_client_check_v1"), "{prefix}");
+        assert!(rest.ends_with("EXECUTE idem_claim_v1($idem$h$idem$, $idem$m$idem$)"));
+        assert!(CHECKED_COMMIT.starts_with(&format!("EXECUTE {}; ", CHECK.0)));
     }
 }

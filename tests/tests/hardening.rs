@@ -1575,6 +1575,82 @@ async fn dead_letters_with_failure(
     letters
 }
 
+// --- Prepared statements the session lost ----------------------------------
+
+/// Drops the session's prepared statements (idem's and sqlx's) on the first
+/// run of each message: "commits" returns `Ok` after, which the COMMIT's
+/// check then meets; "fails" returns an error, which leaves its kept
+/// connection to the next message's claim.
+#[idempotent(name = "deallocates")]
+async fn deallocates(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    State(first_runs): State<FirstRuns>,
+    d: Deposit,
+) -> Result<(), idem_runtime::BoxError> {
+    if first_runs.first(delivery) && d.account != "plain" {
+        sqlx::raw_sql("DEALLOCATE ALL").execute(&mut **tx).await?;
+        if d.account == "fails" {
+            return Err(Transient::new("fails after dropping the prepared statements").into());
+        }
+        return Ok(());
+    }
+    record_effect(tx, "deallocates", &d, delivery).await?;
+    Ok(())
+}
+
+/// The claim and the COMMIT's check are the session's prepared statements.
+/// A session that lost them (a handler ran `DEALLOCATE ALL`; a pooler moved
+/// the connection) costs a retry on another connection, never a message:
+/// each is applied once, none is dead-lettered.
+#[tokio::test]
+async fn lost_prepared_statements_cost_a_retry_not_a_message() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("DEALLOC", Duration::from_secs(120)).await;
+    // One at a time, so that the connection a message leaves is the next
+    // one's.
+    let accounts = [
+        "commits", "plain", "fails", "plain", "commits", "plain", "fails", "plain",
+    ];
+    for (i, account) in accounts.iter().enumerate() {
+        publish(
+            &js,
+            &subject,
+            &deposit(account, 1),
+            Some(&format!("dl-{i}")),
+        )
+        .await;
+    }
+    let (handle, task) = spawn(
+        Router::with_state(FirstRuns::default())
+            .route(fast(Route::new(&stream, "c")).concurrency(1), deallocates),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("c").unwrap();
+    // Each "commits" meets its missing check once; each "fails" leaves its
+    // connection to a claim that meets the missing statement once.
+    assert!(
+        stats.retried_in_process() == 4,
+        "the missing statements were met and retried: {}",
+        stats.retried_in_process()
+    );
+    assert!(dead_letters(&js, &stream).await.is_empty());
+    assert_eq!(
+        ledger(&pool, "deallocates").await,
+        Ledger::once_each(accounts.len() as i64)
+    );
+}
+
 macro_rules! both_modes {
     ($($scenario:ident),* $(,)?) => {
         mod per_message {
