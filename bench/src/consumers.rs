@@ -1,4 +1,4 @@
-//! The five ways of consuming the same messages, all doing the same handler
+//! The six ways of consuming the same messages, all doing the same handler
 //! work: one INSERT into the business table `bench_effects`.
 //!
 //! - `raw`: pull and ack, no database.
@@ -9,6 +9,9 @@
 //! - `idem`: an `#[idempotent]` handler run by `idem_runtime::Router`.
 //! - `idem-batch`: the same, batched (`Route::batch(B)`): `concurrency`
 //!   batches of up to B messages in flight, one transaction each.
+//! - `idem-batch-handler`: the same batches, handed to an
+//!   `#[idempotent(batch)]` handler that writes the fresh messages of each
+//!   with one statement.
 //!
 //! The hand-written modes pull the way an async-nats user would by default:
 //! `consumer.messages()` (pull requests of 200, refilled ahead of need) fed
@@ -53,15 +56,17 @@ pub enum Mode {
     Manual,
     Idem,
     IdemBatch,
+    IdemBatchHandler,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 5] = [
+    pub const ALL: [Mode; 6] = [
         Mode::Raw,
         Mode::Naive,
         Mode::Manual,
         Mode::Idem,
         Mode::IdemBatch,
+        Mode::IdemBatchHandler,
     ];
 
     pub fn name(self) -> &'static str {
@@ -71,6 +76,7 @@ impl Mode {
             Mode::Manual => "manual",
             Mode::Idem => "idem",
             Mode::IdemBatch => "idem-batch",
+            Mode::IdemBatchHandler => "idem-batch-handler",
         }
     }
 
@@ -85,12 +91,20 @@ impl Mode {
 
     /// Whether the mode writes a dedup row per message.
     pub fn dedups(self) -> bool {
-        matches!(self, Mode::Manual | Mode::Idem | Mode::IdemBatch)
+        matches!(
+            self,
+            Mode::Manual | Mode::Idem | Mode::IdemBatch | Mode::IdemBatchHandler
+        )
+    }
+
+    /// Whether the runtime batches messages in this mode.
+    pub fn batches(self) -> bool {
+        matches!(self, Mode::IdemBatch | Mode::IdemBatchHandler)
     }
 
     /// Messages per transaction, as reported.
     pub fn batch(self, batch: usize) -> usize {
-        if self == Mode::IdemBatch { batch } else { 1 }
+        if self.batches() { batch } else { 1 }
     }
 }
 
@@ -110,8 +124,27 @@ async fn effect(tx: &mut sqlx::PgTransaction<'_>, msg: Payload) -> Result<(), sq
     insert_effect(tx, &msg).await
 }
 
-/// The route for `idem-batch`: the one place that knows how the runtime
-/// batches.
+/// The `idem-batch-handler` handler: the fresh messages of a batch, written
+/// with one statement.
+#[idempotent(name = "bench.effect.v1", key = |msg| msg.key, batch)]
+async fn effects(tx: &mut sqlx::PgTransaction<'_>, msgs: Vec<Payload>) -> Result<(), sqlx::Error> {
+    let (keys, published): (Vec<String>, Vec<i64>) = msgs
+        .into_iter()
+        .map(|msg| (msg.key, msg.published_us))
+        .unzip();
+    sqlx::query(
+        "INSERT INTO bench_effects (message_key, published_us) \
+         SELECT * FROM unnest($1::text[], $2::int8[])",
+    )
+    .bind(keys)
+    .bind(published)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// The route for the batching modes: the one place that knows how the
+/// runtime batches.
 fn batch_route(route: Route, batch: usize) -> Route {
     route.batch(batch)
 }
@@ -203,17 +236,21 @@ impl Consumer {
                 ));
                 Ok(Consumer::HandWritten { stop, counts, task })
             }
-            Mode::Idem | Mode::IdemBatch => {
+            Mode::Idem | Mode::IdemBatch | Mode::IdemBatchHandler => {
                 let pool = pool.expect("idem modes have a database").clone();
                 let mut route = Route::new(source.stream, durable.clone())
                     .filter_subject(source.subject)
                     .ack_wait(ACK_WAIT)
                     .concurrency(concurrency)
                     .max_ack_pending(max_ack_pending(concurrency * mode.batch(batch)));
-                if mode == Mode::IdemBatch {
+                if mode.batches() {
                     route = batch_route(route, batch);
                 }
-                let router = Router::new().route(route, effect);
+                let router = if mode == Mode::IdemBatchHandler {
+                    Router::new().route(route, effects)
+                } else {
+                    Router::new().route(route, effect)
+                };
                 let handle = router.handle();
                 let task = tokio::spawn(router.run_until(
                     nats.clone(),

@@ -65,7 +65,10 @@ enum Command {
     /// The framework, batched: Route::batch(B), C batches in flight
     #[command(mut_arg("concurrency", |arg| arg.help("Batches in flight")))]
     IdemBatch(IdemBatchArgs),
-    /// All five modes, one after another, and a table
+    /// As idem-batch, with an #[idempotent(batch)] handler: one INSERT per batch
+    #[command(mut_arg("concurrency", |arg| arg.help("Batches in flight")))]
+    IdemBatchHandler(IdemBatchArgs),
+    /// All six modes, one after another, and a table
     #[command(mut_arg("concurrency", |arg| arg.help(CONCURRENCY_WITH_BATCHES)))]
     Compare(CompareArgs),
     /// idem and naive at a fixed offered load: p50/p99 publish to commit
@@ -389,6 +392,11 @@ impl From<Command> for Options {
                 batch: a.batch.batch,
                 ping: a.pools.ping(),
                 ..Options::new(Job::Mode(Mode::IdemBatch), a.messages, a.load)
+            },
+            Command::IdemBatchHandler(a) => Options {
+                batch: a.batch.batch,
+                ping: a.pools.ping(),
+                ..Options::new(Job::Mode(Mode::IdemBatchHandler), a.messages, a.load)
             },
             Command::Compare(a) => Options {
                 batch: a.batch.batch,

@@ -9,10 +9,11 @@ mod kw {
     syn::custom_keyword!(key);
     syn::custom_keyword!(codec);
     syn::custom_keyword!(state);
+    syn::custom_keyword!(batch);
 }
 
-/// `#[idempotent(name = "...", key = <expr>, codec = <codec>, crate = <path>)]`,
-/// all optional, in any order.
+/// `#[idempotent(name = "...", key = <expr>, codec = <codec>, state = <type>,
+/// batch, crate = <path>)]`, all optional, in any order.
 #[derive(Default)]
 pub(crate) struct Args {
     /// The handler name stored with each claim. `None` means the fn's name.
@@ -27,6 +28,8 @@ pub(crate) struct Args {
     /// The router state to implement the handler for, checking its
     /// parameters at once. `None` means any state that provides them.
     pub(crate) state: Option<syn::Type>,
+    /// `batch`: the fn takes the fresh messages of a batch together.
+    pub(crate) batch: Option<proc_macro2::Span>,
 }
 
 /// `codec = json | raw | protobuf | <path to a type implementing Decode>`.
@@ -76,6 +79,15 @@ impl Parse for Args {
                 }
                 input.parse::<Token![=]>()?;
                 args.state = Some(input.parse()?);
+            } else if lookahead.peek(kw::batch) {
+                let keyword = input.parse::<kw::batch>()?;
+                if args.batch.is_some() {
+                    return Err(Error::new_spanned(
+                        keyword,
+                        "`batch` is given twice: keep one",
+                    ));
+                }
+                args.batch = Some(keyword.span);
             } else if lookahead.peek(Token![crate]) {
                 let keyword = input.parse::<Token![crate]>()?;
                 if args.krate.is_some() {
@@ -90,7 +102,7 @@ impl Parse for Args {
                     format!(
                         "unknown argument `{unknown}`: `#[idempotent]` takes `name = \"...\"`, \
                          `key = <expr>`, `codec = json | raw | protobuf | <path>`, \
-                         `state = <type>` and `crate = <path>`"
+                         `state = <type>`, `batch` and `crate = <path>`"
                     ),
                 ));
             } else {
@@ -198,7 +210,7 @@ mod tests {
         assert_eq!(
             error(quote::quote!(name = "a", retries = 3)),
             "unknown argument `retries`: `#[idempotent]` takes `name = \"...\"`, `key = <expr>`, \
-             `codec = json | raw | protobuf | <path>`, `state = <type>` and `crate = <path>`"
+             `codec = json | raw | protobuf | <path>`, `state = <type>`, `batch` and `crate = <path>`"
         );
     }
 
@@ -206,7 +218,7 @@ mod tests {
     fn unexpected_token() {
         assert_eq!(
             error(quote::quote!("credit")),
-            "expected one of: `name`, `key`, `codec`, `state`, `crate`"
+            "expected one of: `name`, `key`, `codec`, `state`, `batch`, `crate`"
         );
     }
 
@@ -223,6 +235,18 @@ mod tests {
             error(quote::quote!(codec = raw, codec = json)),
             "`codec` is given twice: keep one `codec = ...`"
         );
+    }
+
+    #[test]
+    fn batch_is_a_flag() {
+        let args = parse(quote::quote!(batch, name = "n")).unwrap();
+        assert!(args.batch.is_some());
+        assert!(parse(quote::quote!()).unwrap().batch.is_none());
+        assert_eq!(
+            error(quote::quote!(batch, batch)),
+            "`batch` is given twice: keep one"
+        );
+        assert_eq!(error(quote::quote!(batch = true)), "expected `,`");
     }
 
     #[test]

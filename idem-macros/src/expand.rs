@@ -16,7 +16,7 @@ use quote::{ToTokens, quote, quote_spanned};
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 use syn::{
-    Attribute, Error, FnArg, GenericArgument, GenericParam, Ident, Item, ItemFn, LitStr, Pat,
+    Attribute, Error, Expr, FnArg, GenericArgument, GenericParam, Ident, Item, ItemFn, LitStr, Pat,
     PatType, PathArguments, ReturnType, Type, TypePath,
 };
 
@@ -39,11 +39,15 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         }
         Err(error) => return with_error(item, error),
     };
-    match (syn::parse2::<Args>(args), HandlerFn::check(&function)) {
-        (Ok(args), Ok(handler)) => match check_codec(&args, &handler) {
-            Ok(()) => generate(&args, &handler),
-            Err(error) => with_error(item, error),
-        },
+    let args = syn::parse2::<Args>(args);
+    let batch = args.as_ref().is_ok_and(|args| args.batch.is_some());
+    match (args, HandlerFn::check(&function, batch)) {
+        (Ok(args), Ok(handler)) => {
+            match check_codec(&args, &handler).and_then(|()| check_key(&args, &handler)) {
+                Ok(()) => generate(&args, &handler),
+                Err(error) => with_error(item, error),
+            }
+        }
         (Err(error), Ok(_)) | (Ok(_), Err(error)) => with_error(item, error),
         (Err(mut error), Err(more)) => {
             error.combine(more);
@@ -63,7 +67,7 @@ fn check_codec(args: &Args, handler: &HandlerFn<'_>) -> syn::Result<()> {
     if args.codec.is_some() {
         return Ok(());
     }
-    let bytes_type = match &*handler.payload.ty {
+    let bytes_type = match handler.payload_ty {
         Type::Path(path) => path.path.segments.last().is_some_and(|last| {
             last.ident == "Bytes"
                 || (last.ident == "Vec"
@@ -76,13 +80,35 @@ fn check_codec(args: &Args, handler: &HandlerFn<'_>) -> syn::Result<()> {
     };
     if bytes_type {
         return Err(Error::new_spanned(
-            &handler.payload.ty,
+            handler.payload_ty,
             "this payload would be decoded as JSON (an array of numbers); to take the \
              message's bytes as they are, write `#[idempotent(codec = raw)]`, or \
              `codec = json` if JSON is meant",
         ));
     }
     Ok(())
+}
+
+/// `key = ...` is an expression over the message, or a closure over one
+/// message (and its delivery); a batch handler's must be a closure, since
+/// its message parameter is the whole batch.
+fn check_key(args: &Args, handler: &HandlerFn<'_>) -> syn::Result<()> {
+    match &args.key {
+        Some(Expr::Closure(closure)) if !(1..=2).contains(&closure.inputs.len()) => {
+            Err(Error::new_spanned(
+                &closure.inputs,
+                "a key closure takes the message, and optionally its delivery: \
+                 write `key = |cmd| cmd.transfer_id` or `key = |cmd, delivery| ...`",
+            ))
+        }
+        Some(key) if handler.batch && !matches!(key, Expr::Closure(_)) => Err(Error::new_spanned(
+            key,
+            "a batch handler's key is computed for each message of the batch: write it as a \
+             closure over one message, such as `key = |cmd| cmd.transfer_id` \
+             (`|cmd, delivery| ...` also sees its delivery)",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// An `async fn` whose signature the handler can call.
@@ -92,6 +118,11 @@ struct HandlerFn<'a> {
     between: Vec<&'a PatType>,
     /// The last parameter.
     payload: &'a PatType,
+    /// The payload type: the last parameter's, or for a batch handler its
+    /// element type (`T` of `Vec<T>`).
+    payload_ty: &'a Type,
+    /// Whether the fn takes the fresh messages of a batch together.
+    batch: bool,
     /// The return type (there is one: its absence is an error).
     output: &'a Type,
     /// Where an error type that is not `Into<BoxError>` gets reported.
@@ -104,7 +135,7 @@ impl<'a> HandlerFn<'a> {
     /// Checks the signature as far as syntax allows, reporting every problem
     /// at the node to change. Type checks are left to rustc, at spans chosen
     /// in [`generate`].
-    fn check(function: &'a ItemFn) -> syn::Result<Self> {
+    fn check(function: &'a ItemFn, batch: bool) -> syn::Result<Self> {
         let sig = &function.sig;
         let name = sig.ident.unraw();
         let mut errors = Errors::default();
@@ -153,7 +184,7 @@ impl<'a> HandlerFn<'a> {
             ));
         }
 
-        let params = Params::check(function, &mut errors);
+        let params = Params::check(function, batch, &mut errors);
         let output = match &sig.output {
             ReturnType::Type(_, ty) => Some(&**ty),
             ReturnType::Default => {
@@ -174,6 +205,8 @@ impl<'a> HandlerFn<'a> {
             function,
             between: params.between,
             payload: params.payload,
+            payload_ty: params.payload_ty,
+            batch,
             output,
             error_type_span: error_type_span(output),
             async_span: asyncness.span,
@@ -186,11 +219,12 @@ impl<'a> HandlerFn<'a> {
 struct Params<'a> {
     between: Vec<&'a PatType>,
     payload: &'a PatType,
+    payload_ty: &'a Type,
 }
 
 impl<'a> Params<'a> {
     /// `None` after pushing at least one error.
-    fn check(function: &'a ItemFn, errors: &mut Errors) -> Option<Self> {
+    fn check(function: &'a ItemFn, batch: bool, errors: &mut Errors) -> Option<Self> {
         let sig = &function.sig;
         let mut typed = Vec::with_capacity(sig.inputs.len());
         for input in &sig.inputs {
@@ -281,9 +315,40 @@ impl<'a> Params<'a> {
                      `State<T>`",
                 ));
                 ok = false;
+            } else if is_reference(&param.ty, false) && is_slice_reference(&param.ty) != batch {
+                errors.push(Error::new_spanned(
+                    &param.ty,
+                    if batch {
+                        "a batch handler takes the deliveries of its messages, in their order: \
+                         write `deliveries: &[Delivery]`"
+                    } else {
+                        "only a batch handler (`#[idempotent(batch)]`) takes `&[Delivery]`; \
+                         this one takes its message's: write `delivery: &Delivery`"
+                    },
+                ));
+                ok = false;
             }
         }
-        ok.then_some(Params { between, payload })
+        let payload_ty = if batch {
+            match vec_element(&payload.ty) {
+                Some(element) => element,
+                None => {
+                    errors.push(Error::new_spanned(
+                        &payload.ty,
+                        "a batch handler (`#[idempotent(batch)]`) takes the fresh messages of a \
+                         batch as a `Vec`: write `cmds: Vec<Credit>`",
+                    ));
+                    return None;
+                }
+            }
+        } else {
+            &*payload.ty
+        };
+        ok.then_some(Params {
+            between,
+            payload,
+            payload_ty,
+        })
     }
 }
 
@@ -294,6 +359,33 @@ fn is_reference(ty: &Type, mutable: bool) -> bool {
         Type::Paren(paren) => is_reference(&paren.elem, mutable),
         Type::Group(group) => is_reference(&group.elem, mutable),
         _ => false,
+    }
+}
+
+/// Whether `ty` is `&[_]`.
+fn is_slice_reference(ty: &Type) -> bool {
+    match ty {
+        Type::Reference(reference) => matches!(&*reference.elem, Type::Slice(_)),
+        Type::Paren(paren) => is_slice_reference(&paren.elem),
+        Type::Group(group) => is_slice_reference(&group.elem),
+        _ => false,
+    }
+}
+
+/// `T` of a type written `Vec<T>` (by any path).
+fn vec_element(ty: &Type) -> Option<&Type> {
+    let Type::Path(TypePath { qself: None, path }) = ty else {
+        return None;
+    };
+    let last = path.segments.last()?;
+    match &last.arguments {
+        PathArguments::AngleBracketed(args) if last.ident == "Vec" && args.args.len() == 1 => {
+            match args.args.first()? {
+                GenericArgument::Type(element) => Some(element),
+                _ => None,
+            }
+        }
+        _ => None,
     }
 }
 
@@ -375,7 +467,7 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
     let mut run_sig = function.sig.clone();
     run_sig.ident = Ident::new("run", ident.span());
 
-    let payload_ty = &handler.payload.ty;
+    let payload_ty = handler.payload_ty;
     let payload_type = quote_spanned! {payload_ty.span()=>
         type Payload = #payload_ty;
     };
@@ -414,11 +506,12 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
         .then(|| quote!(__S: ::core::marker::Send + ::core::marker::Sync + 'static,));
 
     // The parameters between the transaction and the message: a reference is
-    // the delivery; any other type the runtime fills through `FromDelivery`,
-    // a bound the impl states, so that a type the router's state cannot
-    // provide is reported at the parameter. (A type that can never be a
-    // parameter is reported at once: the bound's supertrait, `Parameter`,
-    // does not depend on the state.)
+    // the delivery (a batch handler's: the deliveries); any other type the
+    // runtime fills through `FromDelivery` (`FromBatch`), a bound the impl
+    // states, so that a type the router's state cannot provide is reported
+    // at the parameter. (A type that can never be a parameter is reported at
+    // once: the bound's supertrait, `Parameter`, does not depend on the
+    // state.)
     let mut bounds = Vec::new();
     let arguments: Vec<TokenStream> = handler
         .between
@@ -426,12 +519,20 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
         .map(|param| {
             let ty = &param.ty;
             let krate = respan(&krate, ty.span());
-            if is_reference(ty, false) {
-                quote_spanned! {ty.span()=> __idem_delivery}
-            } else {
-                bounds.push(quote_spanned! {ty.span()=> #ty: #krate::FromDelivery<#state>});
-                quote_spanned! {ty.span()=>
-                    #krate::FromDelivery::from_delivery(__idem_delivery, __idem_state)
+            match (is_reference(ty, false), handler.batch) {
+                (true, false) => quote_spanned! {ty.span()=> __idem_delivery},
+                (true, true) => quote_spanned! {ty.span()=> __idem_deliveries},
+                (false, false) => {
+                    bounds.push(quote_spanned! {ty.span()=> #ty: #krate::FromDelivery<#state>});
+                    quote_spanned! {ty.span()=>
+                        #krate::FromDelivery::from_delivery(__idem_delivery, __idem_state)
+                    }
+                }
+                (false, true) => {
+                    bounds.push(quote_spanned! {ty.span()=> #ty: #krate::FromBatch<#state>});
+                    quote_spanned! {ty.span()=>
+                        #krate::FromBatch::from_batch(__idem_deliveries, __idem_state)
+                    }
                 }
             }
         })
@@ -457,18 +558,54 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
         }
     };
     // Spanned at the user's `async`, so that a body that is not `Send` is
-    // reported on the handler rather than on the attribute.
-    let handle = quote_spanned! {handler.async_span=>
-        #[allow(clippy::ignored_unit_patterns)]
-        async fn handle(
-            &self,
-            __idem_tx: &mut #krate::__private::PgTransaction<'_>,
-            __idem_payload: Self::Payload,
-            __idem_delivery: &#krate::Delivery,
-            __idem_state: &#state,
-        ) -> ::core::result::Result<(), #krate::HandlerError> {
-            let __idem_result = #ident::run(__idem_tx, #(#arguments,)* __idem_payload).await;
-            #settle
+    // reported on the handler rather than on the attribute. A batch handler
+    // runs one message as a batch of one.
+    let handle = if handler.batch {
+        quote_spanned! {handler.async_span=>
+            const BATCHES: bool = true;
+
+            async fn handle(
+                &self,
+                __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+                __idem_payload: Self::Payload,
+                __idem_delivery: &#krate::Delivery,
+                __idem_state: &#state,
+            ) -> ::core::result::Result<(), #krate::HandlerError> {
+                <Self as #krate::Handler<#state>>::handle_batch(
+                    self,
+                    __idem_tx,
+                    ::std::vec::Vec::from([__idem_payload]),
+                    ::core::slice::from_ref(__idem_delivery),
+                    __idem_state,
+                )
+                .await
+            }
+
+            #[allow(clippy::ignored_unit_patterns)]
+            async fn handle_batch(
+                &self,
+                __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+                __idem_payloads: ::std::vec::Vec<Self::Payload>,
+                __idem_deliveries: &[#krate::Delivery],
+                __idem_state: &#state,
+            ) -> ::core::result::Result<(), #krate::HandlerError> {
+                let __idem_result = #ident::run(__idem_tx, #(#arguments,)* __idem_payloads).await;
+                #settle
+            }
+        }
+    } else {
+        quote_spanned! {handler.async_span=>
+            #[allow(clippy::ignored_unit_patterns)]
+            async fn handle(
+                &self,
+                __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+                __idem_payload: Self::Payload,
+                __idem_delivery: &#krate::Delivery,
+                __idem_state: &#state,
+            ) -> ::core::result::Result<(), #krate::HandlerError> {
+                let __idem_result = #ident::run(__idem_tx, #(#arguments,)* __idem_payload).await;
+                #settle
+            }
         }
     };
 
@@ -549,16 +686,33 @@ fn respan(tokens: &TokenStream, span: Span) -> TokenStream {
 }
 
 /// `fn message_key`: binds the payload pattern, and the delivery
-/// parameter's, by reference, and stringifies the key expression.
-fn message_key(krate: &TokenStream, handler: &HandlerFn<'_>, key: &syn::Expr) -> TokenStream {
-    let pattern = bind_by_reference((*handler.payload.pat).clone());
-    let delivery = handler
-        .between
-        .iter()
-        .find(|param| is_reference(&param.ty, false))
-        .filter(|param| !matches!(*param.pat, Pat::Wild(_)))
-        .map(|param| {
-            let pattern = bind_by_reference((*param.pat).clone());
+/// parameter's (or the key closure's parameters), by reference, and
+/// stringifies the key expression (the closure's body). `check_key` made
+/// sure a closure has one or two parameters.
+fn message_key(krate: &TokenStream, handler: &HandlerFn<'_>, key: &Expr) -> TokenStream {
+    // `|cmd, delivery| body` binds its own names; a bare expression sees the
+    // fn's.
+    let (pattern, delivery, key) = match key {
+        Expr::Closure(closure) => (
+            closure.inputs[0].clone(),
+            closure.inputs.get(1).cloned(),
+            &*closure.body,
+        ),
+        key => (
+            (*handler.payload.pat).clone(),
+            handler
+                .between
+                .iter()
+                .find(|param| is_reference(&param.ty, false))
+                .map(|param| (*param.pat).clone()),
+            key,
+        ),
+    };
+    let pattern = bind_by_reference(pattern);
+    let delivery = delivery
+        .filter(|pattern| !matches!(pattern, Pat::Wild(_)))
+        .map(|pattern| {
+            let pattern = bind_by_reference(pattern);
             quote!(let #pattern = __idem_delivery;)
         });
     let to_string = quote_spanned! {key.span()=>
@@ -1100,6 +1254,99 @@ mod tests {
                 )
             )
             .ends_with("add `-> Result<(), MyError>` after the parameters")
+        );
+    }
+
+    #[test]
+    fn a_batch_handler_takes_the_batch_and_runs_one_message_as_a_batch_of_one() {
+        let expanded = expand(
+            quote!(batch, key = |cmd| cmd.id),
+            quote!(
+                async fn credit_many(
+                    tx: &mut Tx,
+                    State(fees): State<Fees>,
+                    deliveries: &[Delivery],
+                    cmds: Vec<Credit>,
+                ) -> Result<(), E> {
+                }
+            ),
+        );
+        assert!(!expanded.contains("compile_error"), "{expanded}");
+        for expected in [
+            "type Payload = Credit ;",
+            "const BATCHES : bool = true ;",
+            "State < Fees > : :: idem_runtime :: FromBatch < __S >",
+            "< Self as :: idem_runtime :: Handler < __S >> :: handle_batch (self , __idem_tx , \
+             :: std :: vec :: Vec :: from ([__idem_payload]) , :: core :: slice :: from_ref \
+             (__idem_delivery) , __idem_state ,) . await",
+            "credit_many :: run (__idem_tx , :: idem_runtime :: FromBatch :: from_batch \
+             (__idem_deliveries , __idem_state) , __idem_deliveries , __idem_payloads) . await",
+            "let cmd = __idem_payload ;",
+        ] {
+            assert!(expanded.contains(expected), "{expected}: {expanded}");
+        }
+        assert!(!expanded.contains("FromDelivery"), "{expanded}");
+    }
+
+    #[test]
+    fn a_key_closure_binds_its_own_names() {
+        let expanded = expand(
+            quote!(key = |c, d| format!("{}:{}", d.subject(), c.id)),
+            quote!(
+                async fn h(tx: &mut Tx, delivery: &Delivery, cmd: M) -> Result<(), E> {}
+            ),
+        );
+        assert!(!expanded.contains("compile_error"), "{expanded}");
+        assert!(expanded.contains("let c = __idem_payload ; let d = __idem_delivery ;"));
+        assert!(!expanded.contains("let cmd = __idem_payload"), "{expanded}");
+        assert!(
+            error(
+                quote!(key = |a, b, c| a.id),
+                quote!(
+                    async fn h(tx: &mut Tx, m: M) -> Result<(), E> {}
+                )
+            )
+            .starts_with("a key closure takes the message, and optionally its delivery")
+        );
+    }
+
+    #[test]
+    fn rejects_a_batch_handler_that_does_not_take_a_batch() {
+        assert!(
+            error(
+                quote!(batch),
+                quote!(
+                    async fn h(tx: &mut Tx, m: Credit) -> Result<(), E> {}
+                )
+            )
+            .starts_with("a batch handler (`#[idempotent(batch)]`) takes the fresh messages")
+        );
+        assert!(
+            error(
+                quote!(batch),
+                quote!(
+                    async fn h(tx: &mut Tx, d: &Delivery, m: Vec<M>) -> Result<(), E> {}
+                )
+            )
+            .starts_with("a batch handler takes the deliveries of its messages")
+        );
+        assert!(
+            error(
+                quote!(),
+                quote!(
+                    async fn h(tx: &mut Tx, d: &[Delivery], m: M) -> Result<(), E> {}
+                )
+            )
+            .starts_with("only a batch handler (`#[idempotent(batch)]`) takes `&[Delivery]`")
+        );
+        assert!(
+            error(
+                quote!(batch, key = cmds.id),
+                quote!(
+                    async fn h(tx: &mut Tx, cmds: Vec<M>) -> Result<(), E> {}
+                )
+            )
+            .starts_with("a batch handler's key is computed for each message of the batch")
         );
     }
 

@@ -93,6 +93,42 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
         delivery: &Delivery,
         state: &S,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// Whether, on a batch route ([`Route::batch`](crate::Route::batch)), the
+    /// runtime hands the fresh messages of a batch to
+    /// [`handle_batch`](Handler::handle_batch) in one call (`true`), or
+    /// calls [`handle`](Handler::handle) for each in turn, each under the
+    /// handler timeout (`false`, the default). `#[idempotent(batch)]` sets
+    /// it.
+    const BATCHES: bool = false;
+
+    /// Runs the handler once for all the fresh messages of a batch, claimed
+    /// in `tx`: `payloads[i]` came in `deliveries[i]`. The runtime calls it
+    /// only if [`BATCHES`](Handler::BATCHES) is `true`, never with an empty
+    /// batch, and under the handler timeout as a whole. `Ok` commits the
+    /// batch; `Err` rolls it back and runs each message again through
+    /// [`handle`](Handler::handle), alone in its transaction, where it takes
+    /// its own retry or dead-letter path. So `handle` must do for one
+    /// message what this does for many.
+    ///
+    /// The default calls `handle` for each message in turn.
+    fn handle_batch(
+        &self,
+        tx: &mut PgTransaction<'_>,
+        payloads: Vec<Self::Payload>,
+        deliveries: &[Delivery],
+        state: &S,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send
+    where
+        S: Sync,
+    {
+        async move {
+            for (payload, delivery) in payloads.into_iter().zip(deliveries) {
+                self.handle(tx, payload, delivery, state).await?;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// What [`Router::route`](crate::Router::route) accepts: the name of an

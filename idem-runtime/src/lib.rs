@@ -75,7 +75,7 @@ pub use message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, MessageId, MessageIdS
 pub use retry::RetryPolicy;
 pub use route::Route;
 pub use router::{Router, RouterHandle};
-pub use state::{FromDelivery, FromRef, Parameter, State};
+pub use state::{FromBatch, FromDelivery, FromRef, Parameter, State};
 pub use stats::Stats;
 pub use undeliverable::ADVISORY_STREAM;
 

@@ -99,6 +99,25 @@ pub trait Parameter {}
 
 impl<T> Parameter for State<T> {}
 
+/// A parameter of a batch handler (`#[idempotent(batch)]`) that the runtime
+/// fills from the batch's deliveries and the router's state `S`, like
+/// [`State<T>`]. (`&[Delivery]` is passed as it is.)
+#[diagnostic::on_unimplemented(
+    message = "the router's state `{S}` cannot provide `{Self}` to a batch handler",
+    label = "not provided by `{S}`",
+    note = "a `State<T>` parameter needs `T: FromRef<{S}>`: a `T` field in the state with `#[derive(FromRef)]` on it, or `impl FromRef<{S}> for T`"
+)]
+pub trait FromBatch<S>: Parameter + Sized {
+    /// Makes the parameter for one batch.
+    fn from_batch(deliveries: &[Delivery], state: &S) -> Self;
+}
+
+impl<S, T: FromRef<S>> FromBatch<S> for State<T> {
+    fn from_batch(_: &[Delivery], state: &S) -> Self {
+        State(T::from_ref(state))
+    }
+}
+
 impl<S, T: FromRef<S>> FromDelivery<S> for State<T> {
     fn from_delivery(_: &Delivery, state: &S) -> Self {
         State(T::from_ref(state))
