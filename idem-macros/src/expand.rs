@@ -286,7 +286,8 @@ impl<'a> Params<'a> {
             ));
             ok = false;
         }
-        if let Type::Reference(reference) = &*payload.ty {
+        // (A batch handler's message must be a `Vec`, which says it all.)
+        if let (Type::Reference(reference), false) = (&*payload.ty, batch) {
             // The old order, `(tx, cmd: Credit, delivery: &Delivery)`?
             let by_value = between.iter().find(|param| !is_any_reference(&param.ty));
             match by_value {
@@ -557,13 +558,16 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
             #into_handler_error
         }
     };
+    let batches = handler.batch.then(|| {
+        quote!(
+            const BATCHES: bool = true;
+        )
+    });
     // Spanned at the user's `async`, so that a body that is not `Send` is
     // reported on the handler rather than on the attribute. A batch handler
     // runs one message as a batch of one.
     let handle = if handler.batch {
         quote_spanned! {handler.async_span=>
-            const BATCHES: bool = true;
-
             async fn handle(
                 &self,
                 __idem_tx: &mut #krate::__private::PgTransaction<'_>,
@@ -651,6 +655,7 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
         {
             #payload_type
             #codec_type
+            #batches
 
             fn name(&self) -> &'static str {
                 Self::NAME

@@ -52,6 +52,9 @@ use proc_macro::TokenStream;
 ///     -> Result<T, E>
 /// ```
 ///
+/// (A batch handler, `#[idempotent(batch)]`, takes `&[Delivery]` and
+/// `msgs: Vec<Msg>` instead; see [Batch handlers](#batch-handlers).)
+///
 /// - `tx` is the transaction the claim ran in. The runtime commits it after
 ///   the body returns `Ok` (if the claim is still the transaction's own),
 ///   then acks the message; on `Err` it rolls back and retries or
@@ -84,13 +87,69 @@ use proc_macro::TokenStream;
 /// - `key = <expr>`: the message id, computed from the payload. The
 ///   expression sees the payload pattern's bindings, and the `&Delivery`
 ///   parameter's, by reference, and its value is turned into a string with
-///   `ToString`.
+///   `ToString`. It may also be a closure over one message, and optionally
+///   its delivery, which binds its own names: `key = |cmd| cmd.transfer_id`,
+///   `key = |cmd, delivery| ...` (a batch handler's key must be one).
 /// - `codec = json | raw | protobuf | <path>`: how the payload is decoded
 ///   (JSON by default; `raw` for `Bytes`, `Vec<u8>` or `String`; `protobuf`
 ///   for a `prost::Message`; or a type implementing `codec::Decode`).
 /// - `state = <type>`: implement the handler for this router state only, so
 ///   that a `State<T>` it cannot provide is reported at the parameter.
+/// - `batch`: a batch handler; see below.
 /// - `crate = <path>`: where idem-runtime is, if renamed or re-exported.
+///
+/// # Batch handlers
+///
+/// With `batch`, the fn takes the fresh messages of a batch together, so
+/// that it can write them all with one statement, and the deliveries, if it
+/// wants them, as a slice in the same order:
+///
+/// ```
+/// use idem_runtime::{Delivery, Route, Router, idempotent};
+///
+/// #[derive(serde::Deserialize)]
+/// pub struct Credit {
+///     transfer_id: String,
+///     account: i64,
+///     amount: i64,
+/// }
+///
+/// #[idempotent(name = "credit-many-v1", key = |cmd| cmd.transfer_id, batch)]
+/// pub async fn credit_many(
+///     tx: &mut sqlx::PgTransaction<'_>,
+///     deliveries: &[Delivery],
+///     cmds: Vec<Credit>,
+/// ) -> Result<(), sqlx::Error> {
+///     let accounts: Vec<i64> = cmds.iter().map(|cmd| cmd.account).collect();
+///     let amounts: Vec<i64> = cmds.iter().map(|cmd| cmd.amount).collect();
+///     sqlx::query(
+///         "UPDATE accounts SET balance = balance + c.amount
+///          FROM unnest($1::int8[], $2::int8[]) AS c(id, amount) WHERE accounts.id = c.id",
+///     )
+///     .bind(&accounts)
+///     .bind(&amounts)
+///     .execute(&mut **tx)
+///     .await?;
+///     Ok(())
+/// }
+///
+/// let router = Router::new().route(Route::new("LEDGER", "credit").batch(64), credit_many);
+/// # drop(router);
+/// ```
+///
+/// - The runtime claims the whole batch first, in one statement, and calls
+///   the fn once with the messages that were fresh: never one processed
+///   before, in this batch or any other, and never an empty batch.
+/// - `Ok` commits the batch, claims and writes together. `Err`, a panic or
+///   the handler timeout (which covers the one call) rolls the whole batch
+///   back; then each message runs again alone, through the same fn as a
+///   batch of one, and takes its own retry or dead-letter path. So the fn
+///   must do for one message what it does for many; it must not fail a
+///   whole batch for a message that would succeed alone, or every batch
+///   with such a message costs a fallback.
+/// - On a route without `Route::batch`, each message is a batch of one.
+/// - Between the transaction and the messages: `State<T>` (through
+///   `FromBatch`) and `&[Delivery]`; a `&Delivery` is refused.
 ///
 /// # The message id
 ///
