@@ -1,5 +1,7 @@
 //! What a handler may know about the delivery it is processing.
 
+use std::sync::Arc;
+
 use async_nats::HeaderMap;
 use async_nats::jetstream::Message;
 
@@ -26,8 +28,14 @@ use crate::message_id::MessageId;
 ///     Ok(())
 /// }
 /// ```
+///
+/// Cloning one is cheap (a reference count): the runtime hands the same
+/// delivery to a transaction, its retries and its dead letter.
+#[derive(Clone)]
+pub struct Delivery(Arc<Fields>);
+
 #[derive(Debug, Clone)]
-pub struct Delivery {
+pub(crate) struct Fields {
     pub(crate) subject: String,
     pub(crate) stream: String,
     pub(crate) consumer: String,
@@ -36,6 +44,22 @@ pub struct Delivery {
     pub(crate) stored_at: time::OffsetDateTime,
     pub(crate) headers: HeaderMap,
     pub(crate) message_id: MessageId,
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let fields = &*self.0;
+        f.debug_struct("Delivery")
+            .field("subject", &fields.subject)
+            .field("stream", &fields.stream)
+            .field("consumer", &fields.consumer)
+            .field("stream_sequence", &fields.stream_sequence)
+            .field("delivered", &fields.delivered)
+            .field("stored_at", &fields.stored_at)
+            .field("headers", &fields.headers)
+            .field("message_id", &fields.message_id)
+            .finish()
+    }
 }
 
 impl Delivery {
@@ -47,7 +71,7 @@ impl Delivery {
         let stream = info.stream.to_owned();
         let stream_sequence = info.stream_sequence;
         let stored_at = info.published;
-        Ok(Self {
+        Ok(Self::new(Fields {
             subject: message.subject.to_string(),
             consumer: info.consumer.to_owned(),
             delivered: u64::try_from(info.delivered).unwrap_or(0),
@@ -56,7 +80,16 @@ impl Delivery {
             message_id: MessageId::from_stream_position(&stream, stream_sequence, stored_at),
             stream,
             stream_sequence,
-        })
+        }))
+    }
+
+    pub(crate) fn new(fields: Fields) -> Self {
+        Delivery(Arc::new(fields))
+    }
+
+    /// Sets the id the delivery is deduplicated by, once resolved.
+    pub(crate) fn set_message_id(&mut self, id: MessageId) {
+        Arc::make_mut(&mut self.0).message_id = id;
     }
 
     /// A delivery made up for a test of a handler: the first delivery of
@@ -77,7 +110,7 @@ impl Delivery {
     ) -> Delivery {
         let stream = stream.into();
         let stored_at = time::OffsetDateTime::now_utc();
-        Delivery {
+        Delivery::new(Fields {
             subject: subject.into(),
             consumer: "test".into(),
             delivered: 1,
@@ -86,63 +119,64 @@ impl Delivery {
             message_id: MessageId::from_stream_position(&stream, stream_sequence, stored_at),
             stream,
             stream_sequence,
-        }
+        })
     }
 
     /// This delivery with header `name` set to `value` (a `Nats-Msg-Id`
     /// becomes its message id).
     pub fn with_header(mut self, name: &str, value: &str) -> Delivery {
-        self.headers.insert(name, value);
+        let fields = Arc::make_mut(&mut self.0);
+        fields.headers.insert(name, value);
         if let Ok(id) = MessageId::of_delivery(
-            &self.headers,
-            &self.stream,
-            self.stream_sequence,
-            self.stored_at,
+            &fields.headers,
+            &fields.stream,
+            fields.stream_sequence,
+            fields.stored_at,
         ) {
-            self.message_id = id;
+            fields.message_id = id;
         }
         self
     }
 
     /// The subject the message was published to.
     pub fn subject(&self) -> &str {
-        &self.subject
+        &self.0.subject
     }
 
     /// The JetStream stream that stores the message.
     pub fn stream(&self) -> &str {
-        &self.stream
+        &self.0.stream
     }
 
     /// The durable consumer that delivered the message.
     pub fn consumer(&self) -> &str {
-        &self.consumer
+        &self.0.consumer
     }
 
     /// The message's sequence number in its stream.
     pub fn stream_sequence(&self) -> u64 {
-        self.stream_sequence
+        self.0.stream_sequence
     }
 
     /// When JetStream stored the message.
     pub fn stored_at(&self) -> time::OffsetDateTime {
-        self.stored_at
+        self.0.stored_at
     }
 
     /// How many times the message has been delivered, this delivery included
     /// (1 on the first attempt).
     pub fn delivered(&self) -> u64 {
-        self.delivered
+        self.0.delivered
     }
 
     /// The message headers (empty when the message had none).
     pub fn headers(&self) -> &HeaderMap {
-        &self.headers
+        &self.0.headers
     }
 
     /// The id this delivery is deduplicated by. See [`MessageId`] for the order
     /// in which it is chosen.
     pub fn message_id(&self) -> &MessageId {
-        &self.message_id
+        &self.0.message_id
     }
 }

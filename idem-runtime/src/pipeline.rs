@@ -177,13 +177,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             delivery.stored_at(),
         );
         if let Ok(id) = &carried {
-            delivery.message_id = id.clone();
+            delivery.set_message_id(id.clone());
         }
         let payload = self.decode(message)?;
-        delivery.message_id = match self.key_of(&payload, delivery)? {
+        let resolved = match self.key_of(&payload, delivery)? {
             Some(key) => MessageId::from_key(key)?,
             None => carried?,
         };
+        delivery.set_message_id(resolved);
         tracing::Span::current().record("message_id", delivery.message_id().as_str());
         Ok(payload)
     }

@@ -36,7 +36,7 @@ use std::panic::AssertUnwindSafe;
 
 use crate::codec::Decode;
 use crate::dead_letter::{self, Failure, Origin};
-use crate::delivery::Delivery;
+use crate::delivery::{Delivery, Fields};
 use crate::error::Error;
 use crate::handler::Handler;
 use crate::message_id::MessageId;
@@ -251,7 +251,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             .map(parse_header_block)
             .unwrap_or_default();
         // What a delivery of it would have carried, for the handler's key.
-        let delivery = Delivery {
+        let delivery = Delivery::new(Fields {
             subject: raw.subject.clone(),
             stream: stream.clone(),
             consumer: self.route.durable.clone(),
@@ -260,7 +260,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             stored_at: raw.time,
             headers: parsed.clone(),
             message_id: MessageId::from_stream_position(stream, given_up.stream_seq, raw.time),
-        };
+        });
         let message_id = self.id_of_raw(&payload, header_block.as_deref(), &delivery);
         let mut headers = dead_letter::kept_headers(Some(&parsed));
         if let Some(encoded) = &raw.headers {
