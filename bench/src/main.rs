@@ -9,6 +9,7 @@
 //! `idem-bench <mode> --help` for the options of each. Each run prints one
 //! JSON object on stdout; progress, tables and targets go to stderr.
 
+mod chart;
 mod consumers;
 mod probe;
 mod report;
@@ -16,6 +17,7 @@ mod run;
 mod servers;
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -71,6 +73,9 @@ enum Command {
     /// All six modes, one after another, and a table
     #[command(mut_arg("concurrency", |arg| arg.help(CONCURRENCY_WITH_BATCHES)))]
     Compare(CompareArgs),
+    /// raw, naive and idem, then both batch modes at B = 1, 16, 64, 256: a table and an SVG chart
+    #[command(mut_arg("concurrency", |arg| arg.help(CONCURRENCY_WITH_BATCHES)))]
+    Chart(ChartArgs),
     /// idem and naive at a fixed offered load: p50/p99 publish to commit
     Latency(LatencyArgs),
     /// idem over a large backlog: peak RSS
@@ -185,6 +190,22 @@ struct CompareArgs {
     messages: usize,
     #[command(flatten)]
     batch: Batch,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+    #[command(flatten)]
+    fetch: Fetch,
+}
+
+#[derive(Debug, Args)]
+struct ChartArgs {
+    /// Messages per run, published, then consumed
+    #[arg(long, value_name = "N", default_value_t = 20_000, value_parser = positive::<usize>)]
+    messages: usize,
+    /// Where to write the SVG chart (its folder must exist)
+    #[arg(long, value_name = "PATH", default_value = "bench/throughput.svg")]
+    out: PathBuf,
     #[command(flatten)]
     load: Load,
     #[command(flatten)]
@@ -325,6 +346,7 @@ impl std::error::Error for BenchError {}
 enum Job {
     Mode(Mode),
     Compare,
+    Chart,
     Latency,
     Backlog,
     Prefilled,
@@ -333,7 +355,7 @@ enum Job {
 
 /// The parsed command line, whatever the mode. A field for an option the
 /// mode does not take holds a placeholder that the mode does not read.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Options {
     job: Job,
     messages: usize,
@@ -346,6 +368,8 @@ struct Options {
     prefill: u64,
     ping: bool,
     pull: Pull,
+    /// Where `chart` writes its SVG.
+    out: PathBuf,
 }
 
 impl Options {
@@ -360,6 +384,7 @@ impl Options {
             prefill: 0,
             ping: true,
             pull: Pull::Prefetch,
+            out: PathBuf::new(),
         }
     }
 }
@@ -404,6 +429,12 @@ impl From<Command> for Options {
                 pull: a.fetch.pull,
                 ..Options::new(Job::Compare, a.messages, a.load)
             },
+            Command::Chart(a) => Options {
+                ping: a.pools.ping(),
+                pull: a.fetch.pull,
+                out: a.out,
+                ..Options::new(Job::Chart, a.messages, a.load)
+            },
             Command::Latency(a) => Options {
                 rate: a.rate as f64,
                 ping: a.pools.ping(),
@@ -430,6 +461,7 @@ impl From<Command> for Options {
                 prefill: 0,
                 ping: a.pools.ping(),
                 pull: a.fetch.pull,
+                out: PathBuf::new(),
             },
         }
     }
@@ -517,6 +549,9 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
         Job::Compare => {
             compare(&ctx, options, messages).await?;
         }
+        Job::Chart => {
+            chart(&ctx, options, messages, &options.out).await?;
+        }
         Job::Latency => {
             latency(&ctx, options, messages, options.rate).await?;
         }
@@ -578,6 +613,48 @@ async fn compare(
     eprint!("{}", report::compare_table(&runs));
     eprintln!("{}", report::compare_targets(&runs));
     println!("{}", report::compare_summary(&runs));
+    Ok(runs)
+}
+
+/// The batch sizes `chart` runs the batching modes at.
+const CHART_BATCHES: [usize; 4] = [1, 16, 64, 256];
+
+/// raw, naive and idem once each, as references, then idem-batch and
+/// idem-batch-handler at each of [`CHART_BATCHES`] (idem-batch at B = 1 is
+/// the batch path's cost per message); the table of msgs/s and ratios, and
+/// the SVG chart at `out`.
+async fn chart(
+    ctx: &Context,
+    options: &Options,
+    messages: usize,
+    out: &Path,
+) -> Result<Vec<Measurement>, BenchError> {
+    // Refuse a folder that is not there now rather than after the runs.
+    let folder = out.parent().filter(|p| !p.as_os_str().is_empty());
+    if folder.is_some_and(|folder| !folder.is_dir()) {
+        return Err(BenchError::setup(format!(
+            "cannot write the chart to {}: no such folder",
+            out.display()
+        )));
+    }
+    let mut runs = Vec::new();
+    for mode in [Mode::Raw, Mode::Naive, Mode::Idem] {
+        runs.push(run_and_print(ctx, plan(options, mode, "throughput", messages)).await?);
+    }
+    for batch in CHART_BATCHES {
+        for mode in [Mode::IdemBatch, Mode::IdemBatchHandler] {
+            let plan = Plan {
+                batch,
+                ..plan(options, mode, "throughput", messages)
+            };
+            runs.push(run_and_print(ctx, plan).await?);
+        }
+    }
+    chart::write(out, &runs).map_err(|e| BenchError::failed(format!("the chart: {e}")))?;
+    eprintln!();
+    eprint!("{}", report::chart_table(&runs));
+    eprintln!("idem-bench: chart written to {}", out.display());
+    println!("{}", report::chart_summary(&runs, out));
     Ok(runs)
 }
 
@@ -675,7 +752,7 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
     let n = options.messages;
     let options = &Options {
         duplicates: Some(options.duplicates.unwrap_or((n / 10).max(1))),
-        ..*options
+        ..options.clone()
     };
     eprintln!(
         "idem-bench: smoke: {n} messages per run, some of them published twice; it checks \
@@ -686,6 +763,10 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
     runs.extend(latency(ctx, options, n.min(250), options.rate).await?);
     runs.push(backlog(ctx, options, n).await?);
     runs.extend(prefilled(ctx, options, n, 20_000).await?);
+    // The chart goes to a folder of its own, removed afterwards.
+    let folder = tempfile::tempdir()
+        .map_err(|e| BenchError::setup(format!("a folder for the chart: {e}")))?;
+    runs.extend(chart(ctx, options, n, &folder.path().join("throughput.svg")).await?);
     let wall = started.elapsed().as_secs_f64();
     let duplicates: usize = runs.iter().map(|m| m.plan.duplicates).sum();
     eprintln!(
@@ -781,6 +862,11 @@ mod tests {
         assert_eq!(parse("latency --rate 250").unwrap().rate, 250.0);
         assert_eq!(parse("prefilled --prefill 1_000").unwrap().prefill, 1000);
         assert_eq!(parse("compare").unwrap().job, Job::Compare);
+        let o = parse("chart --out /tmp/t.svg --concurrency 4 --pull slots").unwrap();
+        assert_eq!(
+            (o.job, o.out, o.concurrency, o.pull),
+            (Job::Chart, PathBuf::from("/tmp/t.svg"), 4, Pull::Slots)
+        );
     }
 
     #[test]
@@ -788,6 +874,11 @@ mod tests {
         let messages = |line| parse(line).unwrap().messages;
         assert_eq!(messages("raw"), 20_000);
         assert_eq!(messages("compare"), 20_000);
+        assert_eq!(messages("chart"), 20_000);
+        assert_eq!(
+            parse("chart").unwrap().out,
+            PathBuf::from("bench/throughput.svg")
+        );
         assert_eq!(messages("latency"), 5_000);
         assert_eq!(messages("backlog"), 200_000);
         assert_eq!(messages("prefilled"), 20_000);
@@ -818,6 +909,8 @@ mod tests {
         assert_eq!(kind("idem --batch 8"), ErrorKind::UnknownArgument);
         assert_eq!(kind("backlog --pull slots"), ErrorKind::UnknownArgument);
         assert_eq!(kind("raw --no-ping"), ErrorKind::UnknownArgument);
+        // chart picks its batch sizes itself.
+        assert_eq!(kind("chart --batch 8"), ErrorKind::UnknownArgument);
         assert_eq!(parse("--help").unwrap_err().kind(), ErrorKind::DisplayHelp);
         assert_eq!(
             parse("help smoke").unwrap_err().kind(),

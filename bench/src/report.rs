@@ -1,6 +1,8 @@
 //! What the bench prints: one JSON object per run on stdout (the last line
-//! of each mode's output), and on stderr the compare table and the targets
-//! the project reports against.
+//! of each mode's output), and on stderr the compare and chart tables and
+//! the targets the project reports against.
+
+use std::path::Path;
 
 use serde::Serialize;
 
@@ -85,16 +87,45 @@ fn rate_of(runs: &[Measurement], mode: Mode) -> Option<f64> {
         .map(|m| m.msgs_per_sec)
 }
 
-/// The compare table: msgs/s and the ratios to `naive` and `manual`, and
-/// CPU µs per message of the client process and of the servers.
+/// `rate / base` as `1.23x`, or `-` without a base.
+fn ratio(rate: f64, base: Option<f64>) -> String {
+    base.map_or_else(|| "-".to_owned(), |base| format!("{:.2}x", rate / base))
+}
+
+/// The wait µs column: the time per message not accounted for by CPU on
+/// this machine's cores (waiting on I/O, fsync, the network), as wall µs
+/// per message (1e6 / msgs/s) less (client µs + server µs) / `cores`, at
+/// least 0. `None` when the servers' CPU is not measured (servers the bench
+/// did not start): their CPU would count as waiting.
+///
+/// It is the share of the run's wall time the cores were idle, per message:
+/// 0 means the cores were busy all along. It overstates the waiting where
+/// CPU could not be spread over the cores (one busy thread, one idle core),
+/// or was spent outside the measured processes (kernel threads such as the
+/// file system's journal, or a server process that exited during the run):
+/// those count as waiting too. The CPU figures come in 10 ms ticks, so in a
+/// run of well under a second (smoke's) the figure is mostly rounding.
+fn wait_us_per_msg(m: &Measurement, cores: usize) -> Option<f64> {
+    let cpu = m.client_cpu_us_per_msg + m.servers_cpu_us_per_msg?;
+    Some((1e6 / m.msgs_per_sec - cpu / cores as f64).max(0.0))
+}
+
+/// The cores the CPU columns are spread over.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The compare table: msgs/s and the ratios to `naive` and `manual`; CPU µs
+/// per message of the client process and of the servers; and wait µs, the
+/// time per message not accounted for by CPU on this machine's cores:
+/// waiting on I/O, fsync, the network (wall µs per message less client and
+/// server µs over the cores, at least 0; see [`wait_us_per_msg`]).
 pub fn compare_table(runs: &[Measurement]) -> String {
     let naive = rate_of(runs, Mode::Naive);
     let manual = rate_of(runs, Mode::Manual);
-    let ratio = |rate: f64, base: Option<f64>| {
-        base.map_or_else(|| "-".to_owned(), |base| format!("{:.2}x", rate / base))
-    };
+    let cores = cores();
     let mut out = format!(
-        "{:<11} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8}\n",
+        "{:<18} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8}\n",
         "mode",
         "msgs/s",
         "vs naive",
@@ -104,11 +135,12 @@ pub fn compare_table(runs: &[Measurement]) -> String {
         "RSS MiB",
         "client µs",
         "server µs",
+        "wait µs",
         "effects"
     );
     for m in runs {
         out.push_str(&format!(
-            "{:<11} {:>9.0} {:>9} {:>9} {:>8.1} {:>8.1} {:>8.1} {:>9.0} {:>9} {:>8}\n",
+            "{:<18} {:>9.0} {:>9} {:>9} {:>8.1} {:>8.1} {:>8.1} {:>9.0} {:>9} {:>8} {:>8}\n",
             m.plan.mode.name(),
             m.msgs_per_sec,
             ratio(m.msgs_per_sec, naive),
@@ -119,7 +151,35 @@ pub fn compare_table(runs: &[Measurement]) -> String {
             m.client_cpu_us_per_msg,
             m.servers_cpu_us_per_msg
                 .map_or_else(|| "-".to_owned(), |cpu| format!("{cpu:.0}")),
+            wait_us_per_msg(m, cores).map_or_else(|| "-".to_owned(), |us| format!("{us:.0}")),
             m.effects,
+        ));
+    }
+    out
+}
+
+/// The chart table: per run, msgs/s and the ratios to `naive` and `raw`,
+/// and the CPU and wait µs per message as in [`compare_table`].
+pub fn chart_table(runs: &[Measurement]) -> String {
+    let naive = rate_of(runs, Mode::Naive);
+    let raw = rate_of(runs, Mode::Raw);
+    let cores = cores();
+    let mut out = format!(
+        "{:<18} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
+        "mode", "batch", "msgs/s", "vs naive", "vs raw", "client µs", "server µs", "wait µs"
+    );
+    for m in runs {
+        out.push_str(&format!(
+            "{:<18} {:>5} {:>9.0} {:>9} {:>9} {:>9.0} {:>9} {:>8}\n",
+            m.plan.mode.name(),
+            m.plan.mode.batch(m.plan.batch),
+            m.msgs_per_sec,
+            ratio(m.msgs_per_sec, naive),
+            ratio(m.msgs_per_sec, raw),
+            m.client_cpu_us_per_msg,
+            m.servers_cpu_us_per_msg
+                .map_or_else(|| "-".to_owned(), |cpu| format!("{cpu:.0}")),
+            wait_us_per_msg(m, cores).map_or_else(|| "-".to_owned(), |us| format!("{us:.0}")),
         ));
     }
     out
@@ -142,6 +202,8 @@ pub fn compare_targets(runs: &[Measurement]) -> String {
     let manual = rate_of(runs, Mode::Manual);
     let idem = rate_of(runs, Mode::Idem);
     let batch = rate_of(runs, Mode::IdemBatch);
+    let batch_handler = rate_of(runs, Mode::IdemBatchHandler);
+    let raw = rate_of(runs, Mode::Raw);
     let over = |a: Option<f64>, b: Option<f64>| Some(a? / b?);
     [
         "targets:".to_owned(),
@@ -149,6 +211,19 @@ pub fn compare_targets(runs: &[Measurement]) -> String {
             v >= 5.0
         }),
         target("idem >= 1.0x manual", over(idem, manual), "x", |v| v >= 1.0),
+        target("idem >= 1.0x naive", over(idem, naive), "x", |v| v >= 1.0),
+        target(
+            "idem-batch-handler >= 10x naive",
+            over(batch_handler, naive),
+            "x",
+            |v| v >= 10.0,
+        ),
+        target(
+            "idem-batch-handler >= 0.4x raw",
+            over(batch_handler, raw),
+            "x",
+            |v| v >= 0.4,
+        ),
     ]
     .join("\n")
 }
@@ -168,6 +243,8 @@ pub fn compare_summary(runs: &[Measurement]) -> String {
         manual_vs_naive: Option<f64>,
         idem_batch_vs_naive: Option<f64>,
         idem_batch_vs_manual: Option<f64>,
+        idem_batch_handler_vs_naive: Option<f64>,
+        idem_batch_handler_vs_raw: Option<f64>,
     }
     let ratio = |a: Mode, b: Mode| Some(round(rate_of(runs, a)? / rate_of(runs, b)?, 3));
     let first = &runs[0].plan;
@@ -186,6 +263,51 @@ pub fn compare_summary(runs: &[Measurement]) -> String {
         manual_vs_naive: ratio(Mode::Manual, Mode::Naive),
         idem_batch_vs_naive: ratio(Mode::IdemBatch, Mode::Naive),
         idem_batch_vs_manual: ratio(Mode::IdemBatch, Mode::Manual),
+        idem_batch_handler_vs_naive: ratio(Mode::IdemBatchHandler, Mode::Naive),
+        idem_batch_handler_vs_raw: ratio(Mode::IdemBatchHandler, Mode::Raw),
+    };
+    serde_json::to_string(&summary).expect("a summary serializes")
+}
+
+/// The last line of `chart`: each run's mode, batch size, msgs/s and ratios
+/// to `naive` and `raw`, and where the chart went.
+pub fn chart_summary(runs: &[Measurement], chart: &Path) -> String {
+    #[derive(Serialize)]
+    struct Summary<'a> {
+        mode: &'static str,
+        messages: usize,
+        concurrency: usize,
+        chart: String,
+        /// In run order.
+        runs: Vec<Run<'a>>,
+    }
+    #[derive(Serialize)]
+    struct Run<'a> {
+        mode: &'a str,
+        batch: usize,
+        msgs_per_sec: f64,
+        vs_naive: Option<f64>,
+        vs_raw: Option<f64>,
+    }
+    let naive = rate_of(runs, Mode::Naive);
+    let raw = rate_of(runs, Mode::Raw);
+    let over = |rate: f64, base: Option<f64>| Some(round(rate / base?, 3));
+    let first = &runs[0].plan;
+    let summary = Summary {
+        mode: "chart",
+        messages: first.messages,
+        concurrency: first.concurrency,
+        chart: chart.display().to_string(),
+        runs: runs
+            .iter()
+            .map(|m| Run {
+                mode: m.plan.mode.name(),
+                batch: m.plan.mode.batch(m.plan.batch),
+                msgs_per_sec: round(m.msgs_per_sec, 1),
+                vs_naive: over(m.msgs_per_sec, naive),
+                vs_raw: over(m.msgs_per_sec, raw),
+            })
+            .collect(),
     };
     serde_json::to_string(&summary).expect("a summary serializes")
 }
@@ -196,5 +318,51 @@ struct Rates(Vec<(&'static str, f64)>);
 impl Serialize for Rates {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.collect_map(self.0.iter().map(|(mode, rate)| (mode, rate)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chart::tests::measured;
+
+    #[test]
+    fn wait_is_the_wall_time_the_cores_were_idle() {
+        // 1000 msgs/s: 1000 µs a message; 300 + 100 µs of CPU over 2 cores.
+        let mut m = measured(Mode::Naive, 1, 1000.0);
+        m.client_cpu_us_per_msg = 300.0;
+        m.servers_cpu_us_per_msg = Some(100.0);
+        assert_eq!(wait_us_per_msg(&m, 2), Some(800.0));
+        assert_eq!(wait_us_per_msg(&m, 1), Some(600.0));
+        // Busier than the cores can be (the samples are not exact): 0.
+        m.client_cpu_us_per_msg = 2500.0;
+        assert_eq!(wait_us_per_msg(&m, 2), Some(0.0));
+        m.servers_cpu_us_per_msg = None;
+        assert_eq!(wait_us_per_msg(&m, 2), None);
+    }
+
+    #[test]
+    fn compare_reports_the_batch_handler_targets() {
+        let runs = [
+            measured(Mode::Raw, 64, 20_000.0),
+            measured(Mode::Naive, 64, 1_000.0),
+            measured(Mode::Idem, 64, 1_100.0),
+            measured(Mode::IdemBatchHandler, 64, 9_000.0),
+        ];
+        let targets = compare_targets(&runs);
+        let line = |name: &str| {
+            targets
+                .lines()
+                .find(|l| l.trim_start().starts_with(name))
+                .unwrap_or_else(|| panic!("no target {name:?} in\n{targets}"))
+                .to_owned()
+        };
+        assert!(line("idem >= 1.0x naive").ends_with("PASS"));
+        assert!(line("idem-batch-handler >= 10x naive").ends_with("MISS"));
+        assert!(line("idem-batch-handler >= 0.4x raw").ends_with("PASS"));
+        assert!(line("idem >= 1.0x manual").ends_with("n/a"));
+        let summary: serde_json::Value = serde_json::from_str(&compare_summary(&runs)).unwrap();
+        assert_eq!(summary["idem_batch_handler_vs_naive"], 9.0);
+        assert_eq!(summary["idem_batch_handler_vs_raw"], 0.45);
     }
 }
