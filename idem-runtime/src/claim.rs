@@ -1,7 +1,7 @@
 //! The claim: the first statement of every message's transaction.
 //!
 //! A message alone is claimed by a plain INSERT sent in one round trip with
-//! BEGIN (`transaction::Begin::and_claim`): a unique violation on the dedup
+//! BEGIN (`transaction::begin`): a unique violation on the dedup
 //! table means the message was processed before. A batch is claimed here, in
 //! one statement that reports which of its ids were fresh.
 //!
@@ -11,8 +11,6 @@
 //! records its transaction's id (`idem.claim`) for the check before COMMIT.
 
 use sqlx::PgTransaction;
-
-use crate::transaction::RECORD_CLAIM;
 
 /// Claims many messages in one statement, for batch mode. Returns the ids
 /// this transaction inserted; the others were processed before. The ids are
@@ -27,14 +25,22 @@ pub(crate) async fn claim_many(
     let mut sorted = message_ids.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
-    let fresh: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO idem_processed_messages (handler, message_id) \
-         SELECT $1, id FROM unnest($2::text[]) AS claim(id) ORDER BY id \
-         ON CONFLICT DO NOTHING {RECORD_CLAIM}, message_id"
-    )))
+    // One row back, and the claim recorded once (after the insert: the
+    // aggregate has taken every row), whatever the batch's size.
+    let (fresh, _): (Option<Vec<String>>, String) = sqlx::query_as(
+        "WITH fresh AS (
+             INSERT INTO idem_processed_messages (handler, message_id)
+             SELECT $1, id FROM unnest($2::text[]) AS claim(id) ORDER BY id
+             ON CONFLICT DO NOTHING RETURNING message_id
+         )
+         SELECT array_agg(message_id),
+                set_config('idem.claim',
+                           coalesce(pg_current_xact_id_if_assigned()::xid::text, ''), true)
+         FROM fresh",
+    )
     .bind(handler)
     .bind(&sorted)
-    .fetch_all(&mut **tx)
+    .fetch_one(&mut **tx)
     .await?;
-    Ok(fresh.into_iter().map(|(_, id)| id).collect())
+    Ok(fresh.unwrap_or_default().into_iter().collect())
 }

@@ -84,7 +84,6 @@ macro_rules! record_claim {
         "RETURNING set_config('idem.claim', xmin::text, true)"
     };
 }
-pub(crate) const RECORD_CLAIM: &str = record_claim!();
 
 /// Whether the transaction running it is the one that made the claims:
 /// true, false, never NULL.
