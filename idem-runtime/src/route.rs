@@ -70,6 +70,9 @@ pub struct Route {
     pub(crate) retry: RetryPolicy,
     pub(crate) dead_letter_subject: Option<String>,
     pub(crate) update_consumer: bool,
+    /// How long the route's claims are kept after processing; `None` keeps
+    /// them forever.
+    pub(crate) retention: Option<Duration>,
 }
 
 impl Route {
@@ -93,6 +96,7 @@ impl Route {
             retry: RetryPolicy::default(),
             dead_letter_subject: None,
             update_consumer: false,
+            retention: None,
         }
     }
 
@@ -225,6 +229,14 @@ impl Route {
     /// wasted and locks are held longer; meant for tests that provoke it.
     pub fn allow_redelivery_while_running(mut self) -> Self {
         self.allow_redelivery_while_running = true;
+        self
+    }
+
+    /// Keeps this route's claims for at least `period` after a message is
+    /// processed; the purge removes them after that. Without it, claims are
+    /// kept forever.
+    pub fn retention(mut self, period: Duration) -> Self {
+        self.retention = Some(period);
         self
     }
 
