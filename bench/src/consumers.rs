@@ -4,8 +4,9 @@
 //! - `raw`: pull and ack, no database.
 //! - `naive`: BEGIN, INSERT, COMMIT, ack. At-least-once.
 //! - `manual`: BEGIN, dedup INSERT (skip when it inserted nothing), INSERT,
-//!   COMMIT, ack. Hand-written effectively-once, against the same dedup table
-//!   the runtime uses, so that the database work equals idem's.
+//!   COMMIT, ack. Hand-written effectively-once, against the dedup table a
+//!   user would write: (handler, message id) as text, and the time, indexed
+//!   for a purge.
 //! - `idem`: an `#[idempotent]` handler run by `idem_runtime::Router`.
 //! - `idem-batch`: the same, batched (`Route::batch(B)`): `concurrency`
 //!   batches of up to B messages in flight, one transaction each.
@@ -467,7 +468,7 @@ async fn handle(mode: Mode, pool: Option<&PgPool>, message: &Message) -> Result<
             let payload: Payload = serde_json::from_slice(&message.payload)?;
             let mut tx = pool.begin().await?;
             let claimed = sqlx::query(
-                "INSERT INTO idem_processed_messages (handler, message_id) VALUES ($1, $2) \
+                "INSERT INTO manual_processed_messages (handler, message_id) VALUES ($1, $2) \
                  ON CONFLICT DO NOTHING",
             )
             .bind(HANDLER_NAME)

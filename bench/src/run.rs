@@ -380,12 +380,16 @@ async fn verify(
         )));
     }
     if plan.mode.dedups() {
-        let claims: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idem_processed_messages WHERE handler = $1")
-                .bind(HANDLER_NAME)
-                .fetch_one(&db.pool)
-                .await
-                .map_err(|e| BenchError::failed(format!("count dedup rows: {e}")))?;
+        let count = if plan.mode == Mode::Manual {
+            "SELECT count(*) FROM manual_processed_messages WHERE handler = $1"
+        } else {
+            "SELECT count(*) FROM idem_processed WHERE handler = $1"
+        };
+        let claims: i64 = sqlx::query_scalar(count)
+            .bind(HANDLER_NAME)
+            .fetch_one(&db.pool)
+            .await
+            .map_err(|e| BenchError::failed(format!("count dedup rows: {e}")))?;
         if claims as u64 != n {
             return Err(BenchError::failed(format!(
                 "{mode}: {claims} dedup rows, expected {n}"
@@ -517,7 +521,20 @@ impl Database {
         .execute(&self.pool)
         .await
         .map_err(sql("create bench_effects"))?;
-        if plan.mode.dedups() {
+        if plan.mode == Mode::Manual {
+            // What a hand-written consumer keeps: the message id as it is.
+            sqlx::raw_sql(
+                "CREATE TABLE manual_processed_messages (
+                     handler      text        NOT NULL,
+                     message_id   text        NOT NULL,
+                     processed_at timestamptz NOT NULL DEFAULT now(),
+                     PRIMARY KEY (handler, message_id));
+                 CREATE INDEX ON manual_processed_messages (processed_at);",
+            )
+            .execute(&self.pool)
+            .await
+            .map_err(sql("create the manual dedup table"))?;
+        } else if plan.mode.dedups() {
             idem_runtime::schema::migrate(&self.pool)
                 .await
                 .map_err(|e| BenchError::setup(format!("idem schema: {e}")))?;
@@ -528,15 +545,28 @@ impl Database {
                 &format!("filling the dedup table with {} rows", plan.prefill),
             );
             let started = Instant::now();
-            sqlx::query(
-                "INSERT INTO idem_processed_messages (handler, message_id) \
-                 SELECT 'bench.prefill.v1', md5(g::text) FROM generate_series(1, $1) AS g",
-            )
-            .bind(plan.prefill as i64)
-            .execute(&self.pool)
-            .await
-            .map_err(sql("prefill the dedup table"))?;
-            sqlx::query("VACUUM ANALYZE idem_processed_messages")
+            let (fill, table) = if plan.mode == Mode::Manual {
+                (
+                    "INSERT INTO manual_processed_messages (handler, message_id)
+                     SELECT 'bench.prefill.v1', md5(g::text) FROM generate_series(1, $1) AS g",
+                    "manual_processed_messages",
+                )
+            } else {
+                (
+                    "WITH handler AS (
+                         INSERT INTO idem_handlers (name) VALUES ('bench.prefill.v1') RETURNING id)
+                     INSERT INTO idem_claims (key, gen, handler_id)
+                     SELECT idem_key('bench.prefill.v1', md5(g::text)), 1, handler.id
+                       FROM generate_series(1, $1) AS g, handler",
+                    "idem_claims",
+                )
+            };
+            sqlx::query(fill)
+                .bind(plan.prefill as i64)
+                .execute(&self.pool)
+                .await
+                .map_err(sql("prefill the dedup table"))?;
+            sqlx::query(sqlx::AssertSqlSafe(format!("VACUUM ANALYZE {table}")))
                 .execute(&self.pool)
                 .await
                 .map_err(sql("vacuum the dedup table"))?;

@@ -194,7 +194,6 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         deliveries: &[Delivery],
         payloads: &mut [Option<H::Payload>],
     ) -> Result<Vec<bool>, BatchFailure> {
-        let name = self.handler.name();
         let before_handler = |error| match self.classify_before_handler(error) {
             HandlerError::Infrastructure(error) => BatchFailure::Infrastructure(error),
             other => BatchFailure::Handler(other),
@@ -203,21 +202,16 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let mut tx = transaction::begin(&mut connection, &self.begin, None)
             .await
             .map_err(before_handler)?;
-        let mut unclaimed = {
-            let ids: Vec<&str> = deliveries
-                .iter()
-                .map(|delivery| delivery.message_id().as_str())
-                .collect();
-            claim::claim_many(&mut tx, name, &ids)
-                .await
-                .map_err(before_handler)?
-        };
+        let keys: Vec<String> = deliveries
+            .iter()
+            .map(|delivery| self.claim_key(delivery))
+            .collect();
+        let mut unclaimed = claim::claim_many(&mut tx, self.handler_id, &keys)
+            .await
+            .map_err(before_handler)?;
         self.health.resume();
         // An id twice in one batch: only its first message is fresh.
-        let fresh: Vec<bool> = deliveries
-            .iter()
-            .map(|delivery| unclaimed.remove(delivery.message_id().as_str()))
-            .collect();
+        let fresh: Vec<bool> = keys.iter().map(|key| unclaimed.remove(key)).collect();
         if !fresh.contains(&true) {
             // Every message was processed before: nothing to commit.
             if transaction::rollback(tx).await {

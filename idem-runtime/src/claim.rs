@@ -1,46 +1,107 @@
 //! The claim: the first statement of every message's transaction.
 //!
-//! A message alone is claimed by a plain INSERT sent in one round trip with
-//! BEGIN (`transaction::begin`): a unique violation on the dedup
-//! table means the message was processed before. A batch is claimed here, in
-//! one statement that reports which of its ids were fresh.
+//! A claim is a row of `idem_claims`, keyed by [`key`]: a fixed 16 bytes
+//! derived from the handler name and the message id, whatever their length.
+//! The database function `idem_claim` makes it (see the migration
+//! `0002_claims_by_generation.sql` for how a claim conflicts across the
+//! table's generations). A message alone is claimed in the same round trip
+//! as BEGIN (`transaction::begin`): a unique violation means the message was
+//! processed before. A batch is claimed here, in one statement that reports
+//! which of its messages were fresh.
 //!
 //! Either way the claim waits for a concurrent transaction that holds an
 //! uncommitted claim on the same key: if that one commits, this claim finds
 //! the row (a duplicate); if it rolls back, this claim proceeds. Each claim
 //! records its transaction's id (`idem.claim`) for the check before COMMIT.
 
-use sqlx::PgTransaction;
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::time::Duration;
 
-/// Claims many messages in one statement, for batch mode. Returns the ids
-/// this transaction inserted; the others were processed before. The ids are
-/// sorted so that two batches with overlapping ids take their row locks in
-/// the same order and do not deadlock. `ON CONFLICT DO NOTHING`, because in
-/// PostgreSQL an error aborts the whole transaction.
+use sha2::{Digest, Sha256};
+use sqlx::{PgPool, PgTransaction};
+
+/// The claim key of `message_id` for the handler named `handler`: the first
+/// 16 bytes of SHA-256 over the handler name, a NUL byte and the message id,
+/// written as a uuid. The database's `idem_key(handler, message_id)` gives
+/// the same, for looking a message up by hand.
+///
+/// The NUL keeps `("ab", "c")` and `("a", "bc")` apart (a handler name holds
+/// no control character). A collision of 128 bits of SHA-256 is not a
+/// practical concern, even for message ids an attacker chooses.
+pub(crate) fn key(handler: &str, message_id: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(handler.as_bytes())
+        .chain_update([0u8])
+        .chain_update(message_id.as_bytes())
+        .finalize();
+    let mut key = String::with_capacity(36);
+    for (i, byte) in digest[..16].iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            key.push('-');
+        }
+        let _ = write!(key, "{byte:02x}");
+    }
+    key
+}
+
+/// Registers the router's handlers, with the retention each asked for
+/// (`None`: keep its claims forever), and returns the id each claim of a
+/// handler stores.
+pub(crate) async fn register(
+    pool: &PgPool,
+    handlers: &[(&str, Option<Duration>)],
+) -> Result<HashMap<String, i32>, sqlx::Error> {
+    let mut ids = HashMap::with_capacity(handlers.len());
+    for &(name, retention) in handlers {
+        let millis = retention.map(|period| i64::try_from(period.as_millis()).unwrap_or(i64::MAX));
+        let id: i32 = sqlx::query_scalar(
+            "INSERT INTO idem_handlers (name, retention)
+             VALUES ($1, $2::bigint * interval '1 millisecond')
+             ON CONFLICT (name) DO UPDATE
+                SET retention = EXCLUDED.retention, updated_at = now()
+             RETURNING id",
+        )
+        .bind(name)
+        .bind(millis)
+        .fetch_one(pool)
+        .await?;
+        ids.insert(name.to_owned(), id);
+    }
+    Ok(ids)
+}
+
+/// Claims many keys in one statement, for batch mode. Returns the keys this
+/// transaction claimed; the others were claimed before. `idem_claim_many`
+/// inserts them in order, so that two batches with keys in common take
+/// their locks in the same order and do not deadlock, and skips conflicts
+/// (`ON CONFLICT DO NOTHING`), because in PostgreSQL an error aborts the
+/// whole transaction.
 pub(crate) async fn claim_many(
     tx: &mut PgTransaction<'_>,
-    handler: &str,
-    message_ids: &[&str],
-) -> Result<std::collections::HashSet<String>, sqlx::Error> {
-    let mut sorted = message_ids.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
-    // One row back, and the claim recorded once (after the insert: the
-    // aggregate has taken every row), whatever the batch's size.
-    let (fresh, _): (Option<Vec<String>>, String) = sqlx::query_as(
-        "WITH fresh AS (
-             INSERT INTO idem_processed_messages (handler, message_id)
-             SELECT $1, id FROM unnest($2::text[]) AS claim(id) ORDER BY id
-             ON CONFLICT DO NOTHING RETURNING message_id
-         )
-         SELECT array_agg(message_id),
-                set_config('idem.claim',
-                           coalesce(pg_current_xact_id_if_assigned()::xid::text, ''), true)
-         FROM fresh",
-    )
-    .bind(handler)
-    .bind(&sorted)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok(fresh.unwrap_or_default().into_iter().collect())
+    handler_id: i32,
+    keys: &[String],
+) -> Result<HashSet<String>, sqlx::Error> {
+    let fresh: Vec<String> = sqlx::query_scalar("SELECT idem_claim_many($1, $2::uuid[])::text[]")
+        .bind(handler_id)
+        .bind(keys)
+        .fetch_one(&mut **tx)
+        .await?;
+    Ok(fresh.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_is_sixteen_bytes_of_sha256_as_a_uuid() {
+        // printf 'credit-v1\0order-7' | sha256sum
+        assert_eq!(
+            key("credit-v1", "order-7"),
+            "8707f5fa-2bfe-0af8-7913-c57c557603d3"
+        );
+        assert_ne!(key("ab", "c"), key("a", "bc"));
+        assert_eq!(key("h", &"x".repeat(10_000)).len(), 36);
+    }
 }

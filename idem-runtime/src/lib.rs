@@ -46,6 +46,7 @@ mod connections;
 pub mod dead_letter;
 mod delivery;
 mod error;
+pub mod expiry;
 mod failure;
 #[cfg(feature = "fault-injection")]
 pub mod fault;

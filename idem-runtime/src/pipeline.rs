@@ -45,6 +45,8 @@ pub(crate) struct Pipeline<H, S> {
     pub(crate) heartbeats: Heartbeats,
     pub(crate) nats: async_nats::Client,
     pub(crate) begin: Begin,
+    /// The handler's id in `idem_handlers`, stored with each claim.
+    pub(crate) handler_id: i32,
     pub(crate) health: Health,
     pub(crate) stats: Arc<Stats>,
     pub(crate) shutdown: Signal,
@@ -260,7 +262,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
     async fn claimed_elsewhere(&self, delivery: &Delivery) -> Result<bool, sqlx::Error> {
         let mut connection = self.connections.take().await?;
-        let claim = (self.handler.name(), delivery.message_id().as_str());
+        let key = self.claim_key(delivery);
+        let claim = self.claim(&key);
         let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
         let processed = if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
             drop(begun);
@@ -372,12 +375,12 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// Runs the handler in its own transaction: BEGIN, the claim, the
     /// handler, COMMIT (see [`transaction`]).
     async fn transact(&self, payload: H::Payload, delivery: &Delivery) -> Verdict {
-        let name = self.handler.name();
         let mut connection = match self.connections.take().await {
             Ok(connection) => connection,
             Err(error) => return self.before_handler(error),
         };
-        let claim = (name, delivery.message_id().as_str());
+        let key = self.claim_key(delivery);
+        let claim = self.claim(&key);
         let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
         if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
             drop(begun);
@@ -425,6 +428,18 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 }
                 Verdict::Failed(if lost { HandlerError::ClaimLost } else { error })
             }
+        }
+    }
+
+    /// The key `delivery`'s message is claimed by.
+    pub(crate) fn claim_key(&self, delivery: &Delivery) -> String {
+        crate::claim::key(self.handler.name(), delivery.message_id().as_str())
+    }
+
+    fn claim<'k>(&self, key: &'k str) -> transaction::Claim<'k> {
+        transaction::Claim {
+            handler_id: self.handler_id,
+            key,
         }
     }
 

@@ -239,6 +239,24 @@ impl<S: Send + Sync + 'static> Router<S> {
             );
         }
         schema::verify(&pool).await?;
+        let registered: Vec<(&str, Option<Duration>)> = self
+            .routes
+            .iter()
+            .map(|bound| (bound.handler_name(), bound.route().retention))
+            .collect();
+        let handler_ids = crate::claim::register(&pool, &registered).await?;
+        // Claims of routes with a retention expire: the purge runs beside
+        // the router (one at a time across all routers, see expiry.rs).
+        let purging = registered
+            .iter()
+            .filter_map(|&(_, retention)| retention)
+            .max()
+            .map(|retention| {
+                tokio::spawn(crate::expiry::run_in_background(
+                    pool.clone(),
+                    crate::expiry::purge_interval(retention),
+                ))
+            });
         let check_client_connection =
             crate::transaction::server_checks_client_connection(&pool).await;
 
@@ -263,7 +281,9 @@ impl<S: Send + Sync + 'static> Router<S> {
                 stream = route.route().stream,
                 "route started"
             );
+            let handler_id = handler_ids[route.handler_name()];
             running.spawn(route.start(Start {
+                handler_id,
                 consumer,
                 advisories,
                 js: js.clone(),
@@ -291,6 +311,12 @@ impl<S: Send + Sync + 'static> Router<S> {
                 true
             }
         };
+        if let Some(purging) = purging {
+            // Its own session: cut short, it leaves no pooled connection
+            // halfway through a statement (a detach left pending is finished
+            // by the next purge).
+            purging.abort();
+        }
         tracing::info!("shutting down: no new messages; waiting for in-flight ones");
         let mut abandoned = 0;
         while let Some(finished) = running.join_next().await {
@@ -442,6 +468,7 @@ fn consumer_differences(existing: &consumer::Config, wanted: &pull::Config) -> V
 
 /// What a route needs to start.
 struct Start {
+    handler_id: i32,
     consumer: PullConsumer,
     advisories: PullConsumer,
     js: jetstream::Context,
@@ -510,6 +537,7 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
         heartbeats,
         nats: start.nats,
         begin,
+        handler_id: start.handler_id,
         health: Health::new(),
         stats,
         shutdown: start.shutdown.clone(),

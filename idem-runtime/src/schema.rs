@@ -22,15 +22,23 @@ use crate::error::Error;
 /// The table that records which idem migrations ran.
 pub const HISTORY_TABLE: &str = "_idem_migrations";
 
-/// The dedup table the claim inserts into.
-pub const DEDUP_TABLE: &str = "idem_processed_messages";
+/// The claims table (partitioned by generation; each partition's name
+/// starts with this).
+pub const CLAIMS_TABLE: &str = "idem_claims";
 
 /// (version, description, SQL) of every embedded migration, oldest first.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "processed messages",
-    include_str!("../migrations/0001_processed_messages.sql"),
-)];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "processed messages",
+        include_str!("../migrations/0001_processed_messages.sql"),
+    ),
+    (
+        2,
+        "claims by generation",
+        include_str!("../migrations/0002_claims_by_generation.sql"),
+    ),
+];
 
 fn migrator() -> Migrator {
     let migrations = MIGRATIONS
@@ -59,6 +67,14 @@ pub fn latest_version() -> i64 {
 /// start-up.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
     migrator().run(pool).await?;
+    Ok(())
+}
+
+/// Applies the embedded migrations up to `version` only: for tests of an
+/// upgrade from an older schema.
+#[doc(hidden)]
+pub async fn migrate_to(pool: &PgPool, version: i64) -> Result<(), Error> {
+    migrator().run_to(version, pool).await?;
     Ok(())
 }
 

@@ -10,7 +10,7 @@
 //! ```sql
 //! BEGIN;
 //! EXECUTE idem_bounds_v1('300000', '301000');
-//! EXECUTE idem_claim_v1($idem$h$idem$, $idem$m$idem$)
+//! EXECUTE idem_claim_v2(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')  -- handler id, claim key
 //! ```
 //!
 //! The bounds (`set_config(.., true)`, transaction-local): a statement stuck
@@ -18,12 +18,13 @@
 //! whose client vanished behind a partition, still holding its claim, is
 //! ended soon after, so redeliveries do not wait on it until TCP keepalive
 //! gives up (where the server supports it, `client_connection_check_interval`
-//! also ends a statement whose client went away). The claim is a plain
-//! INSERT into the dedup table: if another transaction holds an uncommitted
-//! claim on the key, it waits; if that one commits, it fails with a unique
-//! violation, which is how a duplicate is told (the runtime then rolls back
-//! and acks); if that one rolls back, it proceeds. It records its
-//! transaction's id in the transaction-local setting `idem.claim`.
+//! also ends a statement whose client went away). The claim (`idem_claim`,
+//! see [`claim`](crate::claim)) inserts the message's key: if another
+//! transaction holds an uncommitted claim on the key, it waits; if that one
+//! commits, it fails with a unique violation, which is how a duplicate is
+//! told (the runtime then rolls back and acks); if that one rolls back, it
+//! proceeds. It records its transaction's id in the transaction-local
+//! setting `idem.claim`.
 //!
 //! **COMMIT** goes out in one simple-query message with a check:
 //!
@@ -63,10 +64,9 @@
 //! (sqlx#4393). (A transaction the database stops answering altogether is
 //! left to finish on its own; see `Pipeline::watched`.)
 //!
-//! Values go into this SQL as dollar-quoted literals, whose tag is chosen so
-//! that it cannot occur in the value: safe whatever the value holds and
-//! whatever `standard_conforming_strings` says. Message ids cannot hold NUL
-//! (refused when the id is resolved).
+//! The only values in this SQL are numbers, a claim key (a uuid in hex), and
+//! the statements of the `DO` block, which go in as dollar-quoted literals
+//! whose tag is chosen so that it cannot occur in the value.
 
 use std::time::Duration;
 
@@ -75,15 +75,7 @@ use sqlx::{AssertSqlSafe, PgTransaction};
 
 use crate::connections::Leased;
 use crate::error::HandlerError;
-use crate::schema::DEDUP_TABLE;
-
-/// What a claim returns: it records its transaction's id for the check
-/// before COMMIT.
-macro_rules! record_claim {
-    () => {
-        "RETURNING set_config('idem.claim', xmin::text, true)"
-    };
-}
+use crate::schema::CLAIMS_TABLE;
 
 /// Whether the transaction running it is the one that made the claims:
 /// true, false, never NULL.
@@ -98,12 +90,9 @@ macro_rules! still_claiming {
 /// A name carries a version, so that a runtime whose statement changed
 /// never executes an older one a session still holds.
 const CLAIM: (&str, &str, &str) = (
-    "idem_claim_v1",
-    "(text, text)",
-    concat!(
-        "INSERT INTO idem_processed_messages (handler, message_id) VALUES ($1, $2) ",
-        record_claim!()
-    ),
+    "idem_claim_v2",
+    "(integer, uuid)",
+    "SELECT idem_claim($1, $2)",
 );
 const CHECK: (&str, &str, &str) = (
     "idem_check_v1",
@@ -176,37 +165,45 @@ impl Begin {
         Self { bounds, prepare }
     }
 
-    /// The statement that begins a transaction, and claims `message_id` for
-    /// `handler` in it if given: one round trip (see the module docs).
-    /// `prepared`: whether the session holds the prepared statements.
-    fn statement(&self, claim: Option<(&str, &str)>, prepared: bool) -> String {
+    /// The statement that begins a transaction, and claims `key` for the
+    /// handler with id `handler_id` in it if given: one round trip (see the
+    /// module docs). `prepared`: whether the session holds the prepared
+    /// statements.
+    fn statement(&self, claim: Option<Claim<'_>>, prepared: bool) -> String {
         let mut sql = String::from("BEGIN");
         if !prepared {
             sql.push_str("; ");
             sql.push_str(&self.prepare);
         }
         sql.push_str(&self.bounds);
-        if let Some((handler, message_id)) = claim {
+        if let Some(Claim { handler_id, key }) = claim {
             let (name, ..) = CLAIM;
-            sql.push_str(&format!(
-                "; EXECUTE {name}({}, {})",
-                literal(handler),
-                literal(message_id)
-            ));
+            // A uuid in hex and an integer: nothing to quote.
+            debug_assert!(key.chars().all(|c| c.is_ascii_hexdigit() || c == '-'));
+            sql.push_str(&format!("; EXECUTE {name}({handler_id}, '{key}')"));
         }
         sql
     }
 }
 
-/// Begins a transaction on `connection`, and claims `message_id` for
-/// `handler` in it if given: one round trip. The transaction, with the
-/// claim in it, or an error: [`is_duplicate_claim`] tells the error of a
-/// message processed before, after which [`end_failed_claim`] makes the
-/// connection clean again.
+/// What a message's transaction claims: `key` (see [`claim::key`]) for the
+/// handler registered as `handler_id`.
+///
+/// [`claim::key`]: crate::claim::key
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Claim<'a> {
+    pub(crate) handler_id: i32,
+    pub(crate) key: &'a str,
+}
+
+/// Begins a transaction on `connection`, and makes `claim` in it if given:
+/// one round trip. The transaction, with the claim in it, or an error:
+/// [`is_duplicate_claim`] tells the error of a message processed before,
+/// after which [`end_failed_claim`] makes the connection clean again.
 pub(crate) async fn begin<'c>(
     connection: &'c mut Leased<'_>,
     begin: &Begin,
-    claim: Option<(&str, &str)>,
+    claim: Option<Claim<'_>>,
 ) -> Result<PgTransaction<'c>, sqlx::Error> {
     // Marked before the statement runs: once it has run, the session holds
     // the statements; if it fails otherwise, the connection is not kept.
@@ -222,11 +219,13 @@ pub(crate) async fn end_failed_claim(connection: &mut PgConnection) -> Result<()
     Ok(())
 }
 
-/// Whether the claim found the message processed before: the dedup table's
-/// unique key refused it.
+/// Whether the claim found the message processed before: a unique key of
+/// the claims table (the partition's own, or `idem_claim`'s for an older
+/// generation) refused it.
 pub(crate) fn is_duplicate_claim(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db)
-        if db.code().as_deref() == Some("23505") && db.table() == Some(DEDUP_TABLE))
+        if db.code().as_deref() == Some("23505")
+            && db.table().is_some_and(|table| table.starts_with(CLAIMS_TABLE)))
 }
 
 /// How much longer than the handler timeout a transaction may sit idle
@@ -387,17 +386,23 @@ mod tests {
 
     #[test]
     fn begin_carries_the_bounds_of_the_handler_timeout_and_the_claim() {
+        const KEY: &str = "8707f5fa-2bfe-0af8-7913-c57c557603d3";
+        let claim = Some(Claim {
+            handler_id: 3,
+            key: KEY,
+        });
         let unbounded = Begin::new(None, true);
         assert_eq!(unbounded.statement(None, true), "BEGIN");
         assert_eq!(
-            unbounded.statement(Some(("h", "m-1")), true),
-            "BEGIN; EXECUTE idem_claim_v1($idem$h$idem$, $idem$m-1$idem$)"
+            unbounded.statement(claim, true),
+            format!("BEGIN; EXECUTE idem_claim_v2(3, '{KEY}')")
         );
         let begin = Begin::new(Some(Duration::from_secs(2)), false);
         assert_eq!(
-            begin.statement(Some(("h", "m")), true),
-            "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); \
-             EXECUTE idem_claim_v1($idem$h$idem$, $idem$m$idem$)"
+            begin.statement(claim, true),
+            format!(
+                "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); EXECUTE idem_claim_v2(3, '{KEY}')"
+            )
         );
         assert_eq!(
             Begin::new(Some(Duration::from_secs(2)), true).statement(None, true),
@@ -408,7 +413,11 @@ mod tests {
     #[test]
     fn an_unprepared_session_prepares_what_the_route_uses_first() {
         let begin = Begin::new(Some(Duration::from_secs(2)), false);
-        let statement = begin.statement(Some(("h", "m")), false);
+        let claim = Claim {
+            handler_id: 3,
+            key: "8707f5fa-2bfe-0af8-7913-c57c557603d3",
+        };
+        let statement = begin.statement(Some(claim), false);
         let (prefix, rest) = statement
             .split_once("; EXECUTE idem_bounds_v1")
             .expect("the bounds follow the DO block");
@@ -416,7 +425,7 @@ mod tests {
             prefix.starts_with("BEGIN; DO $idem1$BEGIN IF NOT EXISTS"),
             "{prefix}"
         );
-        for name in ["idem_claim_v1", "idem_check_v1", "idem_bounds_v1"] {
+        for name in ["idem_claim_v2", "idem_check_v1", "idem_bounds_v1"] {
             assert!(
                 prefix.contains(&format!(
                     "WHERE name = '{name}') THEN EXECUTE $idem$PREPARE {name}"
@@ -425,7 +434,7 @@ mod tests {
             );
         }
         assert!(!prefix.contains("idem_bounds_client_check_v1"), "{prefix}");
-        assert!(rest.ends_with("EXECUTE idem_claim_v1($idem$h$idem$, $idem$m$idem$)"));
+        assert!(rest.ends_with("EXECUTE idem_claim_v2(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')"));
         assert!(CHECKED_COMMIT.starts_with(&format!("EXECUTE {}; ", CHECK.0)));
     }
 }

@@ -546,7 +546,7 @@ impl Setup {
             ));
         }
         let dedup_rows: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idem_processed_messages WHERE handler = $1")
+            sqlx::query_scalar("SELECT count(*) FROM idem_processed WHERE handler = $1")
                 .bind(HANDLER)
                 .fetch_one(&self.pool)
                 .await

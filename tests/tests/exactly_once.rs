@@ -266,7 +266,7 @@ async fn fails_once(
     }
     let seen: (i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM effects WHERE message_id = $1),
-                (SELECT count(*) FROM idem_processed_messages WHERE handler = 'fails-once' AND message_id = $1)",
+                (SELECT count(*) FROM idem_processed WHERE handler = 'fails-once' AND key = idem_key('fails-once', $1))",
     )
     .bind(delivery.message_id().as_str())
     .fetch_one(&mut **tx)

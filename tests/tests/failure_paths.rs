@@ -394,8 +394,8 @@ async fn ambiguous_batch(
 ) -> Result<(), sqlx::Error> {
     // The batch's claims are this transaction's own rows.
     let (claims, xid): (i64, String) = sqlx::query_as(
-        "SELECT count(*), pg_current_xact_id()::xid::text FROM idem_processed_messages
-         WHERE handler = 'ambiguous-batch' AND xmin = pg_current_xact_id()::xid",
+        "SELECT count(*), pg_current_xact_id()::xid::text FROM idem_claims
+         WHERE xmin = pg_current_xact_id()::xid",
     )
     .fetch_one(&mut **tx)
     .await?;
@@ -727,8 +727,8 @@ async fn rolls_back_first(
 ) -> Result<(), idem_runtime::BoxError> {
     if delivery.delivered() == 1 {
         let claims: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM idem_processed_messages
-             WHERE handler = 'rolls-back-first' AND message_id = $1",
+            "SELECT count(*) FROM idem_processed
+             WHERE handler = 'rolls-back-first' AND key = idem_key('rolls-back-first', $1)",
         )
         .bind(delivery.message_id().as_str())
         .fetch_one(&mut **tx)

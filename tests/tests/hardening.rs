@@ -812,7 +812,7 @@ async fn fallback(
             // The claims this transaction made: one in the fallback, where
             // each message runs on its own.
             let claims: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM idem_processed_messages
+                "SELECT count(*) FROM idem_claims
                  WHERE xmin = pg_current_xact_id()::xid",
             )
             .fetch_one(&mut **tx)
@@ -973,7 +973,7 @@ async fn a_missing_dedup_table_dead_letters_nothing() {
         pool.clone(),
     );
     eventually_get_stream(&js, dead_letter::DEFAULT_STREAM).await;
-    sqlx::query("ALTER TABLE idem_processed_messages RENAME TO idem_processed_messages_away")
+    sqlx::query("ALTER TABLE idem_claims RENAME TO idem_claims_away")
         .execute(&pool)
         .await
         .unwrap();
@@ -990,7 +990,7 @@ async fn a_missing_dedup_table_dead_letters_nothing() {
     assert!(dead_letters(&js, &stream).await.is_empty());
     assert_eq!(stats.failed(), 0, "no delivery was used up");
 
-    sqlx::query("ALTER TABLE idem_processed_messages_away RENAME TO idem_processed_messages")
+    sqlx::query("ALTER TABLE idem_claims_away RENAME TO idem_claims")
         .execute(&pool)
         .await
         .unwrap();

@@ -347,7 +347,7 @@ async fn prepare_ledger(pool: &sqlx::PgPool, accounts: i64) -> Result<(), sqlx::
          CREATE TABLE ledger_entries (
              transfer_id text NOT NULL, account bigint NOT NULL,
              amount bigint NOT NULL, fee bigint NOT NULL);
-         DELETE FROM idem_processed_messages WHERE handler = 'ledger.credit.v1';",
+         DELETE FROM idem_claims WHERE handler_id IN (SELECT id FROM idem_handlers WHERE name = 'ledger.credit.v1');",
     )
     .execute(pool)
     .await?;

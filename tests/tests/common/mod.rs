@@ -123,7 +123,7 @@ pub async fn ledger(pool: &PgPool, handler: &str) -> Ledger {
     .await
     .expect("effects are counted");
     let dedup_rows: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM idem_processed_messages WHERE handler = $1")
+        sqlx::query_scalar("SELECT count(*) FROM idem_processed WHERE handler = $1")
             .bind(handler)
             .fetch_one(pool)
             .await

@@ -1,0 +1,469 @@
+//! Expiry of claims against real servers: claims by generation, the
+//! conflict of a claim across generations (the partitioned table's own
+//! unique keys only see one partition each), the purge beside live traffic,
+//! two purgers at once, and the upgrade from the schema of version 1.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use idem_runtime::expiry::{self, PurgeReport};
+use idem_runtime::{Delivery, Route, Router, idempotent};
+use sqlx::{Connection, PgConnection, PgPool};
+
+/// Registers handler `name` with `retention` by hand (a router does it at
+/// start-up), returning its id.
+async fn register(pool: &PgPool, name: &str, retention: Duration) -> i32 {
+    sqlx::query_scalar(
+        "INSERT INTO idem_handlers (name, retention)
+         VALUES ($1, $2::bigint * interval '1 millisecond') RETURNING id",
+    )
+    .bind(name)
+    .bind(retention.as_millis() as i64)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// The current generation and whether it is in transition.
+async fn state(pool: &PgPool) -> (i32, bool) {
+    sqlx::query_as("SELECT current_gen, transition FROM idem_dedup_state")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Runs the purge until `done` says its report is the one awaited.
+async fn purge_until(
+    pool: &PgPool,
+    what: &str,
+    mut done: impl FnMut(&PurgeReport) -> bool,
+) -> PurgeReport {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let report = expiry::purge(pool).await.unwrap();
+        if done(&report) {
+            return report;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A connection with a claim of `key` in an open transaction.
+async fn claim_held(env: &idem_tests::TestEnv, handler: i32, key: &str) -> PgConnection {
+    let mut conn = PgConnection::connect(env.database_url()).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SELECT idem_claim({handler}, '{key}')"
+    )))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    conn
+}
+
+/// Claims `key` in a transaction of its own and commits: `Ok(true)` if it
+/// was fresh, `Ok(false)` if it was claimed before.
+async fn claim_once(pool: &PgPool, handler: i32, key: &str) -> bool {
+    let mut tx = pool.begin().await.unwrap();
+    let claimed = sqlx::query("SELECT idem_claim($1, $2::uuid)")
+        .bind(handler)
+        .bind(key)
+        .execute(&mut *tx)
+        .await;
+    match claimed {
+        Ok(_) => {
+            tx.commit().await.unwrap();
+            true
+        }
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("23505") => false,
+        Err(other) => panic!("the claim failed: {other}"),
+    }
+}
+
+/// Whether backend `pid` is waiting for a lock.
+async fn waiting_on_a_lock(pool: &PgPool, pid: i32) -> bool {
+    sqlx::query_scalar("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1")
+        .bind(pid)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .flatten()
+        .unwrap_or(false)
+}
+
+const KEY: &str = "8707f5fa-2bfe-0af8-7913-c57c557603d3";
+
+/// A claim still in progress in the previous generation when the table
+/// rotates: a claim of the same key in the new generation waits for it, and
+/// conflicts once it commits. The transition does not end while the old
+/// claim runs; once it has, a claim of the key finds it in the sealed
+/// generation. Without the transition, the second claim would have gone
+/// into the new partition alone and both would have committed.
+#[tokio::test]
+async fn a_claim_in_progress_across_a_rotation_still_conflicts() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let handler = register(&pool, "across", Duration::from_secs(2)).await;
+
+    let mut first = claim_held(&env, handler, KEY).await;
+    let first_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut first)
+        .await
+        .unwrap();
+    let report = purge_until(&pool, "the table rotates", |r| r.rotated_to.is_some()).await;
+    assert_eq!(report.rotated_to, Some(2));
+    assert_eq!(state(&pool).await, (2, true));
+
+    // The second claim goes into the new generation and the old one: it
+    // must wait for the first.
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move { claim_once(&pool, handler, KEY).await }
+    });
+    eventually(
+        "the second claim waits",
+        Duration::from_secs(10),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+              WHERE wait_event_type = 'Lock' AND pid <> $1 AND query LIKE '%idem_claim%'",
+            )
+            .bind(first_pid)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            waiting == 1
+        },
+    )
+    .await;
+    assert!(!waiting_on_a_lock(&pool, first_pid).await);
+    // While the first claim's transaction runs, the transition holds.
+    for _ in 0..3 {
+        let report = expiry::purge(&pool).await.unwrap();
+        assert_eq!(report.transition_ended, None, "{report:?}");
+    }
+    sqlx::raw_sql("COMMIT").execute(&mut first).await.unwrap();
+    assert!(!second.await.unwrap(), "the second claim conflicts");
+
+    let report = purge_until(&pool, "the transition ends", |r| {
+        r.transition_ended.is_some()
+    })
+    .await;
+    assert_eq!(report.transition_ended, Some(2));
+    assert_eq!(state(&pool).await, (2, false));
+    // Sealed in generation 1, found there.
+    assert!(!claim_once(&pool, handler, KEY).await);
+    let rows: Vec<i32> = sqlx::query_scalar("SELECT gen FROM idem_claims WHERE key = $1::uuid")
+        .bind(KEY)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, vec![1], "the claim is in the old generation only");
+}
+
+/// The same, when the claim in progress rolls back: the waiting claim then
+/// proceeds, in both open generations.
+#[tokio::test]
+async fn a_claim_rolled_back_across_a_rotation_lets_the_waiting_one_proceed() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let handler = register(&pool, "across-rollback", Duration::from_secs(2)).await;
+
+    let mut first = claim_held(&env, handler, KEY).await;
+    purge_until(&pool, "the table rotates", |r| r.rotated_to.is_some()).await;
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move { claim_once(&pool, handler, KEY).await }
+    });
+    eventually(
+        "the second claim waits",
+        Duration::from_secs(10),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+              WHERE wait_event_type = 'Lock' AND query LIKE '%idem_claim%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            waiting == 1
+        },
+    )
+    .await;
+    sqlx::raw_sql("ROLLBACK").execute(&mut first).await.unwrap();
+    assert!(second.await.unwrap(), "the second claim proceeds");
+    let mut rows: Vec<i32> = sqlx::query_scalar("SELECT gen FROM idem_claims WHERE key = $1::uuid")
+        .bind(KEY)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    rows.sort_unstable();
+    assert_eq!(rows, vec![1, 2], "claimed in both open generations");
+}
+
+/// Claims conflict across every live generation, however many rotations
+/// lie between them, until their generation expires; the claims of a
+/// handler without retention are kept when it does.
+#[tokio::test]
+async fn claims_conflict_across_generations_until_they_expire() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let expiring = register(&pool, "expiring", Duration::from_secs(2)).await;
+    let forever: i32 =
+        sqlx::query_scalar("INSERT INTO idem_handlers (name) VALUES ('forever') RETURNING id")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    const OTHER: &str = "00000000-0000-0000-0000-000000000001";
+    assert!(claim_once(&pool, expiring, KEY).await);
+    assert!(claim_once(&pool, forever, OTHER).await);
+
+    // Two rotations later the claims sit in a sealed generation, two back.
+    let mut seen = Vec::new();
+    while state(&pool).await != (3, false) {
+        let report = purge_until(&pool, "the table moves on", |r| {
+            r.rotated_to.is_some() || r.transition_ended.is_some()
+        })
+        .await;
+        assert!(report.expired.is_empty(), "nothing expired yet: {report:?}");
+        seen.push(report);
+        assert!(!claim_once(&pool, expiring, KEY).await, "still a duplicate");
+        assert!(
+            !claim_once(&pool, forever, OTHER).await,
+            "still a duplicate"
+        );
+    }
+
+    // Generation 1 expires once sealed for the retention.
+    let report = purge_until(&pool, "generation 1 expires", |r| r.expired.contains(&1)).await;
+    assert_eq!(report.kept, 1, "the claim without retention is kept");
+    assert!(report.freed_bytes > 0);
+    let partitions: Vec<String> = sqlx::query_scalar(
+        "SELECT inhrelid::regclass::text FROM pg_inherits
+          WHERE inhparent = 'idem_claims'::regclass ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(
+        !partitions.contains(&"idem_claims_g1".to_owned()),
+        "{partitions:?}"
+    );
+    assert!(
+        claim_once(&pool, expiring, KEY).await,
+        "expired: claimed again"
+    );
+    assert!(
+        !claim_once(&pool, forever, OTHER).await,
+        "kept: still a duplicate"
+    );
+}
+
+/// Several purgers at once (every worker runs one): one does the work, the
+/// others skip, and nothing is done twice or left half-done.
+#[tokio::test]
+async fn two_purgers_at_once_do_no_work_twice() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    register(&pool, "purged", Duration::from_secs(2)).await;
+
+    let started = Instant::now();
+    let (mut rotations, mut expirations, mut skipped) = (Vec::new(), Vec::new(), 0);
+    while started.elapsed() < Duration::from_secs(8) {
+        let (a, b) = tokio::join!(expiry::purge(&pool), expiry::purge(&pool));
+        for report in [a.unwrap(), b.unwrap()] {
+            skipped += usize::from(report.skipped);
+            rotations.extend(report.rotated_to);
+            expirations.extend(report.expired);
+        }
+    }
+    assert!(skipped > 0, "the purgers met");
+    assert!(rotations.len() >= 3, "{rotations:?}");
+    let mut unique = rotations.clone();
+    unique.dedup();
+    assert_eq!(unique, rotations, "each rotation once");
+    assert!(!expirations.is_empty(), "generations expired");
+    let mut unique = expirations.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        expirations.len(),
+        "each expiry once: {expirations:?}"
+    );
+    let attached: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_inherits WHERE inhparent = 'idem_claims'::regclass",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let known: i64 = sqlx::query_scalar("SELECT count(*) + 1 FROM idem_generations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        attached, known,
+        "every attached partition is a known generation, plus the kept one"
+    );
+}
+
+#[idempotent(name = "flowing")]
+async fn flowing(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "flowing", &d, delivery).await
+}
+
+/// Messages flow, and every message comes back once more while its claim is
+/// well inside the retention, while the router's own purge rotates and
+/// expires generations under them: no duplicate is applied.
+#[tokio::test]
+async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("FLOW", Duration::from_millis(100)).await;
+    let (handle, task) = spawn(
+        Router::new().route(
+            Route::new(&stream, "c").retention(Duration::from_secs(2)),
+            flowing,
+        ),
+        nats,
+        pool.clone(),
+    );
+    const MESSAGES: i64 = 120;
+    let publisher = {
+        let (js, subject) = (js.clone(), subject.clone());
+        tokio::spawn(async move {
+            for i in 0..MESSAGES {
+                let id = format!("flow-{i}");
+                publish(
+                    &js,
+                    &subject,
+                    &Deposit {
+                        account: "a".into(),
+                        amount: i,
+                    },
+                    Some(&id),
+                )
+                .await;
+                // The copy of the message three steps back, half a second
+                // later: after the stream's duplicate window, well inside
+                // the retention.
+                if i >= 10 {
+                    let old = format!("flow-{}", i - 10);
+                    let copy = Deposit {
+                        account: "a".into(),
+                        amount: i - 10,
+                    };
+                    publish(&js, &subject, &copy, Some(&old)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    publisher.await.unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let generation: (i32,) = sqlx::query_as("SELECT current_gen FROM idem_dedup_state")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        generation.0 >= 4,
+        "the purge rotated under the traffic: {generation:?}"
+    );
+    let oldest: i32 = sqlx::query_scalar("SELECT min(gen) FROM idem_generations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(oldest > 1, "generations expired under the traffic");
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(
+        stats.duplicates(),
+        (MESSAGES - 10) as u64,
+        "every copy was skipped"
+    );
+    let ledger = ledger(&pool, "flowing").await;
+    assert_eq!(
+        (ledger.effects, ledger.distinct_messages),
+        (MESSAGES, MESSAGES),
+        "no duplicate applied"
+    );
+}
+
+#[idempotent(name = "upgraded")]
+async fn upgraded(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "upgraded", &d, delivery).await
+}
+
+/// A database on the schema of version 1, with claims in it, upgraded: the
+/// messages claimed before the upgrade are still duplicates after it.
+#[tokio::test]
+async fn claims_made_before_the_upgrade_still_deduplicate() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate_to(&pool, 1).await.unwrap();
+    sqlx::query(
+        "INSERT INTO idem_processed_messages (handler, message_id)
+         VALUES ('upgraded', 'before-1'), ('upgraded', 'before-2'), ('other', 'before-1')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = async_nats::jetstream::new(nats.clone());
+    let stream = unique("UPGRADE");
+    let subject = format!("{stream}.deposit");
+    create_stream(&js, &stream, &subject, Duration::from_secs(120)).await;
+    for id in ["before-1", "before-2", "after-1"] {
+        publish(
+            &js,
+            &subject,
+            &Deposit {
+                account: id.into(),
+                amount: 1,
+            },
+            Some(id),
+        )
+        .await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), upgraded),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("c").unwrap();
+    assert_eq!((stats.processed(), stats.duplicates()), (1, 2));
+    let applied: Vec<String> = sqlx::query_scalar("SELECT message_id FROM effects")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(applied, vec!["after-1".to_owned()]);
+    let claims: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_processed")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(claims, 4, "the three old claims and the new one");
+}
