@@ -92,6 +92,7 @@ pub use async_nats;
 #[doc(hidden)]
 pub mod __private {
     pub use crate::__handler_error as handler_error;
+    pub use crate::claim::CLAIM_SQL;
     pub use crate::failure::{Classifier, specialize};
     pub use crate::handler::{AsIs, ViaConstructor};
     pub use inventory;

@@ -8,6 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use idem_runtime::__private::CLAIM_SQL;
 use idem_runtime::expiry::{self, PurgeReport};
 use idem_runtime::{Delivery, Route, Router, idempotent};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -51,15 +52,24 @@ async fn purge_until(
     }
 }
 
+/// The runtime's claim of `key` for handler `handler`, as one statement
+/// with its parameters written in.
+fn claim_sql(handler: i32, key: &str) -> sqlx::AssertSqlSafe<String> {
+    assert!(key.chars().all(|c| c.is_ascii_hexdigit() || c == '-'));
+    let sql = CLAIM_SQL
+        .replace("$1", &handler.to_string())
+        .replace("$2", &format!("'{key}'::uuid"));
+    sqlx::AssertSqlSafe(sql)
+}
+
 /// A connection with a claim of `key` in an open transaction.
 async fn claim_held(env: &idem_tests::TestEnv, handler: i32, key: &str) -> PgConnection {
     let mut conn = PgConnection::connect(env.database_url()).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "BEGIN; SELECT idem_claim({handler}, '{key}')"
-    )))
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+    sqlx::raw_sql(claim_sql(handler, key))
+        .execute(&mut conn)
+        .await
+        .unwrap();
     conn
 }
 
@@ -67,9 +77,7 @@ async fn claim_held(env: &idem_tests::TestEnv, handler: i32, key: &str) -> PgCon
 /// was fresh, `Ok(false)` if it was claimed before.
 async fn claim_once(pool: &PgPool, handler: i32, key: &str) -> bool {
     let mut tx = pool.begin().await.unwrap();
-    let claimed = sqlx::query("SELECT idem_claim($1, $2::uuid)")
-        .bind(handler)
-        .bind(key)
+    let claimed = sqlx::raw_sql(claim_sql(handler, key))
         .execute(&mut *tx)
         .await;
     match claimed {
