@@ -192,7 +192,9 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// and returns.
     ///
     /// Start-up fails, before any message is taken, if a route is
-    /// misconfigured, the dedup schema is missing, or a stream is missing.
+    /// misconfigured, the dedup schema is missing, a stream is missing, or a
+    /// route's retention is below its [retention floor](crate::retention_floor)
+    /// on its stream.
     pub async fn run_until(
         self,
         nats: async_nats::Client,
@@ -370,7 +372,14 @@ async fn bind_consumer(js: &jetstream::Context, route: &Route) -> Result<PullCon
                 source: source.into(),
             })?,
     };
-    let wanted = route.consumer_config();
+    // A route whose retention does not cover its floor is refused before
+    // its consumer is touched; the consumer records the retention, for the
+    // route's dead letters to copy (see dead_letter.rs).
+    let floor = crate::retention_floor::check(route, &stream.cached_info().config)?;
+    let mut wanted = route.consumer_config();
+    wanted
+        .metadata
+        .extend(crate::retention_floor::consumer_metadata(route, &floor));
     if !route.update_consumer
         && let Ok(existing) = stream.consumer_info(&route.durable).await
     {
