@@ -113,7 +113,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     ready.iter().map(|item| item.delivery.clone()).collect();
                 let payloads: Vec<Option<H::Payload>> =
                     ready.iter_mut().map(|item| item.payload.take()).collect();
+                // A batch handler is called once; any other once per fresh
+                // message, in the one transaction.
+                let calls = if H::BATCHES { 1 } else { ready.len() };
                 self.watched(
+                    calls,
                     async move {
                         let mut payloads = payloads;
                         let result = pipeline.transact_batch(&deliveries, &mut payloads).await;

@@ -330,6 +330,34 @@ pub enum Error {
         /// Its retention policy.
         retention: String,
     },
+    /// The route's retention is shorter than its retention floor: a
+    /// duplicate could arrive after its claim is purged, and be processed
+    /// again. See [`retention_floor`](crate::retention_floor).
+    #[error("{}", crate::retention_floor::below_floor_message(.route, *.retention, *.floor, .computation))]
+    RetentionBelowFloor {
+        /// The route (durable consumer name).
+        route: String,
+        /// Its retention (`Route::retention`).
+        retention: std::time::Duration,
+        /// Its retention floor.
+        floor: std::time::Duration,
+        /// How the floor was computed, term by term.
+        computation: Box<crate::retention_floor::RetentionFloor>,
+    },
+    /// The route sets a retention, but its retention floor has a term with
+    /// no bound that it does not accept
+    /// ([`Route::accept_duplicates_after_retention`](crate::Route::accept_duplicates_after_retention)).
+    #[error("{}", crate::retention_floor::unbounded_message(.route, *.retention, .unbounded, .computation))]
+    RetentionFloorUnbounded {
+        /// The route (durable consumer name).
+        route: String,
+        /// Its retention (`Route::retention`).
+        retention: std::time::Duration,
+        /// The terms without a bound.
+        unbounded: Vec<crate::retention_floor::Unbounded>,
+        /// How the floor was computed, term by term.
+        computation: Box<crate::retention_floor::RetentionFloor>,
+    },
     /// Pulling messages failed and could not be resumed.
     #[error("pulling from consumer `{route}` failed: {source}")]
     Pull {

@@ -50,20 +50,24 @@ pub(crate) struct Pipeline<H, S> {
     pub(crate) health: Health,
     pub(crate) stats: Arc<Stats>,
     pub(crate) shutdown: Signal,
-    /// How long a transaction may go on before the runtime stops waiting for
-    /// it (see [`Pipeline::watched`]); `None` without a handler timeout.
-    pub(crate) watchdog: Option<Duration>,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::fault::FaultHooks,
 }
 
-/// How long a transaction may take, at most, when every part of it gets its
-/// answer: the claim (it may wait on a concurrent attempt up to the
-/// statement timeout), the handler (up to the handler timeout) and COMMIT
-/// (up to the statement timeout), each the handler timeout, plus a margin.
-pub(crate) fn watchdog(handler_timeout: Option<Duration>) -> Option<Duration> {
-    handler_timeout.map(|timeout| timeout.saturating_mul(3) + Duration::from_secs(5))
+/// How long the runtime waits for a transaction with up to `calls` handler
+/// calls before it stops waiting (see [`Pipeline::watched`]): the longest
+/// such a transaction can take when every part of it gets its answer
+/// ([`transaction::longest`], which the retention floor counts too), plus a
+/// margin; `None` without a handler timeout. A batch whose handler runs once
+/// per message makes up to one call per message.
+pub(crate) fn watchdog(handler_timeout: Option<Duration>, calls: usize) -> Option<Duration> {
+    handler_timeout
+        .map(|timeout| transaction::longest(timeout, calls).saturating_add(WATCHDOG_MARGIN))
 }
+
+/// How much longer than its bounds allow the watchdog waits for a
+/// transaction.
+const WATCHDOG_MARGIN: Duration = Duration::from_secs(5);
 
 /// How one delivery ended, before it is settled with JetStream.
 pub(crate) enum Verdict {
@@ -241,7 +245,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             let checked = {
                 let pipeline = Arc::clone(self);
                 let delivery = delivery.clone();
+                // A claim and its rollback: no longer than one call's bound.
                 self.watched(
+                    1,
                     async move { pipeline.claimed_elsewhere(&delivery).await },
                     |limit| Err(no_answer(limit)),
                 )
@@ -281,22 +287,24 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         Ok(processed)
     }
 
-    /// Waits for `work` (a whole transaction), but not forever: once it has
-    /// run longer than any server-side bound allows (the network is gone
-    /// without a word: a partition, a frozen host, and TCP has not noticed),
-    /// the runtime stops waiting and settles the message with `stuck`. The
-    /// work is *not* cancelled, because a cancelled BEGIN or COMMIT can leave
-    /// a connection inside a transaction (sqlx#4393): it goes on in a task of
-    /// its own until the connection answers or fails, its connection never
-    /// returned to the pool. Meanwhile the server ends the orphaned
-    /// transaction (`idle_in_transaction_session_timeout`), so the message's
-    /// redelivery is decided by its claim as usual.
+    /// Waits for `work` (a whole transaction, with up to `calls` handler
+    /// calls), but not forever: once it has run longer than any server-side
+    /// bound allows (the network is gone without a word: a partition, a frozen
+    /// host, and TCP has not noticed), the runtime stops waiting and settles
+    /// the message with `stuck`. The work is *not* cancelled, because a
+    /// cancelled BEGIN or COMMIT can leave a connection inside a transaction
+    /// (sqlx#4393): it goes on in a task of its own until the connection
+    /// answers or fails, its connection never returned to the pool. Meanwhile
+    /// the server ends the orphaned transaction
+    /// (`idle_in_transaction_session_timeout`), so the message's redelivery is
+    /// decided by its claim as usual.
     pub(crate) async fn watched<T: Send + 'static>(
         &self,
+        calls: usize,
         work: impl Future<Output = T> + Send + 'static,
         stuck: impl FnOnce(Duration) -> T,
     ) -> T {
-        let Some(limit) = self.watchdog else {
+        let Some(limit) = watchdog(self.route.handler_timeout, calls) else {
             return work.await;
         };
         let mut work = Box::pin(work);
@@ -344,6 +352,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 let pipeline = Arc::clone(self);
                 let delivery = delivery.clone();
                 self.watched(
+                    1,
                     async move { pipeline.transact(this_try, &delivery).await },
                     |limit| Verdict::CommitUnknown(no_answer(limit)),
                 )
@@ -685,5 +694,21 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             dead_letter_subject = subject,
             "dead-lettered; replay it with idem_runtime::dead_letter::replay once fixed"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_watchdog_waits_out_every_handler_call_of_a_batch() {
+        let timeout = Some(Duration::from_secs(10));
+        // The claim, one call, COMMIT, and the margin.
+        assert_eq!(watchdog(timeout, 1), Some(Duration::from_secs(35)));
+        // A batch of 64 whose handler runs once per message.
+        assert_eq!(watchdog(timeout, 64), Some(Duration::from_secs(665)));
+        assert_eq!(watchdog(None, 64), None);
+        assert_eq!(watchdog(Some(Duration::MAX), 1000), Some(Duration::MAX));
     }
 }

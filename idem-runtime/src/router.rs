@@ -192,7 +192,9 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// and returns.
     ///
     /// Start-up fails, before any message is taken, if a route is
-    /// misconfigured, the dedup schema is missing, or a stream is missing.
+    /// misconfigured, the dedup schema is missing, a stream is missing, or a
+    /// route's retention is below its [retention floor](crate::retention_floor)
+    /// on its stream.
     pub async fn run_until(
         self,
         nats: async_nats::Client,
@@ -239,10 +241,26 @@ impl<S: Send + Sync + 'static> Router<S> {
             );
         }
         schema::verify(&pool).await?;
-        let registered: Vec<(&str, Option<Duration>)> = self
-            .routes
+        let check_client_connection =
+            crate::transaction::server_checks_client_connection(&pool).await;
+
+        let js = jetstream::new(nats.clone());
+        let mut bound = Vec::with_capacity(self.routes.len());
+        for route in self.routes {
+            crate::dead_letter::ensure_stream(&js, route.route()).await?;
+            // Before the route pulls, so that nothing it gives up on from
+            // now on is missed.
+            let advisories = undeliverable::bind(&js, route.route()).await?;
+            let consumer = bind_consumer(&js, route.route()).await?;
+            bound.push((route, consumer, advisories));
+        }
+        // Registered only once every route is bound, which checks its
+        // retention floor: a refused route's retention is never recorded
+        // (the purge reads the handlers' retentions), and no purge is left
+        // running after a failed start-up.
+        let registered: Vec<(&str, Option<Duration>)> = bound
             .iter()
-            .map(|bound| (bound.handler_name(), bound.route().retention))
+            .map(|(route, ..)| (route.handler_name(), route.route().retention))
             .collect();
         let handler_ids = crate::claim::register(&pool, &registered).await?;
         // Claims of routes with a retention expire: the purge runs beside
@@ -257,19 +275,6 @@ impl<S: Send + Sync + 'static> Router<S> {
                     crate::expiry::purge_interval(retention),
                 ))
             });
-        let check_client_connection =
-            crate::transaction::server_checks_client_connection(&pool).await;
-
-        let js = jetstream::new(nats.clone());
-        let mut bound = Vec::with_capacity(self.routes.len());
-        for route in self.routes {
-            crate::dead_letter::ensure_stream(&js, route.route()).await?;
-            // Before the route pulls, so that nothing it gives up on from
-            // now on is missed.
-            let advisories = undeliverable::bind(&js, route.route()).await?;
-            let consumer = bind_consumer(&js, route.route()).await?;
-            bound.push((route, consumer, advisories));
-        }
 
         // Each route may keep at most its share of the pool's connections
         // between messages (see connections.rs).
@@ -396,7 +401,14 @@ async fn bind_consumer(js: &jetstream::Context, route: &Route) -> Result<PullCon
                 source: source.into(),
             })?,
     };
-    let wanted = route.consumer_config();
+    // A route whose retention does not cover its floor is refused before
+    // its consumer is touched; the consumer records the retention, for the
+    // route's dead letters to copy (see dead_letter.rs).
+    let floor = crate::retention_floor::check(route, &stream.cached_info().config)?;
+    let mut wanted = route.consumer_config();
+    wanted
+        .metadata
+        .extend(crate::retention_floor::consumer_metadata(route, &floor));
     if !route.update_consumer
         && let Ok(existing) = stream.consumer_info(&route.durable).await
     {
@@ -527,7 +539,6 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
     start: Start,
 ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
     let begin = Begin::new(route.handler_timeout, start.check_client_connection);
-    let route_timeout = route.handler_timeout;
     let heartbeats = Heartbeats::start(start.nats.clone(), route.heartbeat_interval());
     let pipeline = Arc::new(Pipeline {
         route,
@@ -541,7 +552,6 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
         health: Health::new(),
         stats,
         shutdown: start.shutdown.clone(),
-        watchdog: crate::pipeline::watchdog(route_timeout),
         #[cfg(feature = "fault-injection")]
         faults: start.faults,
     });

@@ -224,6 +224,18 @@ pub(crate) fn is_duplicate_claim(error: &sqlx::Error) -> bool {
             && db.table().is_some_and(|table| table.starts_with(CLAIMS_TABLE)))
 }
 
+/// The longest a transaction with `calls` handler calls can run when every
+/// part of it gets its answer under `handler_timeout`: the claim (which may
+/// wait on a concurrent attempt, up to `statement_timeout`), each handler
+/// call (up to the handler timeout) and COMMIT (up to `statement_timeout`),
+/// each the handler timeout: `(2 + calls) × handler_timeout`. The retention
+/// floor counts it for the claiming transaction, and the watchdog waits that
+/// long (plus a margin) before it gives up on one (`Pipeline::watched`).
+pub(crate) fn longest(handler_timeout: Duration, calls: usize) -> Duration {
+    let parts = u32::try_from(calls).unwrap_or(u32::MAX).saturating_add(2);
+    handler_timeout.saturating_mul(parts)
+}
+
 /// How much longer than the handler timeout a transaction may sit idle
 /// before the server ends it.
 const IDLE_MARGIN: Duration = Duration::from_secs(1);

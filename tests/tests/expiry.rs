@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use idem_runtime::__private::CLAIM_SQL;
 use idem_runtime::expiry::{self, PurgeReport};
-use idem_runtime::{Delivery, Route, Router, idempotent};
+use idem_runtime::{Delivery, Route, Router, Unbounded, idempotent};
 use sqlx::{Connection, PgConnection, PgPool};
 
 /// Registers handler `name` with `retention` by hand (a router does it at
@@ -333,8 +333,20 @@ async fn flowing(
 /// Messages flow, and every message comes back once more while its claim is
 /// well inside the retention, while the router's own purge rotates and
 /// expires generations under them: no duplicate is applied.
+///
+/// The route's retention, 10 s, covers its retention floor (which the
+/// router checks at start-up): a 1 s handler timeout (3 s for the claiming
+/// transaction), ack_wait 1 s for each of the 5 deliveries JetStream can
+/// still make (max_deliver 3), NAK delays of 100 and 200 ms (+20 % jitter),
+/// and 1 s of publisher copies (the test's copies come about half a second
+/// after their message, past the 100 ms duplicate window): 9.36 s. The
+/// stream keeps messages forever; the test replays none, so the route
+/// accepts that term. With generations of 5 s, the fourth opens after about
+/// 15 s, and generation 1, sealed after about 6 s, expires about 10 s
+/// later: the traffic lasts longer (at least 50 ms a message, 24 s).
 #[tokio::test]
 async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
+    const RETENTION: Duration = Duration::from_secs(10);
     let Scenario {
         env: _env,
         pool,
@@ -343,15 +355,28 @@ async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
         stream,
         subject,
     } = scenario("FLOW", Duration::from_millis(100)).await;
-    let (handle, task) = spawn(
-        Router::new().route(
-            Route::new(&stream, "c").retention(Duration::from_secs(2)),
-            flowing,
-        ),
-        nats,
-        pool.clone(),
+    let route = Route::new(&stream, "c")
+        .ack_wait(Duration::from_secs(1))
+        .handler_timeout(Duration::from_secs(1))
+        .max_deliver(3)
+        .backoff(Duration::from_millis(100), Duration::from_millis(200))
+        .publisher_retry_horizon(Duration::from_secs(1))
+        .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
+        .retention(RETENTION);
+    let stream_config = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    let floor = route.retention_floor(&stream_config);
+    assert!(
+        floor.value().is_some_and(|floor| floor <= RETENTION),
+        "{floor}"
     );
-    const MESSAGES: i64 = 120;
+    let (handle, task) = spawn(Router::new().route(route, flowing), nats, pool.clone());
+    const MESSAGES: i64 = 480;
     let publisher = {
         let (js, subject) = (js.clone(), subject.clone());
         tokio::spawn(async move {
@@ -367,7 +392,7 @@ async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
                     Some(&id),
                 )
                 .await;
-                // The copy of the message three steps back, half a second
+                // The copy of the message ten steps back, half a second
                 // later: after the stream's duplicate window, well inside
                 // the retention.
                 if i >= 10 {
