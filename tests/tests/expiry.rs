@@ -438,6 +438,140 @@ async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
     );
 }
 
+/// The age of the claim of `message_id` for handler `flowing`, as the
+/// database sees it, or `None` once it is purged.
+async fn claim_age(pool: &PgPool, message_id: &str) -> Option<Duration> {
+    let age: Option<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM now() - claimed_at)::float8 FROM idem_processed
+          WHERE handler = 'flowing' AND key = idem_key('flowing', $1)",
+    )
+    .bind(message_id)
+    .fetch_optional(pool)
+    .await
+    .unwrap();
+    age.map(Duration::from_secs_f64)
+}
+
+/// The edges of the retention, with the router's own purge running: a copy
+/// that arrives just inside the retention is skipped; once the purge has
+/// expired the claim (never before the retention has passed: its generation
+/// is sealed after the claim, and expires the retention after that; and
+/// within a generation and three purge intervals of a quarter generation
+/// after it), a copy is processed again.
+/// That second effect is the documented behaviour of a duplicate that
+/// arrives after the retention, which the retention floor exists to rule
+/// out.
+#[tokio::test]
+async fn a_copy_just_inside_retention_is_skipped_and_one_after_expiry_is_processed_again() {
+    const RETENTION: Duration = Duration::from_secs(10);
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("EDGE", Duration::from_millis(100)).await;
+    let route = Route::new(&stream, "c")
+        .ack_wait(Duration::from_secs(1))
+        .handler_timeout(Duration::from_secs(1))
+        .max_deliver(3)
+        .backoff(Duration::from_millis(100), Duration::from_millis(200))
+        .publisher_retry_horizon(Duration::ZERO)
+        .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
+        .retention(RETENTION);
+    let (handle, task) = spawn(Router::new().route(route, flowing), nats, pool.clone());
+    let deposit = Deposit {
+        account: "edge".into(),
+        amount: 5,
+    };
+    let processed = |n: u64| {
+        let handle = handle.clone();
+        move || {
+            let handle = handle.clone();
+            async move { handle.stats("c").is_some_and(|s| s.processed() == n) }
+        }
+    };
+    let skipped = |n: u64| {
+        let handle = handle.clone();
+        move || {
+            let handle = handle.clone();
+            async move { handle.stats("c").is_some_and(|s| s.duplicates() == n) }
+        }
+    };
+
+    publish(&js, &subject, &deposit, Some("edge-1")).await;
+    eventually(
+        "the first copy is processed",
+        Duration::from_secs(10),
+        processed(1),
+    )
+    .await;
+
+    // Just inside: a copy published when the claim is 1.5 s short of the
+    // retention, past the stream's duplicate window.
+    let age = claim_age(&pool, "edge-1").await.expect("the claim exists");
+    tokio::time::sleep((RETENTION - Duration::from_millis(1500)).saturating_sub(age)).await;
+    publish(&js, &subject, &deposit, Some("edge-1")).await;
+    eventually(
+        "the copy inside the retention is handled",
+        Duration::from_secs(5),
+        skipped(1),
+    )
+    .await;
+    let age = claim_age(&pool, "edge-1")
+        .await
+        .expect("the claim is still there");
+    assert!(
+        age < RETENTION,
+        "the copy came inside the retention: {age:?}"
+    );
+    assert!(
+        age >= RETENTION - Duration::from_secs(3),
+        "the copy came near the edge: {age:?}"
+    );
+    assert_eq!(
+        handle.stats("c").unwrap().processed(),
+        1,
+        "the copy was skipped"
+    );
+
+    // Outside: wait for the purge to expire the claim, and note how old it
+    // was when it went.
+    let mut last_seen = Duration::ZERO;
+    let deadline = Instant::now() + 3 * RETENTION;
+    while let Some(age) = claim_age(&pool, "edge-1").await {
+        last_seen = age;
+        assert!(Instant::now() < deadline, "the claim was never purged");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        last_seen >= RETENTION - Duration::from_millis(200),
+        "the claim lived out its retention: last seen at {last_seen:?}"
+    );
+    let generation = expiry::generation_length(RETENTION);
+    assert!(
+        last_seen <= RETENTION + 2 * generation,
+        "the claim went within two generations of its retention: last seen at {last_seen:?}"
+    );
+    publish(&js, &subject, &deposit, Some("edge-1")).await;
+    eventually(
+        "the copy after expiry is processed",
+        Duration::from_secs(5),
+        processed(2),
+    )
+    .await;
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let ledger = ledger(&pool, "flowing").await;
+    assert_eq!(
+        (ledger.effects, ledger.distinct_messages),
+        (2, 1),
+        "one effect inside the retention, a second after it: the documented behaviour"
+    );
+}
+
 #[idempotent(name = "upgraded")]
 async fn upgraded(
     tx: &mut sqlx::PgTransaction<'_>,
