@@ -166,7 +166,8 @@ impl From<BoxError> for HandlerError {
     note = "return `Result<(), E>` (or an alias such as `anyhow::Result<()>`) whose error converts into `idem_runtime::BoxError`"
 )]
 pub trait HandlerResult {
-    /// What `Ok` carries (not used yet).
+    /// What `Ok` carries: `()`, or a value the runtime stores with the
+    /// claim (see [`results`](crate::results)).
     type Output;
     /// What `Err` carries.
     type Error;
@@ -303,6 +304,14 @@ pub enum Error {
         route: String,
         /// The dead-letter subject.
         subject: String,
+    },
+    /// Subscribing to a request route's subject failed.
+    #[error("subscribing to request subject `{subject}` failed: {source}")]
+    Subscribe {
+        /// The request subject.
+        subject: String,
+        /// The client's error.
+        source: async_nats::Error,
     },
     /// The same durable consumer was bound twice in one router.
     #[error("the durable consumer `{0}` is bound twice; give each route its own consumer")]

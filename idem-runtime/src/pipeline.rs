@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::Message;
+use bytes::Bytes;
 use futures_util::FutureExt;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
@@ -50,6 +51,11 @@ pub(crate) struct Pipeline<H, S> {
     pub(crate) health: Health,
     pub(crate) stats: Arc<Stats>,
     pub(crate) shutdown: Signal,
+    /// Whether a caller waits for each message's outcome (a request route,
+    /// see `reply.rs`): a duplicate then reads the stored result, and while
+    /// the database cannot be used a message is answered with an error
+    /// after one more try instead of being held.
+    pub(crate) answers: bool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::fault::FaultHooks,
 }
@@ -71,10 +77,15 @@ const WATCHDOG_MARGIN: Duration = Duration::from_secs(5);
 
 /// How one delivery ended, before it is settled with JetStream.
 pub(crate) enum Verdict {
-    /// Committed: ack.
-    Processed,
+    /// Committed: ack. With what the handler returned, encoded (`None`:
+    /// nothing, or a batch, which does not report it).
+    Processed(Option<Bytes>),
     /// Already processed: rolled back, ack.
     Duplicate,
+    /// Already processed, on a route that answers: what the first attempt
+    /// stored (`Some(None)`: nothing), or `None` if its claim has expired
+    /// since it conflicted.
+    Replayed(Option<Option<Bytes>>),
     /// The handler, or its COMMIT, failed (after any in-process retries):
     /// rolled back; NAK or dead-letter by the error's class.
     Failed(HandlerError),
@@ -129,7 +140,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         async {
             let verdict = match self.prepare(&message, &mut delivery) {
                 Err(rejected) => Verdict::Rejected(rejected),
-                Ok(payload) => self.decide(&message, payload, &delivery).await,
+                Ok(payload) => self.decide(&message.payload, payload, &delivery).await,
             };
             self.settle(&message, &delivery, verdict, lease).await;
         }
@@ -185,7 +196,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         if let Ok(id) = &carried {
             delivery.set_message_id(id.clone());
         }
-        let payload = self.decode(message)?;
+        let payload = self.decode(&message.payload)?;
         let resolved = match self.key_of(&payload, delivery)? {
             Some(key) => MessageId::from_key(key)?,
             None => carried?,
@@ -197,9 +208,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
     /// Decodes a payload with the handler's codec. A codec that panics is a
     /// payload that cannot be decoded, not a crash.
-    pub(crate) fn decode(&self, message: &Message) -> Result<H::Payload, RejectedMessage> {
+    pub(crate) fn decode(&self, payload: &Bytes) -> Result<H::Payload, RejectedMessage> {
         let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            <H::Codec as Decode<H::Payload>>::decode(&message.payload)
+            <H::Codec as Decode<H::Payload>>::decode(payload)
         }))
         .unwrap_or_else(|panic| {
             Err(crate::codec::DecodeError::new(
@@ -223,17 +234,18 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         .map_err(|panic| crate::message_id::InvalidMessageId::KeyPanicked(panic_text(&*panic)))
     }
 
-    /// Runs a prepared message on its own, in its own transaction.
+    /// Runs a prepared message on its own, in its own transaction. `bytes`
+    /// is its payload as it came, decoded again for a retry.
     pub(crate) async fn decide(
         self: &Arc<Self>,
-        message: &Message,
+        bytes: &Bytes,
         payload: H::Payload,
         delivery: &Delivery,
     ) -> Verdict {
         if delivery.delivered() > self.route.retry.max_deliver {
             return self.past_limit(delivery).await;
         }
-        self.transact_with_retries(message, payload, delivery).await
+        self.transact_with_retries(bytes, payload, delivery).await
     }
 
     /// A message past its delivery limit: ack it if an attempt committed,
@@ -327,10 +339,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
     /// Runs the transaction; runs it again at once (a few times, with a
     /// short pause) when the failure is one a retry may clear; and holds the
-    /// message while the database cannot be used at all.
+    /// message while the database cannot be used at all (on a route that
+    /// answers, tries once more at once, then gives up: its caller waits).
     pub(crate) async fn transact_with_retries(
         self: &Arc<Self>,
-        message: &Message,
+        bytes: &Bytes,
         payload: H::Payload,
         delivery: &Delivery,
     ) -> Verdict {
@@ -343,7 +356,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 Some(payload) => payload,
                 // The handler took the last one; it decoded before, so it
                 // decodes again.
-                None => match self.decode(message) {
+                None => match self.decode(bytes) {
                     Ok(payload) => payload,
                     Err(error) => return Verdict::Rejected(error),
                 },
@@ -362,6 +375,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 return verdict;
             };
             if error.is_infrastructure() {
+                if self.answers && outage.failures > 0 {
+                    Stats::bump(&self.stats.infrastructure_errors);
+                    return verdict;
+                }
                 if !self.hold_for_database(error, &mut outage).await {
                     return Verdict::Interrupted;
                 }
@@ -396,10 +413,26 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             self.health.resume();
             // Processed before. (If the ROLLBACK fails, the connection is
             // closed on drop.)
-            if transaction::end_failed_claim(&mut connection).await.is_ok() {
-                connection.keep();
+            let ended = transaction::end_failed_claim(&mut connection).await;
+            if !self.answers {
+                if ended.is_ok() {
+                    connection.keep();
+                }
+                return Verdict::Duplicate;
             }
-            return Verdict::Duplicate;
+            // Its caller gets what the first attempt stored, read on the
+            // same connection: the claim conflicted, so it has committed.
+            let read = match ended {
+                Ok(()) => crate::results::read(&mut connection, &key).await,
+                Err(error) => Err(error),
+            };
+            return match read {
+                Ok(stored) => {
+                    connection.keep();
+                    Verdict::Replayed(stored)
+                }
+                Err(error) => self.before_handler(error),
+            };
         }
         // Consumed by `map_err`, so that nothing keeps the borrow of
         // `connection` once `tx` is gone.
@@ -409,15 +442,25 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         };
         self.health.resume();
         let outcome = self
-            .run_handler(self.handler.handle(&mut tx, payload, delivery, &self.state))
+            .run_handler(
+                self.handler
+                    .handle_and_encode(&mut tx, payload, delivery, &self.state),
+            )
             .await;
+        // A value goes into the claim's row before COMMIT; `()` costs nothing.
+        let outcome = match outcome {
+            Ok(Some(result)) => crate::results::store(&mut tx, &key, &result)
+                .await
+                .map(|()| Some(result)),
+            other => other,
+        };
         match outcome {
-            Ok(()) => {
+            Ok(result) => {
                 let (ended, reusable) = transaction::finish(tx).await;
                 if reusable {
                     connection.keep();
                 }
-                self.verdict_of(ended)
+                self.verdict_of(ended, result)
             }
             // The handler may have left a statement running: the connection
             // is closed (on drop) rather than waited on. The server cancels
@@ -452,10 +495,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         }
     }
 
-    /// The verdict on a transaction whose handlers all returned `Ok`.
-    pub(crate) fn verdict_of(&self, ended: Ended) -> Verdict {
+    /// The verdict on a transaction whose handlers all returned `Ok`, with
+    /// what they returned.
+    pub(crate) fn verdict_of(&self, ended: Ended, result: Option<Bytes>) -> Verdict {
         match ended {
-            Ended::Committed => Verdict::Processed,
+            Ended::Committed => Verdict::Processed(result),
             Ended::NotCommitted(error) => Verdict::Failed(error),
             Ended::Unknown(error) => {
                 self.connections.forget_idle();
@@ -485,10 +529,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// Runs a handler call under the route's handler timeout, which covers
     /// the handler alone, never BEGIN or COMMIT, and turns a panic into an
     /// error of this message alone.
-    pub(crate) async fn run_handler(
+    pub(crate) async fn run_handler<T>(
         &self,
-        handled: impl Future<Output = Result<(), HandlerError>>,
-    ) -> Result<(), HandlerError> {
+        handled: impl Future<Output = Result<T, HandlerError>>,
+    ) -> Result<T, HandlerError> {
         let guarded = AssertUnwindSafe(handled).catch_unwind();
         let caught = match self.route.handler_timeout {
             Some(limit) => match tokio::time::timeout(limit, guarded).await {
@@ -548,7 +592,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let stats = &self.stats;
         let retry = &self.route.retry;
         match verdict {
-            Verdict::Processed => {
+            Verdict::Processed(_) => {
                 Stats::bump(&stats.processed);
                 #[cfg(feature = "fault-injection")]
                 if self.faults.decide_after_commit(delivery)
@@ -562,7 +606,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 ack::ack(message, self.route.ack_mode).await;
                 tracing::debug!("processed");
             }
-            Verdict::Duplicate => {
+            Verdict::Duplicate | Verdict::Replayed(_) => {
                 lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
                 Stats::bump(&stats.duplicates);
