@@ -403,13 +403,13 @@ mod tests {
         assert_eq!(unbounded.statement(None, true), "BEGIN");
         assert_eq!(
             unbounded.statement(claim, true),
-            format!("BEGIN; EXECUTE idem_claim_v2(3, '{KEY}')")
+            format!("BEGIN; EXECUTE idem_claim_v3(3, '{KEY}')")
         );
         let begin = Begin::new(Some(Duration::from_secs(2)), false);
         assert_eq!(
             begin.statement(claim, true),
             format!(
-                "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); EXECUTE idem_claim_v2(3, '{KEY}')"
+                "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); EXECUTE idem_claim_v3(3, '{KEY}')"
             )
         );
         assert_eq!(
@@ -433,7 +433,7 @@ mod tests {
             prefix.starts_with("BEGIN; DO $idem1$BEGIN IF NOT EXISTS"),
             "{prefix}"
         );
-        for name in ["idem_claim_v2", "idem_check_v1", "idem_bounds_v1"] {
+        for name in ["idem_claim_v3", "idem_check_v1", "idem_bounds_v1"] {
             assert!(
                 prefix.contains(&format!(
                     "WHERE name = '{name}') THEN EXECUTE $idem$PREPARE {name}"
@@ -442,7 +442,7 @@ mod tests {
             );
         }
         assert!(!prefix.contains("idem_bounds_client_check_v1"), "{prefix}");
-        assert!(rest.ends_with("EXECUTE idem_claim_v2(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')"));
+        assert!(rest.ends_with("EXECUTE idem_claim_v3(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')"));
         assert!(CHECKED_COMMIT.starts_with(&format!("EXECUTE {}; ", CHECK.0)));
     }
 }
