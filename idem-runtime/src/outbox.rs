@@ -507,11 +507,11 @@ enum Wake {
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
 impl Relay {
-    /// A relay with the defaults: batches of 256 rows, a poll every second,
+    /// A relay with the defaults: batches of 1024 rows, a poll every second,
     /// backoff up to 5 s.
     pub fn new() -> Self {
         Self {
-            batch_size: 256,
+            batch_size: 1024,
             poll_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(5),
             stats: RelayStats::default(),
@@ -520,7 +520,7 @@ impl Relay {
         }
     }
 
-    /// Rows per cycle (default 256, at least 1): all published before the
+    /// Rows per cycle (default 1024, at least 1): all published before the
     /// first PubAck is awaited, and held locked until the cycle commits.
     pub fn batch_size(mut self, rows: usize) -> Self {
         self.batch_size = rows.max(1);

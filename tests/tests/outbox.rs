@@ -504,3 +504,75 @@ async fn a_relay_keeps_its_rows_and_backs_off_while_nats_is_down() {
     let stored_ids: Vec<String> = messages.iter().map(|m| header(m, "Nats-Msg-Id")).collect();
     assert_eq!(stored_ids, ids, "each stored once, in order");
 }
+
+/// A measurement, not a check: the relay's rate against pipelined raw
+/// publishes of the same messages on the same servers. Run it with
+/// `cargo test -p idem-tests --test outbox -- --ignored --nocapture relay_rate`
+/// (`IDEM_OUTBOX_MESSAGES`, default 20,000; `IDEM_OUTBOX_BATCH`, default
+/// 1024). It belongs in `idem-bench`
+/// once the bench has an outbox mode.
+#[tokio::test]
+#[ignore = "a measurement; run by hand"]
+async fn relay_rate_against_raw_publish() {
+    let messages: i64 = std::env::var("IDEM_OUTBOX_MESSAGES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(20_000);
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let deposit = |amount| Deposit {
+        account: "acct-rate".into(),
+        amount,
+    };
+
+    let batch: usize = std::env::var("IDEM_OUTBOX_BATCH")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1024);
+    // Raw: the same pipelining as the relay (a batch sent, then its PubAcks).
+    let raw = out_stream(&js, "OBRAW", Duration::from_secs(120)).await;
+    let started = std::time::Instant::now();
+    for chunk in (0..messages).collect::<Vec<_>>().chunks(batch) {
+        let mut acks = Vec::new();
+        for &n in chunk {
+            let payload = serde_json::to_vec(&deposit(n)).unwrap();
+            let publish = jetstream::message::PublishMessage::build()
+                .payload(payload.into())
+                .message_id(format!("raw-{n}"));
+            acks.push(
+                js.send_publish(format!("{raw}.paid"), publish)
+                    .await
+                    .unwrap(),
+            );
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+    }
+    let raw_rate = messages as f64 / started.elapsed().as_secs_f64();
+
+    let out = out_stream(&js, "OBRATE", Duration::from_secs(120)).await;
+    for transaction in 0..messages / 100 {
+        let outbox: Outbox = Outbox::keyed(&format!("rate-{transaction}"));
+        let mut tx = pool.begin().await.unwrap();
+        for n in 0..100 {
+            outbox
+                .send(&mut tx, &format!("{out}.paid"), &deposit(n))
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    let relay = Relay::new().batch_size(batch);
+    let started = std::time::Instant::now();
+    while relay.relay_batch(&js, &pool).await.unwrap().taken > 0 {}
+    let relay_rate = relay.stats().published() as f64 / started.elapsed().as_secs_f64();
+    assert_eq!(stored_count(&js, &out).await, (messages / 100 * 100) as u64);
+    println!(
+        "raw publish {raw_rate:.0} msg/s, relay {relay_rate:.0} msg/s ({:.0} %), {messages} messages, batches of {batch}",
+        100.0 * relay_rate / raw_rate
+    );
+}
