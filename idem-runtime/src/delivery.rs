@@ -52,6 +52,7 @@ pub(crate) struct Fields {
     pub(crate) stored_at: time::OffsetDateTime,
     pub(crate) headers: HeaderMap,
     pub(crate) message_id: MessageId,
+    pub(crate) handler: &'static str,
 }
 
 impl std::fmt::Debug for Delivery {
@@ -66,6 +67,7 @@ impl std::fmt::Debug for Delivery {
             .field("stored_at", &fields.stored_at)
             .field("headers", &fields.headers)
             .field("message_id", &fields.message_id)
+            .field("handler", &fields.handler)
             .finish()
     }
 }
@@ -86,6 +88,7 @@ impl Delivery {
             stored_at,
             headers: message.headers.clone().unwrap_or_default(),
             message_id: MessageId::from_stream_position(&stream, stream_sequence, stored_at),
+            handler: "",
             stream,
             stream_sequence,
         }))
@@ -107,6 +110,7 @@ impl Delivery {
             stored_at: time::OffsetDateTime::now_utc(),
             headers,
             message_id,
+            handler: "",
         })
     }
 
@@ -117,6 +121,26 @@ impl Delivery {
     /// Sets the id the delivery is deduplicated by, once resolved.
     pub(crate) fn set_message_id(&mut self, id: MessageId) {
         Arc::make_mut(&mut self.0).message_id = id;
+    }
+
+    /// Names the handler the delivery is handed to (by the pipeline, before
+    /// the handler runs), for the ids of the messages it queues.
+    pub(crate) fn set_handler(&mut self, handler: &'static str) {
+        Arc::make_mut(&mut self.0).handler = handler;
+    }
+
+    /// This delivery as handed to the handler named `handler`: for a test of
+    /// a handler that queues messages in the [outbox](crate::outbox), whose
+    /// ids derive from the handler name.
+    ///
+    /// ```
+    /// let delivery = idem_runtime::Delivery::for_test("orders.placed", "ORDERS", 7)
+    ///     .for_handler("orders.place.v1");
+    /// assert_eq!(delivery.handler(), "orders.place.v1");
+    /// ```
+    pub fn for_handler(mut self, handler: &'static str) -> Delivery {
+        self.set_handler(handler);
+        self
     }
 
     /// A delivery made up for a test of a handler: the first delivery of
@@ -144,6 +168,7 @@ impl Delivery {
             stored_at,
             headers: HeaderMap::new(),
             message_id: MessageId::from_stream_position(&stream, stream_sequence, stored_at),
+            handler: "",
             stream,
             stream_sequence,
         })
@@ -199,6 +224,12 @@ impl Delivery {
     /// The message headers (empty when the message had none).
     pub fn headers(&self) -> &HeaderMap {
         &self.0.headers
+    }
+
+    /// The name of the handler the delivery is handed to ("" until the
+    /// runtime hands it to one).
+    pub fn handler(&self) -> &'static str {
+        self.0.handler
     }
 
     /// The id this delivery is deduplicated by. See [`MessageId`] for the order

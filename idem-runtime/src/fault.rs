@@ -16,6 +16,17 @@ pub enum AfterCommit {
     DropWithoutAck,
 }
 
+/// What an outbox relay does after a cycle's PubAcks, as decided by a test
+/// hook ([`Relay::fault_after_pubacks`](crate::outbox::Relay::fault_after_pubacks)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterPubAcks {
+    /// Delete the rows and commit, as usual.
+    Delete,
+    /// Act as if the relay's process died between the PubAcks and its
+    /// DELETE: roll back (the rows stay pending) and end the relay.
+    Crash,
+}
+
 type AfterCommitHook = dyn Fn(&Delivery) -> AfterCommit + Send + Sync;
 
 /// Hooks that inject faults into a router's message pipeline.

@@ -213,6 +213,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             None => carried?,
         };
         delivery.set_message_id(resolved);
+        delivery.set_handler(self.handler.name());
         tracing::Span::current().record("message_id", delivery.message_id().as_str());
         Ok(payload)
     }

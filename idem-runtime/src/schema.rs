@@ -26,6 +26,9 @@ pub const HISTORY_TABLE: &str = "_idem_migrations";
 /// starts with this).
 pub const CLAIMS_TABLE: &str = "idem_claims";
 
+/// The transactional outbox's table (see [`crate::outbox`]).
+pub const OUTBOX_TABLE: &str = "idem_outbox";
+
 /// (version, description, SQL) of every embedded migration, oldest first.
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (
@@ -43,6 +46,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "claim in one statement",
         include_str!("../migrations/0003_claim_in_one_statement.sql"),
     ),
+    (4, "outbox", include_str!("../migrations/0004_outbox.sql")),
 ];
 
 fn migrator() -> Migrator {

@@ -93,7 +93,7 @@ pub trait FromDelivery<S>: Parameter + Sized {
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be taken from a message",
     label = "not a handler parameter",
-    note = "between the transaction and the message, a handler takes `State<T>` (a part of the router's state) or `&idem_runtime::Delivery`; the message itself comes last"
+    note = "between the transaction and the message, a handler takes `State<T>` (a part of the router's state), `idem_runtime::outbox::Outbox` or `&idem_runtime::Delivery`; the message itself comes last"
 )]
 pub trait Parameter {}
 

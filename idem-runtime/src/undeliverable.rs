@@ -261,6 +261,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             stored_at: raw.time,
             headers: parsed.clone(),
             message_id: MessageId::from_stream_position(stream, given_up.stream_seq, raw.time),
+            handler: "",
         });
         let message_id = self.id_of_raw(&payload, header_block.as_deref(), &delivery);
         let mut headers = dead_letter::kept_headers(Some(&parsed));
