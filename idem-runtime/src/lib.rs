@@ -55,6 +55,7 @@ mod health;
 mod heartbeat;
 mod message_id;
 pub mod outbox;
+pub mod partition;
 mod pipeline;
 mod pull;
 pub mod reply;

@@ -80,6 +80,9 @@ pub struct Route {
     pub(crate) publisher_retry_horizon: Option<Duration>,
     /// Unbounded terms of the retention floor the route accepts.
     pub(crate) accepted_unbounded: Vec<Unbounded>,
+    /// The partitioned consumer this route is one partition of (see
+    /// [`crate::partition`]): routes of one group may share a handler.
+    pub(crate) partition_of: Option<String>,
 }
 
 impl Route {
@@ -106,6 +109,7 @@ impl Route {
             retention: None,
             publisher_retry_horizon: None,
             accepted_unbounded: Vec::new(),
+            partition_of: None,
         }
     }
 
@@ -176,6 +180,13 @@ impl Route {
     /// Let a handler run as long as it likes (heartbeats keep its message).
     pub fn without_handler_timeout(mut self) -> Self {
         self.handler_timeout = None;
+        self
+    }
+
+    /// Marks the route as one partition of the partitioned consumer `group`
+    /// ([`crate::partition::Partitions::routes`]).
+    pub(crate) fn partition_of(mut self, group: &str) -> Self {
+        self.partition_of = Some(group.to_owned());
         self
     }
 

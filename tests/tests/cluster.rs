@@ -1,0 +1,695 @@
+//! idem on a 3-node JetStream cluster: R3 streams and consumers, three
+//! workers (in-process routers, each with its own NATS connection to all
+//! three nodes and its own PostgreSQL pool) sharing one durable consumer.
+//!
+//! - the same message reaching two workers is applied once, because the
+//!   second waits on the first's claim;
+//! - a SIGKILLed stream leader loses nothing and applies nothing twice;
+//! - partitioned consumers apply each key's messages in publish order.
+
+mod common;
+
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, stream};
+use common::*;
+use idem_runtime::partition::Partitions;
+use idem_runtime::{Delivery, Route, Router, RouterHandle, State, idempotent};
+use idem_tests::ClusterEnv;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::task::JoinHandle;
+
+const WORKERS: usize = 3;
+
+/// One worker: a router on its own NATS connection (all three URLs) and its
+/// own pool, whose connections carry the worker's name as
+/// `application_name`, so that `pg_stat_activity` tells the workers apart.
+struct Worker {
+    name: String,
+    handle: RouterHandle,
+    task: JoinHandle<Result<(), idem_runtime::Error>>,
+}
+
+async fn worker_pool(env: &ClusterEnv, name: &str) -> PgPool {
+    let options = PgConnectOptions::from_str(env.postgres().url())
+        .expect("the database URL parses")
+        .application_name(name);
+    PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options)
+        .await
+        .expect("the worker's pool connects")
+}
+
+/// Creates idem's own streams, dead letters and advisories, with three
+/// replicas, as a deployment on a cluster should before its workers start:
+/// the runtime creates a missing one with one replica, and three workers
+/// starting at once would all try.
+async fn create_idem_streams_r3(js: &jetstream::Context) {
+    for config in [
+        stream::Config {
+            name: idem_runtime::dead_letter::DEFAULT_STREAM.to_owned(),
+            subjects: vec![idem_runtime::dead_letter::DEFAULT_SUBJECTS.to_owned()],
+            ..Default::default()
+        },
+        stream::Config {
+            name: idem_runtime::ADVISORY_STREAM.to_owned(),
+            subjects: vec!["$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>".to_owned()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            max_age: Duration::from_secs(7 * 24 * 3600),
+            ..Default::default()
+        },
+    ] {
+        js.create_stream(stream::Config {
+            num_replicas: 3,
+            ..config
+        })
+        .await
+        .expect("idem's stream is created with three replicas");
+    }
+}
+
+/// Starts `WORKERS` workers; `router(name)` builds each one's router.
+async fn start_workers<S: Send + Sync + 'static>(
+    env: &ClusterEnv,
+    router: impl Fn(&str) -> Router<S>,
+) -> Vec<Worker> {
+    create_idem_streams_r3(&env.cluster.jetstream().await).await;
+    let mut workers = Vec::new();
+    for i in 0..WORKERS {
+        let name = format!("worker-{i}");
+        let router = router(&name);
+        let (handle, task) = spawn(
+            router,
+            env.cluster.client().await,
+            worker_pool(env, &name).await,
+        );
+        workers.push(Worker { name, handle, task });
+    }
+    workers
+}
+
+/// Stops the workers; each must have run until now and returned `Ok`.
+async fn stop_workers(workers: Vec<Worker>) {
+    for worker in workers {
+        let finished_early = worker.task.is_finished();
+        worker.handle.shutdown();
+        let result = tokio::time::timeout(Duration::from_secs(30), worker.task)
+            .await
+            .unwrap_or_else(|_| panic!("{} did not shut down within 30 s", worker.name))
+            .unwrap_or_else(|e| panic!("{} panicked: {e}", worker.name));
+        if let Err(error) = result {
+            panic!(
+                "{} returned an error{}: {error:?}",
+                worker.name,
+                if finished_early {
+                    " before it was stopped"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+}
+
+/// Publishes `payload` with `id` as `Nats-Msg-Id`, retrying for up to 20 s
+/// while no stream leader answers (just after the stream was created, the
+/// subject's interest may not have reached every node yet; during an
+/// election there is no leader). The id makes a retry of a publish that was
+/// stored after all a duplicate JetStream drops.
+async fn publish_with_id(js: &jetstream::Context, subject: &str, payload: Vec<u8>, id: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
+        let acked = match js
+            .publish_with_headers(subject.to_owned(), headers, payload.clone().into())
+            .await
+        {
+            Ok(ack) => ack.await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match acked {
+            Ok(_) => return,
+            Err(error) => assert!(
+                Instant::now() < deadline,
+                "publish of {id} to {subject} not acknowledged within 20 s: {error}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn deposit_json(amount: i64) -> Vec<u8> {
+    serde_json::to_vec(&deposit(amount)).expect("deposit encodes")
+}
+
+/// A stream on `<name>.deposit` with three replicas.
+async fn create_r3_stream(js: &jetstream::Context, name: &str, duplicate_window: Duration) {
+    js.create_stream(stream::Config {
+        name: name.to_owned(),
+        subjects: vec![format!("{name}.deposit")],
+        duplicate_window,
+        num_replicas: 3,
+        ..Default::default()
+    })
+    .await
+    .expect("the R3 stream is created");
+}
+
+fn deposit(amount: i64) -> Deposit {
+    Deposit {
+        account: "acct-1".into(),
+        amount,
+    }
+}
+
+/// Publishes `id` until JetStream stores it again: a publisher retry after
+/// the duplicate window.
+async fn publish_after_window(js: &jetstream::Context, subject: &str, id: &str) {
+    loop {
+        if !publish(js, subject, &deposit(1), Some(id)).await.duplicate {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The message the racing test holds, and what its first attempt saw.
+#[derive(Clone)]
+struct Race {
+    worker: String,
+    held: &'static str,
+    /// (holder, waiter): the worker whose first attempt held the claim, and
+    /// the other worker whose backend waited on it.
+    blocked: Arc<Mutex<Vec<(String, String)>>>,
+}
+
+#[idempotent(name = "cluster-race")]
+async fn cluster_race(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    State(race): State<Race>,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    if delivery.message_id().as_str() == race.held && delivery.delivered() == 1 {
+        // Keep the claim's transaction open until a backend of *another*
+        // worker waits on it: JetStream redelivered the message (ack_wait
+        // expired, no heartbeats) to a second worker, whose claim blocks on
+        // the unique key.
+        let deadline = Instant::now() + Duration::from_secs(25);
+        loop {
+            let waiters: Vec<String> = sqlx::query_scalar(
+                "SELECT application_name FROM pg_stat_activity
+                 WHERE pg_backend_pid() = ANY (pg_blocking_pids(pid))",
+            )
+            .fetch_all(&mut **tx)
+            .await?;
+            if let Some(waiter) = waiters.into_iter().find(|w| *w != race.worker) {
+                race.blocked
+                    .lock()
+                    .unwrap()
+                    .push((race.worker.clone(), waiter));
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(sqlx::Error::Protocol(
+                    "no other worker blocked on the claim within 25 s".into(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    record_effect(tx, "cluster-race", &d, delivery).await
+}
+
+/// Three workers share one R3 durable. The stream holds N messages plus
+/// copies stored again after the duplicate window, and one message is
+/// redelivered to a second worker while its first attempt still holds the
+/// claim. Every message is applied once: the copies and the racing
+/// redelivery are skipped by the claim, and the racing one waited on it.
+#[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test runs its own NATS cluster"
+)]
+async fn three_workers_share_a_durable_and_the_claim_absorbs_a_redelivery_to_another_worker() {
+    const MESSAGES: usize = 60;
+    const COPIES: usize = 10;
+    let env = ClusterEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let js = env.cluster.jetstream().await;
+    let stream = unique("RACE");
+    let subject = format!("{stream}.deposit");
+    create_r3_stream(&js, &stream, Duration::from_millis(500)).await;
+
+    let blocked = Arc::new(Mutex::new(Vec::new()));
+    let workers = start_workers(&env, |name| {
+        Router::with_state(Race {
+            worker: name.to_owned(),
+            held: "m-30",
+            blocked: blocked.clone(),
+        })
+        .route(
+            Route::new(&stream, "workers")
+                .ack_wait(Duration::from_secs(1))
+                .without_heartbeat()
+                .allow_redelivery_while_running()
+                .concurrency(4),
+            cluster_race,
+        )
+    })
+    .await;
+    for i in 0..MESSAGES {
+        publish_with_id(&js, &subject, deposit_json(1), &format!("m-{i}")).await;
+    }
+    for i in 0..COPIES {
+        publish_after_window(&js, &subject, &format!("m-{i}")).await;
+    }
+    wait_all_acked(&js, &stream, "workers").await;
+    let leaders = (
+        env.cluster.stream_leader(&js, &stream).await,
+        env.cluster.consumer_leader(&js, &stream, "workers").await,
+    );
+    let consumer = consumer_info(&js, &stream, "workers").await;
+    assert_eq!(
+        consumer.cluster.map(|c| c.replicas.len()),
+        Some(2),
+        "the route's consumer has the stream's three replicas (a leader and two followers)"
+    );
+    let stats: Vec<_> = workers
+        .iter()
+        .map(|w| (w.name.clone(), w.handle.stats("workers").unwrap()))
+        .collect();
+    stop_workers(workers).await;
+
+    let blocked = blocked.lock().unwrap().clone();
+    println!(
+        "stream leader n{}, consumer leader n{}",
+        leaders.0, leaders.1
+    );
+    for (name, s) in &stats {
+        println!(
+            "{name}: received {}, processed {}, duplicates skipped {}, failed {}",
+            s.received(),
+            s.processed(),
+            s.duplicates(),
+            s.failed()
+        );
+    }
+    println!("blocked on the claim (holder, waiter): {blocked:?}");
+    assert_eq!(
+        blocked.len(),
+        1,
+        "the held message's first attempt saw another worker wait on its claim"
+    );
+    assert_ne!(blocked[0].0, blocked[0].1);
+    let processed: u64 = stats.iter().map(|(_, s)| s.processed()).sum();
+    let duplicates: u64 = stats.iter().map(|(_, s)| s.duplicates()).sum();
+    let failed: u64 = stats.iter().map(|(_, s)| s.failed()).sum();
+    assert_eq!(processed, MESSAGES as u64);
+    assert_eq!(failed, 0);
+    assert!(
+        duplicates > COPIES as u64,
+        "the {COPIES} copies and at least one racing redelivery were skipped: {duplicates}"
+    );
+    assert_eq!(
+        ledger(&pool, "cluster-race").await,
+        Ledger::once_each(MESSAGES as i64)
+    );
+}
+
+/// Slow enough that the flow spans a leader election.
+#[idempotent(name = "cluster-flow")]
+async fn cluster_flow(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    record_effect(tx, "cluster-flow", &d, delivery).await
+}
+
+/// (time, effects applied), each time the count changed.
+type Progress = Arc<Mutex<Vec<(Instant, i64)>>>;
+
+/// Samples the effect count every 10 ms, recording each change.
+fn watch_progress(pool: PgPool) -> (Progress, JoinHandle<()>) {
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let sink = samples.clone();
+    let task = tokio::spawn(async move {
+        let mut last = -1;
+        loop {
+            if let Ok(count) = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM effects")
+                .fetch_one(&pool)
+                .await
+                && count != last
+            {
+                last = count;
+                sink.lock().unwrap().push((Instant::now(), count));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    (samples, task)
+}
+
+/// The longest time without a new effect between `from` and `to`.
+fn longest_stall(samples: &[(Instant, i64)], from: Instant, to: Instant) -> Duration {
+    let mut previous = from;
+    let mut longest = Duration::ZERO;
+    for (at, _) in samples.iter().filter(|(at, _)| *at > from && *at <= to) {
+        longest = longest.max(*at - previous);
+        previous = *at;
+    }
+    longest.max(to.saturating_duration_since(previous))
+}
+
+/// Which node a fault kills.
+#[derive(Debug, Clone, Copy)]
+enum Leader {
+    Stream,
+    Consumer,
+}
+
+/// SIGKILLs the leader of the stream, or of the consumer, while three
+/// workers process (the two leaders are first put on different nodes, so
+/// that each fault is measured alone), and restarts it on its store once
+/// processing has resumed on the other two nodes. In the end every message
+/// is applied once, nothing is pending and the stream lost nothing. Prints
+/// how long processing stalled and how many redeliveries the claim absorbed.
+async fn leader_killed_mid_flow(fault: Leader) {
+    const MESSAGES: i64 = 1000;
+    /// Effects applied after the kill that count as "processing resumed".
+    const RESUMED: i64 = 50;
+    /// Messages published while the node is down.
+    const LATE: i64 = 100;
+    let mut env = ClusterEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let js = env.cluster.jetstream().await;
+    let stream = unique("FLOW");
+    let subject = format!("{stream}.deposit");
+    create_r3_stream(&js, &stream, Duration::from_secs(120)).await;
+    for i in 0..MESSAGES {
+        publish_with_id(&js, &subject, deposit_json(i), &format!("f-{i}")).await;
+    }
+
+    let (samples, watcher) = watch_progress(pool.clone());
+    let started = Instant::now();
+    let workers = start_workers(&env, |_| {
+        Router::new().route(
+            Route::new(&stream, "workers")
+                .ack_wait(Duration::from_secs(2))
+                .concurrency(4),
+            cluster_flow,
+        )
+    })
+    .await;
+    let applied = || samples.lock().unwrap().last().map_or(0, |s| s.1);
+    let duplicates = |workers: &[Worker]| -> u64 {
+        workers
+            .iter()
+            .map(|w| w.handle.stats("workers").unwrap().duplicates())
+            .sum()
+    };
+    eventually("the flow began", Duration::from_secs(30), || async {
+        applied() > 0
+    })
+    .await;
+    let (stream_leader, consumer_leader) =
+        env.cluster.separate_leaders(&js, &stream, "workers").await;
+    let node = match fault {
+        Leader::Stream => stream_leader,
+        Leader::Consumer => consumer_leader,
+    };
+    eventually(
+        "a fifth of the flow applied",
+        Duration::from_secs(30),
+        || async { applied() >= MESSAGES / 5 },
+    )
+    .await;
+    let applied_at_kill = applied();
+    assert!(
+        applied_at_kill < MESSAGES / 2,
+        "the kill comes mid-flow: {applied_at_kill} of {MESSAGES} already applied"
+    );
+    let killed_at = Instant::now();
+    env.cluster.kill(node);
+    // The two surviving nodes elect a new leader and processing resumes
+    // without the killed node; both are timed.
+    let resumed = async {
+        eventually(
+            "processing resumed on the surviving nodes",
+            Duration::from_secs(25),
+            || async { applied() >= applied_at_kill + RESUMED },
+        )
+        .await;
+        Instant::now()
+    };
+    let elected = async {
+        loop {
+            let leader = match fault {
+                Leader::Stream => env.cluster.stream_leader(&js, &stream).await,
+                Leader::Consumer => env.cluster.consumer_leader(&js, &stream, "workers").await,
+            };
+            if leader != node {
+                return killed_at.elapsed();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let (resumed_at, elected_after) = tokio::join!(resumed, async {
+        tokio::time::timeout(Duration::from_secs(30), elected)
+            .await
+            .expect("a new leader is elected within 30 s")
+    });
+    let stall = longest_stall(&samples.lock().unwrap(), killed_at, resumed_at);
+    // Publishing works while the node is down: the stream's leader stores
+    // each message with the one remaining replica. A publish whose ack is
+    // lost to the reconnect is retried after 2 s rather than the default 10.
+    let mut publisher = js.clone();
+    publisher.set_timeout(Duration::from_secs(2));
+    for i in MESSAGES..MESSAGES + LATE {
+        publish_with_id(&publisher, &subject, deposit_json(i), &format!("f-{i}")).await;
+    }
+    env.cluster.start_again(node).await;
+    let restarted_after = killed_at.elapsed();
+    let leaders_after = (
+        env.cluster.stream_leader(&js, &stream).await,
+        env.cluster.consumer_leader(&js, &stream, "workers").await,
+    );
+    wait_all_acked(&js, &stream, "workers").await;
+    env.cluster.wait_stream_replicas_current(&js, &stream).await;
+    let all_acked = started.elapsed();
+    watcher.abort();
+    let absorbed = duplicates(&workers);
+    stop_workers(workers).await;
+
+    println!(
+        "{fault:?} leader n{node} SIGKILLed at {applied_at_kill}/{MESSAGES} applied \
+         (stream leader n{stream_leader}, consumer leader n{consumer_leader}; \
+         after the restart n{}, n{}): longest stall {stall:?}; {RESUMED} more applied {:?} \
+         after the kill; new leader elected {elected_after:?} after it; {LATE} more \
+         published; node restarted {restarted_after:?} after the kill; all {} acked \
+         {all_acked:?} after the workers started; redeliveries skipped by the claim: {absorbed}",
+        leaders_after.0,
+        leaders_after.1,
+        resumed_at - killed_at,
+        MESSAGES + LATE,
+    );
+    assert_eq!(
+        ledger(&pool, "cluster-flow").await,
+        Ledger::once_each(MESSAGES + LATE)
+    );
+    let info = consumer_info(&js, &stream, "workers").await;
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
+    let stored = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .state
+        .messages;
+    assert_eq!(
+        stored,
+        (MESSAGES + LATE) as u64,
+        "the stream lost no message"
+    );
+}
+
+#[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test runs its own NATS cluster"
+)]
+async fn stream_leader_killed_mid_flow_loses_nothing_and_applies_each_message_once() {
+    leader_killed_mid_flow(Leader::Stream).await;
+}
+
+#[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test runs its own NATS cluster"
+)]
+async fn consumer_leader_killed_mid_flow_loses_nothing_and_applies_each_message_once() {
+    leader_killed_mid_flow(Leader::Consumer).await;
+}
+
+/// One message of a key: its place in the key's publish order.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Step {
+    key: String,
+    seq: i64,
+}
+
+#[idempotent(name = "cluster-ordered")]
+async fn cluster_ordered(
+    tx: &mut sqlx::PgTransaction<'_>,
+    State(worker): State<String>,
+    step: Step,
+) -> Result<(), sqlx::Error> {
+    // Give other workers a chance to take the partition's next message.
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    sqlx::query("INSERT INTO steps (key, seq, worker) VALUES ($1, $2, $3)")
+        .bind(&step.key)
+        .bind(step.seq)
+        .bind(worker)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// With the stream partitioned by key and one single-file consumer per
+/// partition, three workers apply each key's messages in publish order,
+/// while the partitions spread over the workers.
+#[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test runs its own NATS cluster"
+)]
+async fn partitioned_consumers_apply_each_key_in_publish_order() {
+    const PARTITIONS: u32 = 4;
+    const KEYS: i64 = 8;
+    const STEPS: i64 = 25;
+    let env = ClusterEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    sqlx::raw_sql(
+        "CREATE TABLE steps (id bigserial PRIMARY KEY, key text NOT NULL, seq bigint NOT NULL, worker text NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let js = env.cluster.jetstream().await;
+    let stream = unique("ORDERED");
+    let partitions = Partitions::new(format!("{stream}.in.*"), PARTITIONS);
+    js.create_stream(stream::Config {
+        num_replicas: 3,
+        ..partitions.stream_config(&stream)
+    })
+    .await
+    .expect("the partitioned R3 stream is created");
+    for seq in 0..STEPS {
+        for key in 0..KEYS {
+            let step = Step {
+                key: format!("k{key}"),
+                seq,
+            };
+            publish_with_id(
+                &js,
+                &format!("{stream}.in.k{key}"),
+                serde_json::to_vec(&step).unwrap(),
+                &format!("k{key}-{seq}"),
+            )
+            .await;
+        }
+    }
+
+    let workers = start_workers(&env, |name| {
+        Router::with_state(name.to_owned())
+            .route_partitions(partitions.routes(&stream, "ordered"), cluster_ordered)
+    })
+    .await;
+    eventually("every step applied", Duration::from_secs(30), || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM steps")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == KEYS * STEPS
+        }
+    })
+    .await;
+    for partition in 0..PARTITIONS {
+        let durable = format!("ordered-p{partition}");
+        eventually("the partition is settled", Duration::from_secs(10), || {
+            let (js, stream, durable) = (js.clone(), stream.clone(), durable.clone());
+            async move {
+                let info = consumer_info(&js, &stream, &durable).await;
+                info.num_pending == 0 && info.num_ack_pending == 0
+            }
+        })
+        .await;
+    }
+    let per_worker: Vec<(String, u64)> = workers
+        .iter()
+        .map(|w| {
+            let processed = (0..PARTITIONS)
+                .map(|p| {
+                    w.handle
+                        .stats(&format!("ordered-p{p}"))
+                        .unwrap()
+                        .processed()
+                })
+                .sum();
+            (w.name.clone(), processed)
+        })
+        .collect();
+    stop_workers(workers).await;
+
+    println!("steps applied per worker: {per_worker:?}");
+    let out_of_order: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT key, previous, seq FROM (
+             SELECT key, seq, lag(seq) OVER (PARTITION BY key ORDER BY id) AS previous FROM steps
+         ) s WHERE previous IS NOT NULL AND seq <> previous + 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        out_of_order,
+        vec![],
+        "each key's steps were applied in publish order, each once"
+    );
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT (key, seq)) FROM steps")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, distinct), (KEYS * STEPS, KEYS * STEPS));
+    assert!(
+        per_worker.iter().filter(|(_, n)| *n > 0).count() >= 2,
+        "the partitions were spread over the workers"
+    );
+    let used_partitions: i64 = {
+        let mut used = std::collections::HashSet::new();
+        for partition in 0..PARTITIONS {
+            let info = consumer_info(&js, &stream, &format!("ordered-p{partition}")).await;
+            if info.delivered.consumer_sequence > 0 {
+                used.insert(partition);
+            }
+        }
+        used.len() as i64
+    };
+    assert!(
+        used_partitions >= 2,
+        "the keys were spread over the partitions"
+    );
+}
