@@ -116,6 +116,12 @@ impl HandlerError {
             HandlerError::Handler { error, .. } => ErrorClass::of(&**error),
             HandlerError::Aborted => ErrorClass::RetryNowThenPermanent,
             HandlerError::ClaimLost => ErrorClass::Permanent,
+            // The claim found no partition for a generation the purge was
+            // rotating or expiring under it: the next try reads the
+            // generations again.
+            HandlerError::ClaimFailed(error) if crate::transaction::is_generation_gone(error) => {
+                ErrorClass::RetryNow
+            }
             HandlerError::CommitRefused(error) | HandlerError::ClaimFailed(error) => {
                 ErrorClass::of_sqlx(error)
             }
