@@ -32,6 +32,7 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::BenchError;
+use crate::run::Plan;
 
 /// The handler name: the same in the `idem` claim and the `manual` dedup
 /// insert, so both write identical dedup rows.
@@ -196,15 +197,22 @@ pub struct ConsumerReport {
 impl Consumer {
     /// Creates the durable consumer (or starts the router, which does) and
     /// starts consuming.
+    /// Starts `plan`'s mode, with its concurrency, batch size, fetch and
+    /// retention.
     pub async fn start(
-        mode: Mode,
+        plan: &Plan,
         nats: &async_nats::Client,
         pool: Option<&PgPool>,
         source: Source<'_>,
-        concurrency: usize,
-        batch: usize,
-        pull: Pull,
     ) -> Result<Consumer, BenchError> {
+        let Plan {
+            mode,
+            concurrency,
+            batch,
+            pull,
+            retention,
+            ..
+        } = *plan;
         let durable = format!("bench-{}", mode.name());
         match mode {
             Mode::Raw | Mode::Naive | Mode::Manual => {
@@ -246,6 +254,9 @@ impl Consumer {
                     .max_ack_pending(max_ack_pending(concurrency * mode.batch(batch)));
                 if mode.batches() {
                     route = batch_route(route, batch);
+                }
+                if let Some(retention) = retention {
+                    route = route.retention(retention);
                 }
                 let router = if mode == Mode::IdemBatchHandler {
                     Router::new().route(route, effects)
