@@ -125,6 +125,8 @@ struct HandlerFn<'a> {
     batch: bool,
     /// The return type (there is one: its absence is an error).
     output: &'a Type,
+    /// What its `Ok` carries, as far as the return type shows.
+    value: Value<'a>,
     /// Where an error type that is not `Into<BoxError>` gets reported.
     error_type_span: Span,
     /// Where a body that is not `Send` gets reported.
@@ -197,6 +199,16 @@ impl<'a> HandlerFn<'a> {
             }
         };
 
+        let value = output.map_or(Value::Unit, value_of);
+        if let (Value::Stored(value), true) = (value, batch) {
+            errors.push(Error::new_spanned(
+                value,
+                "a batch handler (`#[idempotent(batch)]`) returns `Result<(), E>`: it stores no \
+                 result. A handler that returns a value takes one message (remove `batch`); on a \
+                 batch route, the value of each message is stored with its claim",
+            ));
+        }
+
         errors.finish()?;
         let (Some(asyncness), Some(params), Some(output)) = (sig.asyncness, params, output) else {
             unreachable!("every `None` above pushed an error");
@@ -208,6 +220,7 @@ impl<'a> HandlerFn<'a> {
             payload_ty: params.payload_ty,
             batch,
             output,
+            value,
             error_type_span: error_type_span(output),
             async_span: asyncness.span,
         })
@@ -394,6 +407,39 @@ fn is_any_reference(ty: &Type) -> bool {
     is_reference(ty, true) || is_reference(ty, false)
 }
 
+/// What a handler's `Ok` carries, as its return type shows it.
+#[derive(Clone, Copy)]
+enum Value<'a> {
+    /// `()`: nothing to store; the handler is generated as it always was.
+    Unit,
+    /// A value, stored with the claim: `T` of `Result<T, E>` or of an alias
+    /// `MyResult<T>`.
+    Stored(&'a Type),
+    /// An alias without arguments (`Fallible`): its value must be `()`,
+    /// checked by rustc, so that a value is never dropped unseen.
+    Hidden,
+}
+
+/// The first type argument of the return type's last segment.
+fn value_of(ty: &Type) -> Value<'_> {
+    let value = match ty {
+        Type::Path(TypePath { qself: None, path }) => {
+            path.segments.last().and_then(|last| match &last.arguments {
+                PathArguments::AngleBracketed(args) => args.args.first(),
+                _ => None,
+            })
+        }
+        Type::Paren(paren) => return value_of(&paren.elem),
+        Type::Group(group) => return value_of(&group.elem),
+        _ => None,
+    };
+    match value {
+        Some(GenericArgument::Type(Type::Tuple(unit))) if unit.elems.is_empty() => Value::Unit,
+        Some(GenericArgument::Type(value)) => Value::Stored(value),
+        _ => Value::Hidden,
+    }
+}
+
 /// The error type `E` of a return type written `Result<T, E>`, so that a
 /// wrong one is reported on it; else the whole return type (an alias such as
 /// `anyhow::Result<T>`).
@@ -552,9 +598,31 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
             ::core::result::Result::Err(#error_krate::__private::handler_error!(__idem_error))
         }
     };
+    // What `Ok` becomes: `()` for `handle`, or the value encoded with the
+    // codec (at the value's type, so that one the codec cannot encode is
+    // reported there) for `handle_and_encode`.
+    let ok_arm = match handler.value {
+        Value::Unit => quote_spanned! {output.span()=>
+            ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
+        },
+        Value::Hidden => quote_spanned! {output.span()=>
+            ::core::result::Result::Ok(__idem_value) => {
+                #output_krate::__private::no_value(__idem_value);
+                ::core::result::Result::Ok(())
+            }
+        },
+        Value::Stored(value) => {
+            let value_krate = respan(&krate, value.span());
+            quote_spanned! {value.span()=>
+                ::core::result::Result::Ok(__idem_value) => {
+                    #value_krate::__private::encode::<Self::Codec, _>(&__idem_value)
+                }
+            }
+        }
+    };
     let settle = quote_spanned! {output.span()=>
         match #into_result {
-            ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
+            #ok_arm
             #into_handler_error
         }
     };
@@ -594,6 +662,42 @@ fn generate(args: &Args, handler: &HandlerFn<'_>) -> TokenStream {
                 __idem_state: &#state,
             ) -> ::core::result::Result<(), #krate::HandlerError> {
                 let __idem_result = #ident::run(__idem_tx, #(#arguments,)* __idem_payloads).await;
+                #settle
+            }
+        }
+    } else if let Value::Stored(_) = handler.value {
+        // The runtime calls `handle_and_encode`; `handle` keeps the trait's
+        // meaning for anyone else who calls it.
+        quote_spanned! {handler.async_span=>
+            async fn handle(
+                &self,
+                __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+                __idem_payload: Self::Payload,
+                __idem_delivery: &#krate::Delivery,
+                __idem_state: &#state,
+            ) -> ::core::result::Result<(), #krate::HandlerError> {
+                <Self as #krate::Handler<#state>>::handle_and_encode(
+                    self,
+                    __idem_tx,
+                    __idem_payload,
+                    __idem_delivery,
+                    __idem_state,
+                )
+                .await
+                .map(::core::mem::drop)
+            }
+
+            async fn handle_and_encode(
+                &self,
+                __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+                __idem_payload: Self::Payload,
+                __idem_delivery: &#krate::Delivery,
+                __idem_state: &#state,
+            ) -> ::core::result::Result<
+                ::core::option::Option<#krate::codec::Bytes>,
+                #krate::HandlerError,
+            > {
+                let __idem_result = #ident::run(__idem_tx, #(#arguments,)* __idem_payload).await;
                 #settle
             }
         }
@@ -1352,6 +1456,59 @@ mod tests {
                 )
             )
             .starts_with("a batch handler's key is computed for each message of the batch")
+        );
+    }
+
+    #[test]
+    fn a_handler_that_returns_a_value_encodes_it_and_a_unit_one_does_not() {
+        for output in [quote!(Result<Receipt, E>), quote!(anyhow::Result<Receipt>)] {
+            let expanded = expand(
+                quote!(),
+                quote!(async fn h(tx: &mut Tx, m: M) -> #output {}),
+            );
+            assert!(!expanded.contains("compile_error"), "{output}: {expanded}");
+            for expected in [
+                "async fn handle_and_encode",
+                ":: idem_runtime :: __private :: encode :: < Self :: Codec , _ > (& __idem_value)",
+                ". map (:: core :: mem :: drop)",
+            ] {
+                assert!(expanded.contains(expected), "{expected}: {expanded}");
+            }
+        }
+        for output in [quote!(Result<(), E>), quote!(anyhow::Result<()>)] {
+            let expanded = expand(
+                quote!(),
+                quote!(async fn h(tx: &mut Tx, m: M) -> #output {}),
+            );
+            assert!(
+                !expanded.contains("handle_and_encode"),
+                "{output}: {expanded}"
+            );
+            assert!(!expanded.contains("no_value"), "{output}: {expanded}");
+        }
+        let expanded = expand(
+            quote!(),
+            quote!(
+                async fn h(tx: &mut Tx, m: M) -> Fallible {}
+            ),
+        );
+        assert!(!expanded.contains("handle_and_encode"), "{expanded}");
+        assert!(
+            expanded.contains(":: idem_runtime :: __private :: no_value (__idem_value)"),
+            "{expanded}"
+        );
+    }
+
+    #[test]
+    fn a_batch_handler_cannot_return_a_value() {
+        assert!(
+            error(
+                quote!(batch, key = |c| c.id),
+                quote!(
+                    async fn h(tx: &mut Tx, m: Vec<M>) -> Result<Receipt, E> {}
+                )
+            )
+            .starts_with("a batch handler (`#[idempotent(batch)]`) returns `Result<(), E>`")
         );
     }
 

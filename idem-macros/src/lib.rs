@@ -71,6 +71,13 @@ use proc_macro::TokenStream;
 /// - The return type is any `Result` whose error converts into
 ///   [`BoxError`], under any name: `Result<(), MyError>`,
 ///   `anyhow::Result<()>`, a crate's own `Result<T>` alias.
+/// - Its value, if not `()`, is encoded with the handler's codec and stored
+///   with the claim, in the same transaction; it is the reply on a
+///   request/reply route, and a retried request gets it again without the
+///   body running. The value's type must show in the return type
+///   (`Result<Receipt, E>`, `anyhow::Result<Receipt>`): an alias that hides
+///   it (`type Placed = Result<Receipt, E>`) is refused, so that no value is
+///   dropped unseen. A batch handler returns `()`.
 ///
 /// The fn may not be generic, take `self`, or be `unsafe`.
 ///

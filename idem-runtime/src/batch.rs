@@ -90,7 +90,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 // Past its delivery limit: decided on its own, as in
                 // per-message mode.
                 Ok(payload) if delivery.delivered() > self.route.retry.max_deliver => {
-                    let verdict = self.decide(&message, payload, &delivery).await;
+                    let verdict = self.decide(&message.payload, payload, &delivery).await;
                     self.settle(&message, &delivery, verdict, lease).await;
                 }
                 Ok(payload) => ready.push(Ready {
@@ -113,7 +113,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     ready.iter().map(|item| item.delivery.clone()).collect();
                 let payloads: Vec<Option<H::Payload>> =
                     ready.iter_mut().map(|item| item.payload.take()).collect();
+                // A batch handler is called once; any other once per fresh
+                // message, in the one transaction.
+                let calls = if H::BATCHES { 1 } else { ready.len() };
                 self.watched(
+                    calls,
                     async move {
                         let mut payloads = payloads;
                         let result = pipeline.transact_batch(&deliveries, &mut payloads).await;
@@ -137,7 +141,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     self.stats.record_batch(ready.len());
                     for (item, fresh) in ready.into_iter().zip(fresh) {
                         let verdict = if fresh {
-                            Verdict::Processed
+                            Verdict::Processed(None)
                         } else {
                             Verdict::Duplicate
                         };
@@ -171,9 +175,15 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // Each message settles, and its heartbeats stop, as soon as it is
             // decided, not when the whole fallback ends.
             let verdict = match item.payload {
-                Some(payload) => self.decide(&item.message, payload, &item.delivery).await,
-                None => match self.decode(&item.message) {
-                    Ok(payload) => self.decide(&item.message, payload, &item.delivery).await,
+                Some(payload) => {
+                    self.decide(&item.message.payload, payload, &item.delivery)
+                        .await
+                }
+                None => match self.decode(&item.message.payload) {
+                    Ok(payload) => {
+                        self.decide(&item.message.payload, payload, &item.delivery)
+                            .await
+                    }
                     Err(error) => Verdict::Rejected(error),
                 },
             };
@@ -239,7 +249,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             ))
             .await
         } else {
-            self.handle_each(&mut tx, deliveries, payloads, &fresh)
+            self.handle_each(&mut tx, &keys, deliveries, payloads, &fresh)
                 .await
         };
         match outcome {
@@ -269,25 +279,40 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         }
     }
 
-    /// Runs `handle` for each fresh message in turn, each under the handler
-    /// timeout; stops at the first failure.
+    /// Runs the handler for each fresh message in turn, each under the
+    /// handler timeout, and stores what they return with their claims, in
+    /// one statement (none if they return nothing); stops at the first
+    /// failure.
     async fn handle_each(
         &self,
         tx: &mut sqlx::PgTransaction<'_>,
+        keys: &[String],
         deliveries: &[Delivery],
         payloads: &mut [Option<H::Payload>],
         fresh: &[bool],
     ) -> Result<(), HandlerError> {
-        for ((delivery, payload), _) in deliveries
+        let mut stored_keys = Vec::new();
+        let mut results = Vec::new();
+        for (((key, delivery), payload), _) in keys
             .iter()
+            .zip(deliveries)
             .zip(payloads.iter_mut())
             .zip(fresh)
             .filter(|(_, fresh)| **fresh)
         {
             let payload = payload.take().expect("each payload is used once");
-            self.run_handler(self.handler.handle(tx, payload, delivery, &self.state))
+            let result = self
+                .run_handler(
+                    self.handler
+                        .handle_and_encode(tx, payload, delivery, &self.state),
+                )
                 .await?;
+            if let Some(result) = result {
+                stored_keys.push(key.as_str());
+                results.push(result);
+            }
         }
-        Ok(())
+        let results: Vec<&[u8]> = results.iter().map(|result| result.as_ref()).collect();
+        crate::results::store_many(tx, &stored_keys, &results).await
     }
 }

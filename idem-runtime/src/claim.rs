@@ -2,12 +2,12 @@
 //!
 //! A claim is a row of `idem_claims`, keyed by [`key`]: a fixed 16 bytes
 //! derived from the handler name and the message id, whatever their length.
-//! The database function `idem_claim` makes it (see the migration
-//! `0002_claims_by_generation.sql` for how a claim conflicts across the
-//! table's generations). A message alone is claimed in the same round trip
-//! as BEGIN (`transaction::begin`): a unique violation means the message was
-//! processed before. A batch is claimed here, in one statement that reports
-//! which of its messages were fresh.
+//! The table is partitioned by generation (see the migration
+//! `0002_claims_by_generation.sql` for why, and for how a claim conflicts
+//! across generations). A message alone is claimed by [`CLAIM_SQL`], in the
+//! same round trip as BEGIN (`transaction::begin`): a unique violation means
+//! the message was processed before. A batch is claimed here, in one
+//! statement that reports which of its messages were fresh.
 //!
 //! Either way the claim waits for a concurrent transaction that holds an
 //! uncommitted claim on the same key: if that one commits, this claim finds
@@ -20,6 +20,36 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use sqlx::{PgPool, PgTransaction};
+
+/// Claims key `$2` for the handler with id `$1` (an `integer` and a `uuid`),
+/// or fails with a unique violation if it was claimed before.
+///
+/// One statement, which the runtime prepares once per session. It reads the
+/// generation state and inserts the key into:
+/// - the sealed generation that already holds the key, if one does: the
+///   insert then conflicts with that committed claim, a real unique
+///   violation on that partition's key, so that a duplicate found by the
+///   probe looks exactly like one found by the insert;
+/// - the previous generation, while a rotation is in transition;
+/// - the current generation, whose unique key makes a concurrent claim wait
+///   for this one and then conflict.
+///
+/// The state row and the probe are read in the statement's one snapshot: if
+/// it sees no transition, the transition ended before it began, and so did
+/// every transaction that could still write into a sealed generation.
+///
+/// It records the transaction's id in `idem.claim` (once per row inserted;
+/// the same value).
+pub const CLAIM_SQL: &str = "\
+INSERT INTO idem_claims (key, gen, handler_id) \
+SELECT $2, g.gen, $1 \
+  FROM idem_dedup_state AS s, \
+       LATERAL ((SELECT c.gen FROM idem_claims AS c \
+                  WHERE c.key = $2 AND c.gen < s.current_gen - s.transition::integer \
+                  LIMIT 1) \
+                UNION ALL SELECT s.current_gen - 1 WHERE s.transition \
+                UNION ALL SELECT s.current_gen) AS g(gen) \
+RETURNING set_config('idem.claim', pg_current_xact_id()::xid::text, true)";
 
 /// The claim key of `message_id` for the handler named `handler`: the first
 /// 16 bytes of SHA-256 over the handler name, a NUL byte and the message id,

@@ -13,7 +13,8 @@
 //! (`Idem-Failure: undecodable`) on its first delivery, with its message id.
 //! Any type can be a codec: implement [`Decode`] (and [`Encode`]) for it.
 
-use bytes::Bytes;
+/// The bytes of a payload or a stored result (the `bytes` crate's).
+pub use bytes::Bytes;
 
 use crate::error::BoxError;
 

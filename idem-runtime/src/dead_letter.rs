@@ -18,6 +18,14 @@
 //! | `Idem-Failure` | `permanent`, `exhausted`, `undecodable`, `bad-message-id`, `undeliverable` or `not-a-jetstream-delivery` |
 //! | `Idem-Error` | the last error's text (one line, at most 1 KiB) |
 //! | `Idem-Dead-Lettered-At` | RFC 3339 time |
+//! | `Idem-Original-Stored-At` | when the stream stored the original (RFC 3339); for a replay, the earliest copy's time |
+//! | `Idem-Retention` | how long its route keeps claims: `forever`, or seconds (`604800s`) |
+//! | `Idem-Copy-Spread` | how far apart copies of one message may be stored (the route's publisher-retry horizon, when longer than the stream's duplicate window), in seconds; absent if 0 |
+//!
+//! A route records its retention and copy spread on its consumer (metadata
+//! `idem.retention` and `idem.copy_spread`, written at start-up), and a dead
+//! letter copies them from there, so that every worker's dead letters say
+//! the same.
 //!
 //! The original is TERMed only after JetStream acknowledges the dead letter.
 //! While that publish fails, the original is held (its heartbeats keep it
@@ -26,6 +34,16 @@
 //! letter back to its subject once the cause is fixed, under the id it was
 //! deduplicated by; a dead letter without one is replayed only when asked
 //! for explicitly ([`replay_with`]).
+//!
+//! A replay is deduplicated by its original's claim only while that claim
+//! is kept: [`replay`] refuses a dead letter whose original may have
+//! outlived it ([`ReplayError::OutsideRetention`]). The claim, if the
+//! original was processed, was stamped no earlier than the first copy of
+//! the message was stored, which is at most `Idem-Copy-Spread` before
+//! `Idem-Original-Stored-At`, and it is kept `Idem-Retention` after its
+//! stamp. So a replay is refused once `now − Idem-Original-Stored-At >
+//! Idem-Retention − Idem-Copy-Spread`. A dead letter without
+//! `Idem-Retention` (written before it existed) is replayed as before.
 
 use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
@@ -34,7 +52,16 @@ use async_nats::jetstream::{self, Message, stream};
 use crate::delivery::Delivery;
 use crate::error::Error;
 use crate::message_id::MessageId;
+use crate::retention_floor::{self, COPY_SPREAD_KEY, Human, RETENTION_KEY};
 use crate::route::Route;
+
+/// The header that records when the stream stored the original.
+const STORED_AT: &str = "Idem-Original-Stored-At";
+/// The header that records how long the original's route keeps claims.
+const RETENTION: &str = "Idem-Retention";
+/// The header that records how far apart copies of the original may be
+/// stored.
+const COPY_SPREAD: &str = "Idem-Copy-Spread";
 
 /// The stream that stores dead letters unless a route names its own subject.
 pub const DEFAULT_STREAM: &str = "IDEM_DEAD_LETTERS";
@@ -147,6 +174,9 @@ pub(crate) struct Origin<'a> {
     pub(crate) message_id: Option<&'a MessageId>,
     pub(crate) handler: &'a str,
     pub(crate) delivered: Option<u64>,
+    /// The durable consumer it came through, whose metadata records the
+    /// route's retention.
+    pub(crate) consumer: Option<&'a str>,
 }
 
 /// Publishes a dead letter of `payload` to `subject` and waits for
@@ -178,6 +208,7 @@ pub(crate) async fn publish_letter(
     headers.insert("Idem-Failure", failure.as_str());
     headers.insert("Idem-Error", one_line(error).as_str());
     headers.insert("Idem-Dead-Lettered-At", now_rfc3339().as_str());
+    record_retention(js, &origin, &mut headers).await?;
     // A retried dead-letter publish (after a lost PubAck, or by a second
     // worker, or by the watcher of given-up messages) is dropped by
     // JetStream's own dedup inside its window. The storage time keeps a
@@ -201,6 +232,57 @@ pub(crate) async fn publish_letter(
         tracing::debug!("the dead letter was stored before");
     }
     Ok(())
+}
+
+/// Adds what a replay needs to tell whether the original's claim may be
+/// purged: its storage time (the earliest of the copies this one descends
+/// from: a replay carries its original's), and its route's retention and
+/// copy spread, read from its consumer's metadata. A consumer that records
+/// no retention (set up by an older idem) adds no retention header.
+async fn record_retention(
+    js: &jetstream::Context,
+    origin: &Origin<'_>,
+    headers: &mut HeaderMap,
+) -> Result<(), async_nats::Error> {
+    let earlier = headers
+        .get(STORED_AT)
+        .and_then(|value| parse_time(value.as_str()));
+    let stored_at = match (earlier, origin.stored_at) {
+        (Some(earlier), Some(this)) => Some(earlier.min(this)),
+        (one, other) => one.or(other),
+    };
+    // Only what this runtime records, never what the original carried.
+    *headers = without(headers, &[STORED_AT, RETENTION, COPY_SPREAD]);
+    if let Some(stored_at) = stored_at {
+        headers.insert(STORED_AT, rfc3339(stored_at).as_str());
+    }
+    let (Some((stream, _)), Some(consumer)) = (origin.position, origin.consumer) else {
+        return Ok(());
+    };
+    let consumer: jetstream::consumer::Consumer<jetstream::consumer::Config> =
+        js.get_consumer_from_stream(consumer, stream).await?;
+    let metadata = &consumer.cached_info().config.metadata;
+    if let Some(retention) = metadata.get(RETENTION_KEY) {
+        headers.insert(RETENTION, retention.as_str());
+        if let Some(spread) = metadata.get(COPY_SPREAD_KEY) {
+            headers.insert(COPY_SPREAD, spread.as_str());
+        }
+    }
+    Ok(())
+}
+
+/// `headers` without those named in `names`.
+fn without(headers: &HeaderMap, names: &[&str]) -> HeaderMap {
+    let mut kept = HeaderMap::new();
+    for (name, values) in headers.iter() {
+        if names.contains(&name.as_ref()) {
+            continue;
+        }
+        for value in values {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    kept
 }
 
 /// The original's headers, without the `Nats-*` ones that steer JetStream.
@@ -234,6 +316,7 @@ pub(crate) async fn publish(
         message_id: Some(delivery.message_id()),
         handler,
         delivered: Some(delivery.delivered()),
+        consumer: Some(delivery.consumer()),
     };
     publish_letter(
         &message.context,
@@ -263,6 +346,7 @@ pub(crate) async fn publish_stray(
         message_id: None,
         handler,
         delivered: None,
+        consumer: None,
     };
     publish_letter(
         &message.context,
@@ -292,9 +376,16 @@ fn one_line(text: &str) -> String {
 }
 
 fn now_rfc3339() -> String {
-    time::OffsetDateTime::now_utc()
-        .format(&time::format_description::well_known::Rfc3339)
+    rfc3339(time::OffsetDateTime::now_utc())
+}
+
+fn rfc3339(at: time::OffsetDateTime) -> String {
+    at.format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default()
+}
+
+fn parse_time(text: &str) -> Option<time::OffsetDateTime> {
+    time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).ok()
 }
 
 /// Why a dead letter could not be replayed.
@@ -330,6 +421,44 @@ pub enum ReplayError {
         "dead letter {0} records no message id, so a replay could apply an effect the original already applied; check that it was not processed, then replay with `ReplayOptions::allow_new_message_id`"
     )]
     NoMessageId(u64),
+    /// The original's claim may already be purged: it was stored longer ago
+    /// than its route keeps claims (less the copy spread), so if it was
+    /// processed, the replay would apply it again.
+    #[error("{}", outside_retention_message(*.sequence, *.age, *.retention, *.copy_spread))]
+    OutsideRetention {
+        /// The dead letter's sequence.
+        sequence: u64,
+        /// How long ago the original was stored (`None`: not recorded).
+        age: Option<std::time::Duration>,
+        /// How long its route keeps claims (`Idem-Retention`).
+        retention: std::time::Duration,
+        /// How far apart copies of it may be stored (`Idem-Copy-Spread`).
+        copy_spread: std::time::Duration,
+    },
+}
+
+fn outside_retention_message(
+    sequence: u64,
+    age: Option<std::time::Duration>,
+    retention: std::time::Duration,
+    copy_spread: std::time::Duration,
+) -> String {
+    let age = match age {
+        Some(age) => format!("was stored {} ago", Human(age)),
+        None => "has no recorded storage time".to_owned(),
+    };
+    let spread = if copy_spread.is_zero() {
+        String::new()
+    } else {
+        format!(
+            " (less {}, how much earlier another copy of it may have been stored)",
+            Human(copy_spread)
+        )
+    };
+    format!(
+        "dead letter {sequence}: its original {age}, and its route keeps claims for {}{spread}, so if the original was processed its claim may already be purged and a replay would apply it again; check that it was not processed, then replay with `ReplayOptions::allow_outside_retention`",
+        Human(retention)
+    )
 }
 
 /// How [`replay_with`] replays.
@@ -337,6 +466,7 @@ pub enum ReplayError {
 #[non_exhaustive]
 pub struct ReplayOptions {
     allow_new_message_id: bool,
+    allow_outside_retention: bool,
 }
 
 impl ReplayOptions {
@@ -347,6 +477,16 @@ impl ReplayOptions {
         self.allow_new_message_id = true;
         self
     }
+
+    /// Replay a dead letter whose original was stored longer ago than its
+    /// route keeps claims ([`ReplayError::OutsideRetention`]): if the
+    /// original was processed, its claim may be purged, and the replay is
+    /// then processed as new, its effects applied again. Only for dead
+    /// letters you know were not processed.
+    pub fn allow_outside_retention(mut self) -> Self {
+        self.allow_outside_retention = true;
+        self
+    }
 }
 
 /// Sends dead letter `sequence` of stream `dead_letter_stream` back to its
@@ -354,7 +494,9 @@ impl ReplayOptions {
 /// message id it was deduplicated by, so that the replay is deduplicated
 /// exactly like the original: if the original was in fact processed, the
 /// replay is skipped. A dead letter that records no id is refused
-/// ([`ReplayError::NoMessageId`]); see [`replay_with`].
+/// ([`ReplayError::NoMessageId`]), and so is one whose original's claim may
+/// already be purged ([`ReplayError::OutsideRetention`]); see
+/// [`replay_with`].
 ///
 /// The dead letter itself stays in its stream; delete or purge it when done.
 pub async fn replay(
@@ -397,6 +539,18 @@ pub async fn replay_with(
     if message_id.is_empty() && !options.allow_new_message_id {
         return Err(ReplayError::NoMessageId(sequence));
     }
+    let stored_at = stored
+        .headers
+        .get(STORED_AT)
+        .and_then(|value| parse_time(value.as_str()));
+    if !options.allow_outside_retention {
+        check_retention(
+            &stored.headers,
+            stored_at,
+            sequence,
+            time::OffsetDateTime::now_utc(),
+        )?;
+    }
 
     let mut headers = HeaderMap::new();
     for (name, values) in stored.headers.iter() {
@@ -415,6 +569,11 @@ pub async fn replay_with(
         "Idem-Replayed-From",
         format!("{dead_letter_stream}:{sequence}").as_str(),
     );
+    // Should the replay be dead-lettered too, its dead letter keeps the
+    // original's storage time, which the claim's age is measured from.
+    if let Some(stored_at) = stored_at {
+        headers.insert(STORED_AT, rfc3339(stored_at).as_str());
+    }
     let ack = js
         .publish_with_headers(original_subject, headers, stored.payload)
         .await
@@ -427,9 +586,83 @@ pub async fn replay_with(
     Ok(ack)
 }
 
+/// Refuses a replay at `now` of a dead letter with `headers` whose original
+/// was stored at `stored_at`, if the original's claim may be purged by
+/// then. Without `Idem-Retention` (an older dead letter) or with
+/// `forever`, nothing is refused.
+fn check_retention(
+    headers: &HeaderMap,
+    stored_at: Option<time::OffsetDateTime>,
+    sequence: u64,
+    now: time::OffsetDateTime,
+) -> Result<(), ReplayError> {
+    let Some(recorded) = headers.get(RETENTION) else {
+        return Ok(());
+    };
+    if recorded.as_str() == "forever" {
+        return Ok(());
+    }
+    let duration = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|value| retention_floor::decode_duration(value.as_str()))
+    };
+    // A value that does not read is taken as the shortest retention.
+    let retention = duration(RETENTION).unwrap_or_default();
+    let copy_spread = duration(COPY_SPREAD).unwrap_or_default();
+    let age = stored_at
+        .map(|stored_at| std::time::Duration::try_from(now - stored_at).unwrap_or_default());
+    match age {
+        Some(age) if age <= retention.saturating_sub(copy_spread) => Ok(()),
+        age => Err(ReplayError::OutsideRetention {
+            sequence,
+            age,
+            retention,
+            copy_spread,
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replay_is_refused_once_the_original_may_have_outlived_its_claim() {
+        let stored_at = time::OffsetDateTime::UNIX_EPOCH + time::Duration::days(1);
+        let at = |seconds: i64| stored_at + time::Duration::seconds(seconds);
+        let mut headers = HeaderMap::new();
+        // An older dead letter: no retention recorded.
+        check_retention(&headers, Some(stored_at), 7, at(1_000_000)).unwrap();
+        headers.insert(RETENTION, "forever");
+        check_retention(&headers, Some(stored_at), 7, at(1_000_000)).unwrap();
+
+        headers.insert(RETENTION, "3600s");
+        check_retention(&headers, Some(stored_at), 7, at(3600)).unwrap();
+        let refused = check_retention(&headers, Some(stored_at), 7, at(3601)).unwrap_err();
+        assert!(
+            matches!(refused, ReplayError::OutsideRetention { sequence: 7, age: Some(age), .. } if age.as_secs() == 3601),
+            "{refused:?}"
+        );
+        assert_eq!(
+            refused.to_string(),
+            "dead letter 7: its original was stored 1h 1s ago, and its route keeps claims for 1h, so if the original was processed its claim may already be purged and a replay would apply it again; check that it was not processed, then replay with `ReplayOptions::allow_outside_retention`"
+        );
+        // A copy may have been stored, and processed, 10 min earlier.
+        headers.insert(COPY_SPREAD, "600s");
+        check_retention(&headers, Some(stored_at), 7, at(3000)).unwrap();
+        let refused = check_retention(&headers, Some(stored_at), 7, at(3001)).unwrap_err();
+        assert!(
+            refused
+                .to_string()
+                .contains("for 1h (less 10m, how much earlier"),
+            "{refused}"
+        );
+        // No storage time, or an unreadable retention: refused.
+        assert!(check_retention(&headers, None, 7, at(0)).is_err());
+        headers.insert(RETENTION, "a week");
+        assert!(check_retention(&headers, Some(stored_at), 7, at(1)).is_err());
+    }
 
     #[test]
     fn error_headers_are_one_bounded_line() {

@@ -31,6 +31,14 @@ use crate::message_id::MessageId;
 ///
 /// Cloning one is cheap (a reference count): the runtime hands the same
 /// delivery to a transaction, its retries and its dead letter.
+///
+/// A request on a [`ReplyRoute`](crate::ReplyRoute) is not stored in a
+/// stream: its delivery has the request's subject, headers and message id,
+/// an empty [`stream`](Delivery::stream) and [`consumer`](Delivery::consumer),
+/// [`stream_sequence`](Delivery::stream_sequence) 0,
+/// [`delivered`](Delivery::delivered) 1 (each retry of a request is a new
+/// request), and [`stored_at`](Delivery::stored_at) the time it was
+/// received.
 #[derive(Clone)]
 pub struct Delivery(Arc<Fields>);
 
@@ -81,6 +89,25 @@ impl Delivery {
             stream,
             stream_sequence,
         }))
+    }
+
+    /// The delivery of a core NATS request (see the type's docs), with its
+    /// resolved message id.
+    pub(crate) fn for_request(
+        subject: &str,
+        headers: HeaderMap,
+        message_id: MessageId,
+    ) -> Delivery {
+        Delivery::new(Fields {
+            subject: subject.to_owned(),
+            stream: String::new(),
+            consumer: String::new(),
+            stream_sequence: 0,
+            delivered: 1,
+            stored_at: time::OffsetDateTime::now_utc(),
+            headers,
+            message_id,
+        })
     }
 
     pub(crate) fn new(fields: Fields) -> Self {

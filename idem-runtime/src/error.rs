@@ -166,7 +166,8 @@ impl From<BoxError> for HandlerError {
     note = "return `Result<(), E>` (or an alias such as `anyhow::Result<()>`) whose error converts into `idem_runtime::BoxError`"
 )]
 pub trait HandlerResult {
-    /// What `Ok` carries (not used yet).
+    /// What `Ok` carries: `()`, or a value the runtime stores with the
+    /// claim (see [`results`](crate::results)).
     type Output;
     /// What `Err` carries.
     type Error;
@@ -304,6 +305,14 @@ pub enum Error {
         /// The dead-letter subject.
         subject: String,
     },
+    /// Subscribing to a request route's subject failed.
+    #[error("subscribing to request subject `{subject}` failed: {source}")]
+    Subscribe {
+        /// The request subject.
+        subject: String,
+        /// The client's error.
+        source: async_nats::Error,
+    },
     /// The same durable consumer was bound twice in one router.
     #[error("the durable consumer `{0}` is bound twice; give each route its own consumer")]
     DuplicateRoute(String),
@@ -329,6 +338,34 @@ pub enum Error {
         stream: String,
         /// Its retention policy.
         retention: String,
+    },
+    /// The route's retention is shorter than its retention floor: a
+    /// duplicate could arrive after its claim is purged, and be processed
+    /// again. See [`retention_floor`](crate::retention_floor).
+    #[error("{}", crate::retention_floor::below_floor_message(.route, *.retention, *.floor, .computation))]
+    RetentionBelowFloor {
+        /// The route (durable consumer name).
+        route: String,
+        /// Its retention (`Route::retention`).
+        retention: std::time::Duration,
+        /// Its retention floor.
+        floor: std::time::Duration,
+        /// How the floor was computed, term by term.
+        computation: Box<crate::retention_floor::RetentionFloor>,
+    },
+    /// The route sets a retention, but its retention floor has a term with
+    /// no bound that it does not accept
+    /// ([`Route::accept_duplicates_after_retention`](crate::Route::accept_duplicates_after_retention)).
+    #[error("{}", crate::retention_floor::unbounded_message(.route, *.retention, .unbounded, .computation))]
+    RetentionFloorUnbounded {
+        /// The route (durable consumer name).
+        route: String,
+        /// Its retention (`Route::retention`).
+        retention: std::time::Duration,
+        /// The terms without a bound.
+        unbounded: Vec<crate::retention_floor::Unbounded>,
+        /// How the floor was computed, term by term.
+        computation: Box<crate::retention_floor::RetentionFloor>,
     },
     /// Pulling messages failed and could not be resumed.
     #[error("pulling from consumer `{route}` failed: {source}")]

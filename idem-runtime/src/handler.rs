@@ -2,6 +2,7 @@
 
 use std::future::Future;
 
+use bytes::Bytes;
 use sqlx::PgTransaction;
 
 use crate::codec::Decode;
@@ -86,6 +87,10 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
 
     /// Runs the handler for a message the runtime has already claimed in
     /// `tx`. Never end `tx` here: return, and the runtime commits.
+    ///
+    /// A handler that returns a value implements
+    /// [`handle_and_encode`](Handler::handle_and_encode) too, which is what
+    /// the runtime calls; its `handle` runs it and drops the value.
     fn handle(
         &self,
         tx: &mut PgTransaction<'_>,
@@ -93,6 +98,67 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
         delivery: &Delivery,
         state: &S,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// Runs the handler like [`handle`](Handler::handle), and returns what it
+    /// produced, encoded with its codec: the runtime stores the bytes with
+    /// the claim, in the same transaction, and sends them as the reply to a
+    /// request ([`ReplyRoute`](crate::ReplyRoute)); a duplicate of the
+    /// request gets them again without running the handler. `None` stores
+    /// nothing and costs nothing (the reply to a request is then empty).
+    ///
+    /// The runtime calls this, not `handle`, for every message it hands the
+    /// handler alone. The default calls `handle` and stores nothing;
+    /// `#[idempotent]` implements it for a fn that returns
+    /// `Result<T, E>` with a `T` other than `()`. By hand:
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use idem_runtime::{Delivery, Handler, HandlerError, codec::{Encode, Json}};
+    ///
+    /// #[derive(serde::Deserialize)]
+    /// struct Place { order: i64 }
+    /// #[derive(serde::Serialize)]
+    /// struct Receipt { order: i64, total: i64 }
+    ///
+    /// struct PlaceOrder;
+    ///
+    /// impl Handler for PlaceOrder {
+    ///     type Payload = Place;
+    ///     type Codec = Json;
+    ///
+    ///     fn name(&self) -> &'static str {
+    ///         "orders.place.v1"
+    ///     }
+    ///
+    ///     async fn handle(&self, tx: &mut sqlx::PgTransaction<'_>, cmd: Place,
+    ///                     delivery: &Delivery, state: &()) -> Result<(), HandlerError> {
+    ///         self.handle_and_encode(tx, cmd, delivery, state).await.map(drop)
+    ///     }
+    ///
+    ///     async fn handle_and_encode(&self, tx: &mut sqlx::PgTransaction<'_>, cmd: Place,
+    ///                                _delivery: &Delivery, _state: &())
+    ///                                -> Result<Option<Bytes>, HandlerError> {
+    ///         let total: i64 = sqlx::query_scalar("SELECT 42").fetch_one(&mut **tx).await?;
+    ///         let receipt = Receipt { order: cmd.order, total };
+    ///         Ok(Some(Json::encode(&receipt).map_err(HandlerError::handler)?))
+    ///     }
+    /// }
+    /// ```
+    fn handle_and_encode(
+        &self,
+        tx: &mut PgTransaction<'_>,
+        payload: Self::Payload,
+        delivery: &Delivery,
+        state: &S,
+    ) -> impl Future<Output = Result<Option<Bytes>, HandlerError>> + Send
+    where
+        S: Sync,
+    {
+        async move {
+            self.handle(tx, payload, delivery, state).await?;
+            Ok(None)
+        }
+    }
 
     /// Whether, on a batch route ([`Route::batch`](crate::Route::batch)), the
     /// runtime hands the fresh messages of a batch to
@@ -111,7 +177,11 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
     /// its own retry or dead-letter path. So `handle` must do for one
     /// message what this does for many.
     ///
-    /// The default calls `handle` for each message in turn.
+    /// A batch handler stores no result: `#[idempotent(batch)]` refuses a fn
+    /// that returns a value. The default calls `handle` for each message in
+    /// turn (the runtime itself calls `handle_and_encode` for each, and
+    /// stores what they return, unless [`BATCHES`](Handler::BATCHES) is
+    /// set).
     fn handle_batch(
         &self,
         tx: &mut PgTransaction<'_>,

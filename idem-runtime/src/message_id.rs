@@ -85,6 +85,13 @@ pub enum InvalidMessageId {
     /// The handler's `key = ...` panicked.
     #[error("the handler's key panicked: {0}")]
     KeyPanicked(String),
+    /// A request ([`ReplyRoute`](crate::ReplyRoute)) came without a
+    /// `Nats-Msg-Id` header, and its handler has no `key = ...`: there is
+    /// nothing to tell its retries by.
+    #[error(
+        "the request has no Nats-Msg-Id header, and its handler no key: send each request with a Nats-Msg-Id, the same on every retry of it"
+    )]
+    Missing,
 }
 
 impl MessageId {
@@ -115,6 +122,15 @@ impl MessageId {
     /// A `Nats-Msg-Id` read from a raw header block.
     pub(crate) fn from_header(value: String) -> Result<Self, InvalidMessageId> {
         Self::checked(value, MessageIdSource::Header)
+    }
+
+    /// No id yet: what a request's delivery carries until its id is
+    /// resolved.
+    pub(crate) fn none() -> Self {
+        Self {
+            value: String::new(),
+            source: MessageIdSource::Header,
+        }
     }
 
     /// `<stream>:<stream sequence>:<stored at, in Unix nanoseconds>`.

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::Message;
+use bytes::Bytes;
 use futures_util::FutureExt;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
@@ -50,27 +51,41 @@ pub(crate) struct Pipeline<H, S> {
     pub(crate) health: Health,
     pub(crate) stats: Arc<Stats>,
     pub(crate) shutdown: Signal,
-    /// How long a transaction may go on before the runtime stops waiting for
-    /// it (see [`Pipeline::watched`]); `None` without a handler timeout.
-    pub(crate) watchdog: Option<Duration>,
+    /// Whether a caller waits for each message's outcome (a request route,
+    /// see `reply.rs`): a duplicate then reads the stored result, and while
+    /// the database cannot be used a message is answered with an error
+    /// after one more try instead of being held.
+    pub(crate) answers: bool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::fault::FaultHooks,
 }
 
-/// How long a transaction may take, at most, when every part of it gets its
-/// answer: the claim (it may wait on a concurrent attempt up to the
-/// statement timeout), the handler (up to the handler timeout) and COMMIT
-/// (up to the statement timeout), each the handler timeout, plus a margin.
-pub(crate) fn watchdog(handler_timeout: Option<Duration>) -> Option<Duration> {
-    handler_timeout.map(|timeout| timeout.saturating_mul(3) + Duration::from_secs(5))
+/// How long the runtime waits for a transaction with up to `calls` handler
+/// calls before it stops waiting (see [`Pipeline::watched`]): the longest
+/// such a transaction can take when every part of it gets its answer
+/// ([`transaction::longest`], which the retention floor counts too), plus a
+/// margin; `None` without a handler timeout. A batch whose handler runs once
+/// per message makes up to one call per message.
+pub(crate) fn watchdog(handler_timeout: Option<Duration>, calls: usize) -> Option<Duration> {
+    handler_timeout
+        .map(|timeout| transaction::longest(timeout, calls).saturating_add(WATCHDOG_MARGIN))
 }
+
+/// How much longer than its bounds allow the watchdog waits for a
+/// transaction.
+const WATCHDOG_MARGIN: Duration = Duration::from_secs(5);
 
 /// How one delivery ended, before it is settled with JetStream.
 pub(crate) enum Verdict {
-    /// Committed: ack.
-    Processed,
+    /// Committed: ack. With what the handler returned, encoded (`None`:
+    /// nothing, or a batch, which does not report it).
+    Processed(Option<Bytes>),
     /// Already processed: rolled back, ack.
     Duplicate,
+    /// Already processed, on a route that answers: what the first attempt
+    /// stored (`Some(None)`: nothing), or `None` if its claim has expired
+    /// since it conflicted.
+    Replayed(Option<Option<Bytes>>),
     /// The handler, or its COMMIT, failed (after any in-process retries):
     /// rolled back; NAK or dead-letter by the error's class.
     Failed(HandlerError),
@@ -125,7 +140,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         async {
             let verdict = match self.prepare(&message, &mut delivery) {
                 Err(rejected) => Verdict::Rejected(rejected),
-                Ok(payload) => self.decide(&message, payload, &delivery).await,
+                Ok(payload) => self.decide(&message.payload, payload, &delivery).await,
             };
             self.settle(&message, &delivery, verdict, lease).await;
         }
@@ -181,7 +196,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         if let Ok(id) = &carried {
             delivery.set_message_id(id.clone());
         }
-        let payload = self.decode(message)?;
+        let payload = self.decode(&message.payload)?;
         let resolved = match self.key_of(&payload, delivery)? {
             Some(key) => MessageId::from_key(key)?,
             None => carried?,
@@ -193,9 +208,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
     /// Decodes a payload with the handler's codec. A codec that panics is a
     /// payload that cannot be decoded, not a crash.
-    pub(crate) fn decode(&self, message: &Message) -> Result<H::Payload, RejectedMessage> {
+    pub(crate) fn decode(&self, payload: &Bytes) -> Result<H::Payload, RejectedMessage> {
         let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            <H::Codec as Decode<H::Payload>>::decode(&message.payload)
+            <H::Codec as Decode<H::Payload>>::decode(payload)
         }))
         .unwrap_or_else(|panic| {
             Err(crate::codec::DecodeError::new(
@@ -219,17 +234,18 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         .map_err(|panic| crate::message_id::InvalidMessageId::KeyPanicked(panic_text(&*panic)))
     }
 
-    /// Runs a prepared message on its own, in its own transaction.
+    /// Runs a prepared message on its own, in its own transaction. `bytes`
+    /// is its payload as it came, decoded again for a retry.
     pub(crate) async fn decide(
         self: &Arc<Self>,
-        message: &Message,
+        bytes: &Bytes,
         payload: H::Payload,
         delivery: &Delivery,
     ) -> Verdict {
         if delivery.delivered() > self.route.retry.max_deliver {
             return self.past_limit(delivery).await;
         }
-        self.transact_with_retries(message, payload, delivery).await
+        self.transact_with_retries(bytes, payload, delivery).await
     }
 
     /// A message past its delivery limit: ack it if an attempt committed,
@@ -241,7 +257,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             let checked = {
                 let pipeline = Arc::clone(self);
                 let delivery = delivery.clone();
+                // A claim and its rollback: no longer than one call's bound.
                 self.watched(
+                    1,
                     async move { pipeline.claimed_elsewhere(&delivery).await },
                     |limit| Err(no_answer(limit)),
                 )
@@ -281,22 +299,24 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         Ok(processed)
     }
 
-    /// Waits for `work` (a whole transaction), but not forever: once it has
-    /// run longer than any server-side bound allows (the network is gone
-    /// without a word: a partition, a frozen host, and TCP has not noticed),
-    /// the runtime stops waiting and settles the message with `stuck`. The
-    /// work is *not* cancelled, because a cancelled BEGIN or COMMIT can leave
-    /// a connection inside a transaction (sqlx#4393): it goes on in a task of
-    /// its own until the connection answers or fails, its connection never
-    /// returned to the pool. Meanwhile the server ends the orphaned
-    /// transaction (`idle_in_transaction_session_timeout`), so the message's
-    /// redelivery is decided by its claim as usual.
+    /// Waits for `work` (a whole transaction, with up to `calls` handler
+    /// calls), but not forever: once it has run longer than any server-side
+    /// bound allows (the network is gone without a word: a partition, a frozen
+    /// host, and TCP has not noticed), the runtime stops waiting and settles
+    /// the message with `stuck`. The work is *not* cancelled, because a
+    /// cancelled BEGIN or COMMIT can leave a connection inside a transaction
+    /// (sqlx#4393): it goes on in a task of its own until the connection
+    /// answers or fails, its connection never returned to the pool. Meanwhile
+    /// the server ends the orphaned transaction
+    /// (`idle_in_transaction_session_timeout`), so the message's redelivery is
+    /// decided by its claim as usual.
     pub(crate) async fn watched<T: Send + 'static>(
         &self,
+        calls: usize,
         work: impl Future<Output = T> + Send + 'static,
         stuck: impl FnOnce(Duration) -> T,
     ) -> T {
-        let Some(limit) = self.watchdog else {
+        let Some(limit) = watchdog(self.route.handler_timeout, calls) else {
             return work.await;
         };
         let mut work = Box::pin(work);
@@ -319,10 +339,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
     /// Runs the transaction; runs it again at once (a few times, with a
     /// short pause) when the failure is one a retry may clear; and holds the
-    /// message while the database cannot be used at all.
+    /// message while the database cannot be used at all (on a route that
+    /// answers, tries once more at once, then gives up: its caller waits).
     pub(crate) async fn transact_with_retries(
         self: &Arc<Self>,
-        message: &Message,
+        bytes: &Bytes,
         payload: H::Payload,
         delivery: &Delivery,
     ) -> Verdict {
@@ -335,7 +356,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 Some(payload) => payload,
                 // The handler took the last one; it decoded before, so it
                 // decodes again.
-                None => match self.decode(message) {
+                None => match self.decode(bytes) {
                     Ok(payload) => payload,
                     Err(error) => return Verdict::Rejected(error),
                 },
@@ -344,6 +365,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 let pipeline = Arc::clone(self);
                 let delivery = delivery.clone();
                 self.watched(
+                    1,
                     async move { pipeline.transact(this_try, &delivery).await },
                     |limit| Verdict::CommitUnknown(no_answer(limit)),
                 )
@@ -353,6 +375,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 return verdict;
             };
             if error.is_infrastructure() {
+                if self.answers && outage.failures > 0 {
+                    Stats::bump(&self.stats.infrastructure_errors);
+                    return verdict;
+                }
                 if !self.hold_for_database(error, &mut outage).await {
                     return Verdict::Interrupted;
                 }
@@ -387,10 +413,26 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             self.health.resume();
             // Processed before. (If the ROLLBACK fails, the connection is
             // closed on drop.)
-            if transaction::end_failed_claim(&mut connection).await.is_ok() {
-                connection.keep();
+            let ended = transaction::end_failed_claim(&mut connection).await;
+            if !self.answers {
+                if ended.is_ok() {
+                    connection.keep();
+                }
+                return Verdict::Duplicate;
             }
-            return Verdict::Duplicate;
+            // Its caller gets what the first attempt stored, read on the
+            // same connection: the claim conflicted, so it has committed.
+            let read = match ended {
+                Ok(()) => crate::results::read(&mut connection, &key).await,
+                Err(error) => Err(error),
+            };
+            return match read {
+                Ok(stored) => {
+                    connection.keep();
+                    Verdict::Replayed(stored)
+                }
+                Err(error) => self.before_handler(error),
+            };
         }
         // Consumed by `map_err`, so that nothing keeps the borrow of
         // `connection` once `tx` is gone.
@@ -400,15 +442,25 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         };
         self.health.resume();
         let outcome = self
-            .run_handler(self.handler.handle(&mut tx, payload, delivery, &self.state))
+            .run_handler(
+                self.handler
+                    .handle_and_encode(&mut tx, payload, delivery, &self.state),
+            )
             .await;
+        // A value goes into the claim's row before COMMIT; `()` costs nothing.
+        let outcome = match outcome {
+            Ok(Some(result)) => crate::results::store(&mut tx, &key, &result)
+                .await
+                .map(|()| Some(result)),
+            other => other,
+        };
         match outcome {
-            Ok(()) => {
+            Ok(result) => {
                 let (ended, reusable) = transaction::finish(tx).await;
                 if reusable {
                     connection.keep();
                 }
-                self.verdict_of(ended)
+                self.verdict_of(ended, result)
             }
             // The handler may have left a statement running: the connection
             // is closed (on drop) rather than waited on. The server cancels
@@ -443,10 +495,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         }
     }
 
-    /// The verdict on a transaction whose handlers all returned `Ok`.
-    pub(crate) fn verdict_of(&self, ended: Ended) -> Verdict {
+    /// The verdict on a transaction whose handlers all returned `Ok`, with
+    /// what they returned.
+    pub(crate) fn verdict_of(&self, ended: Ended, result: Option<Bytes>) -> Verdict {
         match ended {
-            Ended::Committed => Verdict::Processed,
+            Ended::Committed => Verdict::Processed(result),
             Ended::NotCommitted(error) => Verdict::Failed(error),
             Ended::Unknown(error) => {
                 self.connections.forget_idle();
@@ -476,10 +529,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// Runs a handler call under the route's handler timeout, which covers
     /// the handler alone, never BEGIN or COMMIT, and turns a panic into an
     /// error of this message alone.
-    pub(crate) async fn run_handler(
+    pub(crate) async fn run_handler<T>(
         &self,
-        handled: impl Future<Output = Result<(), HandlerError>>,
-    ) -> Result<(), HandlerError> {
+        handled: impl Future<Output = Result<T, HandlerError>>,
+    ) -> Result<T, HandlerError> {
         let guarded = AssertUnwindSafe(handled).catch_unwind();
         let caught = match self.route.handler_timeout {
             Some(limit) => match tokio::time::timeout(limit, guarded).await {
@@ -539,7 +592,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let stats = &self.stats;
         let retry = &self.route.retry;
         match verdict {
-            Verdict::Processed => {
+            Verdict::Processed(_) => {
                 Stats::bump(&stats.processed);
                 #[cfg(feature = "fault-injection")]
                 if self.faults.decide_after_commit(delivery)
@@ -553,7 +606,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 ack::ack(message, self.route.ack_mode).await;
                 tracing::debug!("processed");
             }
-            Verdict::Duplicate => {
+            Verdict::Duplicate | Verdict::Replayed(_) => {
                 lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
                 Stats::bump(&stats.duplicates);
@@ -685,5 +738,21 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             dead_letter_subject = subject,
             "dead-lettered; replay it with idem_runtime::dead_letter::replay once fixed"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_watchdog_waits_out_every_handler_call_of_a_batch() {
+        let timeout = Some(Duration::from_secs(10));
+        // The claim, one call, COMMIT, and the margin.
+        assert_eq!(watchdog(timeout, 1), Some(Duration::from_secs(35)));
+        // A batch of 64 whose handler runs once per message.
+        assert_eq!(watchdog(timeout, 64), Some(Duration::from_secs(665)));
+        assert_eq!(watchdog(None, 64), None);
+        assert_eq!(watchdog(Some(Duration::MAX), 1000), Some(Duration::MAX));
     }
 }

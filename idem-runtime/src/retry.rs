@@ -41,7 +41,7 @@ pub struct RetryPolicy {
     pub(crate) max_deliver: u64,
     initial: Duration,
     max: Duration,
-    jitter: f64,
+    pub(crate) jitter: f64,
     pub(crate) in_process_attempts: u32,
     pub(crate) in_process_backoff: Duration,
 }
@@ -95,6 +95,32 @@ impl RetryPolicy {
             .min(self.max)
     }
 
+    /// Every NAK delay the policy can give, before jitter: after deliveries
+    /// 1 to `max_deliver − 1` (the last delivery is dead-lettered, not
+    /// NAKed), as runs of equal delays `(delay, how many)`. Once the delay
+    /// stops growing (it reached `max`, or stopped doubling) the rest is one
+    /// run, so a huge `max_deliver` costs nothing.
+    pub(crate) fn nak_delay_runs(&self) -> Vec<(Duration, u64)> {
+        let last = self.max_deliver.saturating_sub(1);
+        let mut runs: Vec<(Duration, u64)> = Vec::new();
+        let mut delivered = 1;
+        while delivered <= last {
+            let delay = self.nak_delay_without_jitter(delivered);
+            // `nak_delay_without_jitter` doubles at most 31 times.
+            let count = if delay >= self.max || delivered >= 32 {
+                last - delivered + 1
+            } else {
+                1
+            };
+            match runs.last_mut() {
+                Some((previous, n)) if *previous == delay => *n += count,
+                _ => runs.push((delay, count)),
+            }
+            delivered += count;
+        }
+        runs
+    }
+
     /// The NAK delay after delivery number `delivered` failed.
     pub(crate) fn nak_delay(&self, delivered: u64) -> Duration {
         let base = self.nak_delay_without_jitter(delivered);
@@ -140,6 +166,33 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn nak_delay_runs_list_every_delay_once_it_stops_growing_as_one_run() {
+        let policy = RetryPolicy::default().max_deliver(14);
+        let runs = policy.nak_delay_runs();
+        let listed: Vec<Duration> = runs
+            .iter()
+            .flat_map(|(delay, n)| std::iter::repeat_n(*delay, *n as usize))
+            .collect();
+        let each: Vec<Duration> = (1..14)
+            .map(|n| policy.nak_delay_without_jitter(n))
+            .collect();
+        assert_eq!(listed, each);
+        assert_eq!(runs.last(), Some(&(Duration::from_secs(300), 4)));
+        assert!(
+            RetryPolicy::default()
+                .max_deliver(1)
+                .nak_delay_runs()
+                .is_empty()
+        );
+        let huge = RetryPolicy::default()
+            .max_deliver(u64::MAX)
+            .backoff(Duration::from_nanos(1), Duration::MAX);
+        let runs = huge.nak_delay_runs();
+        assert_eq!(runs.len(), 32);
+        assert_eq!(runs.iter().map(|(_, n)| n).sum::<u64>(), u64::MAX - 1);
     }
 
     #[test]

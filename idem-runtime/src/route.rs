@@ -7,6 +7,7 @@ use async_nats::jetstream::stream;
 
 use crate::ack::AckMode;
 use crate::error::Error;
+use crate::retention_floor::{self, RetentionFloor, Unbounded};
 use crate::retry::RetryPolicy;
 
 /// The largest batch: one claim statement binds this many ids.
@@ -41,6 +42,7 @@ enum HeartbeatSetting {
 /// | heartbeat | `+WPI` every ack_wait / 3 while a handler runs |
 /// | ack | plain `+ACK` ([`AckMode::Ack`]) |
 /// | existing consumer | used if its settings match; refused if they differ, unless `update_consumer()` |
+/// | `retention` | none: claims are kept forever; a retention is refused below the [retention floor](crate::retention_floor) |
 ///
 /// ```
 /// use std::time::Duration;
@@ -73,6 +75,11 @@ pub struct Route {
     /// How long the route's claims are kept after processing; `None` keeps
     /// them forever.
     pub(crate) retention: Option<Duration>,
+    /// How long after a message's first publish a publisher may publish it
+    /// again; `None` if not declared.
+    pub(crate) publisher_retry_horizon: Option<Duration>,
+    /// Unbounded terms of the retention floor the route accepts.
+    pub(crate) accepted_unbounded: Vec<Unbounded>,
 }
 
 impl Route {
@@ -97,6 +104,8 @@ impl Route {
             dead_letter_subject: None,
             update_consumer: false,
             retention: None,
+            publisher_retry_horizon: None,
+            accepted_unbounded: Vec::new(),
         }
     }
 
@@ -235,9 +244,86 @@ impl Route {
     /// Keeps this route's claims for at least `period` after a message is
     /// processed; the purge removes them after that. Without it, claims are
     /// kept forever.
+    ///
+    /// A duplicate that arrives after its claim is purged is processed
+    /// again, so at start-up the router refuses a `period` below the
+    /// route's [retention floor](crate::retention_floor): the longest a
+    /// duplicate can still arrive, from `ack_wait`, the retry policy, the
+    /// handler timeout, the stream's `max_age` and `duplicate_window`, and
+    /// the [publisher-retry horizon](Self::publisher_retry_horizon). A floor
+    /// with no bound (a stream that keeps messages forever, no handler
+    /// timeout, no declared horizon) is refused too, unless the route
+    /// accepts it with
+    /// [`accept_duplicates_after_retention`](Self::accept_duplicates_after_retention).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_runtime::Route;
+    ///
+    /// const DAY: Duration = Duration::from_secs(24 * 3600);
+    /// // On a stream with max_age 7 days, whose publishers retry for a minute.
+    /// let route = Route::new("LEDGER", "credit")
+    ///     .retention(8 * DAY)
+    ///     .publisher_retry_horizon(Duration::from_secs(60));
+    /// # drop(route);
+    /// ```
     pub fn retention(mut self, period: Duration) -> Self {
         self.retention = Some(period);
         self
+    }
+
+    /// Declares how long after a message's first publish its publishers may
+    /// publish it again (a retry after a lost PubAck, an outbox relay that
+    /// restarts). JetStream drops a retry inside the stream's
+    /// `duplicate_window`, and stores one after it as a new copy, which the
+    /// claim must still catch: a horizon longer than the window adds to the
+    /// [retention floor](crate::retention_floor). Only checked on a route
+    /// with a [`retention`](Self::retention); without a declared horizon such
+    /// a route is refused, unless it accepts
+    /// [`Unbounded::PublisherRetryHorizon`]. `Duration::ZERO` declares that
+    /// publishers never publish a message twice.
+    pub fn publisher_retry_horizon(mut self, horizon: Duration) -> Self {
+        self.publisher_retry_horizon = Some(horizon);
+        self
+    }
+
+    /// Accepts that the retention floor's `term` has no bound, so that a
+    /// route with a [`retention`](Self::retention) starts anyway. The term
+    /// counts 0 and the rest of the floor is still checked.
+    ///
+    /// The consequence: **a duplicate that `term` lets arrive after the
+    /// retention is processed again**, its effects applied twice. With
+    /// [`Unbounded::StreamMaxAge`], a replay of an old message (a consumer's
+    /// ack floor reset, a consumer created again) after the retention; with
+    /// [`Unbounded::HandlerTimeout`], a redelivery after a transaction that
+    /// ran longer than the retention; with
+    /// [`Unbounded::PublisherRetryHorizon`], a publisher's retry after the
+    /// retention. Use it when the handler's effects tolerate that, or when
+    /// something else rules it out. Call it once for each term to accept.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_runtime::{Route, Unbounded};
+    ///
+    /// // The stream keeps messages forever; old replays may apply twice.
+    /// let route = Route::new("AUDIT", "archive")
+    ///     .retention(Duration::from_secs(30 * 24 * 3600))
+    ///     .publisher_retry_horizon(Duration::ZERO)
+    ///     .accept_duplicates_after_retention(Unbounded::StreamMaxAge);
+    /// # drop(route);
+    /// ```
+    pub fn accept_duplicates_after_retention(mut self, term: Unbounded) -> Self {
+        if !self.accepted_unbounded.contains(&term) {
+            self.accepted_unbounded.push(term);
+        }
+        self
+    }
+
+    /// This route's retention floor on a stream with `stream`'s settings,
+    /// and how it is computed: what the router checks the retention against
+    /// at start-up. See [`retention_floor`](crate::retention_floor).
+    pub fn retention_floor(&self, stream: &stream::Config) -> RetentionFloor {
+        retention_floor::compute(retention_floor::Inputs::of(self, stream))
     }
 
     /// How a committed message is acked.
@@ -322,6 +408,12 @@ impl Route {
         Ok(())
     }
 
+    /// JetStream's delivery limit for the consumer: a little beyond the
+    /// retry policy's, see [`consumer_config`](Self::consumer_config).
+    pub(crate) fn server_max_deliver(&self) -> u64 {
+        self.retry.max_deliver.saturating_add(SERVER_BACKSTOP)
+    }
+
     /// The durable pull consumer this route reads from.
     pub(crate) fn consumer_config(&self) -> pull::Config {
         let (filter_subject, filter_subjects) = match self.filter_subjects.as_slice() {
@@ -341,8 +433,7 @@ impl Route {
             // such a message would reset the connection every ack_wait,
             // forever. The advisory JetStream then sends is dead-lettered by
             // undeliverable.rs.
-            max_deliver: i64::try_from(self.retry.max_deliver.saturating_add(SERVER_BACKSTOP))
-                .unwrap_or(i64::MAX),
+            max_deliver: i64::try_from(self.server_max_deliver()).unwrap_or(i64::MAX),
             max_ack_pending: self.max_ack_pending,
             filter_subject,
             filter_subjects,

@@ -15,6 +15,7 @@ use crate::handler::{Handler, IntoHandler};
 use crate::health::Health;
 use crate::heartbeat::Heartbeats;
 use crate::pipeline::Pipeline;
+use crate::reply::{BindReply, BoundReply, ReplyRoute, Serve};
 use crate::route::Route;
 use crate::schema;
 use crate::shutdown::{self, Signal, Trigger};
@@ -43,6 +44,8 @@ use crate::undeliverable;
 pub struct Router<S = ()> {
     state: Arc<S>,
     routes: Vec<Box<dyn Bind>>,
+    /// The request/reply routes.
+    replies: Vec<Box<dyn BindReply>>,
     stats: HashMap<String, Arc<Stats>>,
     trigger: Trigger,
     signal: Signal,
@@ -59,7 +62,8 @@ pub struct RouterHandle {
 }
 
 impl RouterHandle {
-    /// The counters of the route bound to durable consumer `durable`.
+    /// The counters of the route bound to durable consumer `durable`, or of
+    /// the request route ([`ReplyRoute`]) on subject `durable`.
     pub fn stats(&self, durable: &str) -> Option<Arc<Stats>> {
         self.stats.get(durable).cloned()
     }
@@ -124,6 +128,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         Self {
             state: Arc::new(state),
             routes: Vec::new(),
+            replies: Vec::new(),
             stats: HashMap::new(),
             trigger,
             signal,
@@ -143,6 +148,29 @@ impl<S: Send + Sync + 'static> Router<S> {
             .entry(route.durable.clone())
             .or_insert_with(|| stats.clone());
         self.routes.push(Box::new(Bound {
+            route,
+            handler,
+            stats,
+            state: self.state.clone(),
+        }));
+        self
+    }
+
+    /// Answers the core NATS requests sent to `route`'s subject with
+    /// `handler`, effectively once per message id: the reply is the value
+    /// the handler returned (encoded by its codec), and a retried request
+    /// gets the first reply without running the handler again. See
+    /// [`ReplyRoute`] for the message id, the error replies and shutdown.
+    ///
+    /// Its counters are under the route's subject in
+    /// [`RouterHandle::stats`].
+    pub fn reply_route<M>(mut self, route: ReplyRoute, handler: impl IntoHandler<S, M>) -> Self {
+        let handler = handler.into_handler();
+        let stats = Arc::new(Stats::default());
+        self.stats
+            .entry(route.subject.clone())
+            .or_insert_with(|| stats.clone());
+        self.replies.push(Box::new(BoundReply {
             route,
             handler,
             stats,
@@ -192,7 +220,9 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// and returns.
     ///
     /// Start-up fails, before any message is taken, if a route is
-    /// misconfigured, the dedup schema is missing, or a stream is missing.
+    /// misconfigured, the dedup schema is missing, a stream is missing, or a
+    /// route's retention is below its [retention floor](crate::retention_floor)
+    /// on its stream.
     pub async fn run_until(
         self,
         nats: async_nats::Client,
@@ -225,10 +255,32 @@ impl<S: Send + Sync + 'static> Router<S> {
                 });
             }
         }
+        for reply in &self.replies {
+            reply.route().validate()?;
+            let subject = &reply.route().subject;
+            let name = reply.handler_name();
+            if name.is_empty() || name.contains(|c: char| c.is_control()) {
+                return Err(Error::Config {
+                    route: subject.clone(),
+                    reason: format!(
+                        "the handler name {name:?} is empty or holds a control character; it is stored with every claim"
+                    ),
+                });
+            }
+            if let Some(other) = handlers.insert(name, subject.clone()) {
+                return Err(Error::Config {
+                    route: subject.clone(),
+                    reason: format!(
+                        "the handler name `{name}` is also used by route `{other}`: two handlers with one name share dedup rows; give each a name of its own (`#[idempotent(name = ...)]`)"
+                    ),
+                });
+            }
+        }
         let in_flight: usize = self
             .routes
             .iter()
             .map(|bound| bound.route().concurrency)
+            .chain(self.replies.iter().map(|reply| reply.route().concurrency))
             .sum();
         let pool_size = pool.options().get_max_connections() as usize;
         if pool_size < in_flight {
@@ -239,10 +291,31 @@ impl<S: Send + Sync + 'static> Router<S> {
             );
         }
         schema::verify(&pool).await?;
-        let registered: Vec<(&str, Option<Duration>)> = self
-            .routes
+        let check_client_connection =
+            crate::transaction::server_checks_client_connection(&pool).await;
+
+        let js = jetstream::new(nats.clone());
+        let mut bound = Vec::with_capacity(self.routes.len());
+        for route in self.routes {
+            crate::dead_letter::ensure_stream(&js, route.route()).await?;
+            // Before the route pulls, so that nothing it gives up on from
+            // now on is missed.
+            let advisories = undeliverable::bind(&js, route.route()).await?;
+            let consumer = bind_consumer(&js, route.route()).await?;
+            bound.push((route, consumer, advisories));
+        }
+        // Registered only once every route is bound, which checks its
+        // retention floor: a refused route's retention is never recorded
+        // (the purge reads the handlers' retentions), and no purge is left
+        // running after a failed start-up.
+        let registered: Vec<(&str, Option<Duration>)> = bound
             .iter()
-            .map(|bound| (bound.handler_name(), bound.route().retention))
+            .map(|(route, ..)| (route.handler_name(), route.route().retention))
+            .chain(
+                self.replies
+                    .iter()
+                    .map(|reply| (reply.handler_name(), reply.route().retention)),
+            )
             .collect();
         let handler_ids = crate::claim::register(&pool, &registered).await?;
         // Claims of routes with a retention expire: the purge runs beside
@@ -257,23 +330,26 @@ impl<S: Send + Sync + 'static> Router<S> {
                     crate::expiry::purge_interval(retention),
                 ))
             });
-        let check_client_connection =
-            crate::transaction::server_checks_client_connection(&pool).await;
 
-        let js = jetstream::new(nats.clone());
-        let mut bound = Vec::with_capacity(self.routes.len());
-        for route in self.routes {
-            crate::dead_letter::ensure_stream(&js, route.route()).await?;
-            // Before the route pulls, so that nothing it gives up on from
-            // now on is missed.
-            let advisories = undeliverable::bind(&js, route.route()).await?;
-            let consumer = bind_consumer(&js, route.route()).await?;
-            bound.push((route, consumer, advisories));
+        // Subscribed once every route could be set up, so that no request
+        // waits on a router that does not start.
+        let mut serving = Vec::with_capacity(self.replies.len());
+        for reply in self.replies {
+            let subject = reply.route().subject.clone();
+            let group = reply.route().group(reply.handler_name());
+            let requests = nats
+                .queue_subscribe(subject.clone(), group.clone())
+                .await
+                .map_err(|source| Error::Subscribe {
+                    subject: subject.clone(),
+                    source: source.into(),
+                })?;
+            serving.push((reply, requests, subject, group));
         }
-
         // Each route may keep at most its share of the pool's connections
         // between messages (see connections.rs).
-        let share = (pool.options().get_max_connections() as usize / bound.len().max(1)).max(1);
+        let routes = bound.len() + serving.len();
+        let share = (pool.options().get_max_connections() as usize / routes.max(1)).max(1);
         let mut running = JoinSet::new();
         for (route, consumer, advisories) in bound {
             tracing::info!(
@@ -296,6 +372,25 @@ impl<S: Send + Sync + 'static> Router<S> {
                 #[cfg(feature = "fault-injection")]
                 faults: self.faults.clone(),
             }));
+        }
+
+        for (reply, requests, subject, group) in serving {
+            tracing::info!(subject, queue_group = group, "request route started");
+            let handler_id = handler_ids[reply.handler_name()];
+            running.spawn(reply.start(
+                requests,
+                Serve {
+                    handler_id,
+                    nats: nats.clone(),
+                    pool: pool.clone(),
+                    keep_connections: share,
+                    check_client_connection,
+                    shutdown: self.signal.clone(),
+                    grace: self.grace,
+                    #[cfg(feature = "fault-injection")]
+                    faults: self.faults.clone(),
+                },
+            ));
         }
 
         let mut stopped = self.signal.clone();
@@ -396,7 +491,14 @@ async fn bind_consumer(js: &jetstream::Context, route: &Route) -> Result<PullCon
                 source: source.into(),
             })?,
     };
-    let wanted = route.consumer_config();
+    // A route whose retention does not cover its floor is refused before
+    // its consumer is touched; the consumer records the retention, for the
+    // route's dead letters to copy (see dead_letter.rs).
+    let floor = crate::retention_floor::check(route, &stream.cached_info().config)?;
+    let mut wanted = route.consumer_config();
+    wanted
+        .metadata
+        .extend(crate::retention_floor::consumer_metadata(route, &floor));
     if !route.update_consumer
         && let Ok(existing) = stream.consumer_info(&route.durable).await
     {
@@ -527,7 +629,6 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
     start: Start,
 ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
     let begin = Begin::new(route.handler_timeout, start.check_client_connection);
-    let route_timeout = route.handler_timeout;
     let heartbeats = Heartbeats::start(start.nats.clone(), route.heartbeat_interval());
     let pipeline = Arc::new(Pipeline {
         route,
@@ -541,7 +642,7 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
         health: Health::new(),
         stats,
         shutdown: start.shutdown.clone(),
-        watchdog: crate::pipeline::watchdog(route_timeout),
+        answers: false,
         #[cfg(feature = "fault-injection")]
         faults: start.faults,
     });

@@ -38,6 +38,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "claims by generation",
         include_str!("../migrations/0002_claims_by_generation.sql"),
     ),
+    (
+        3,
+        "claim in one statement",
+        include_str!("../migrations/0003_claim_in_one_statement.sql"),
+    ),
 ];
 
 fn migrator() -> Migrator {

@@ -10,7 +10,7 @@
 //! ```sql
 //! BEGIN;
 //! EXECUTE idem_bounds_v1('300000', '301000');
-//! EXECUTE idem_claim_v2(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')  -- handler id, claim key
+//! EXECUTE idem_claim_v3(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')  -- handler id, claim key
 //! ```
 //!
 //! The bounds (`set_config(.., true)`, transaction-local): a statement stuck
@@ -18,7 +18,7 @@
 //! whose client vanished behind a partition, still holding its claim, is
 //! ended soon after, so redeliveries do not wait on it until TCP keepalive
 //! gives up (where the server supports it, `client_connection_check_interval`
-//! also ends a statement whose client went away). The claim (`idem_claim`,
+//! also ends a statement whose client went away). The claim (`CLAIM_SQL`,
 //! see [`claim`](crate::claim)) inserts the message's key: if another
 //! transaction holds an uncommitted claim on the key, it waits; if that one
 //! commits, it fails with a unique violation, which is how a duplicate is
@@ -73,6 +73,7 @@ use std::time::Duration;
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, PgTransaction};
 
+use crate::claim::CLAIM_SQL;
 use crate::connections::Leased;
 use crate::error::HandlerError;
 use crate::schema::CLAIMS_TABLE;
@@ -89,11 +90,7 @@ macro_rules! still_claiming {
 /// The prepared statements of the module docs: (name, parameters, SQL).
 /// A name carries a version, so that a runtime whose statement changed
 /// never executes an older one a session still holds.
-const CLAIM: (&str, &str, &str) = (
-    "idem_claim_v2",
-    "(integer, uuid)",
-    "SELECT idem_claim($1, $2)",
-);
+const CLAIM: (&str, &str, &str) = ("idem_claim_v3", "(integer, uuid)", CLAIM_SQL);
 const CHECK: (&str, &str, &str) = (
     "idem_check_v1",
     "",
@@ -220,12 +217,23 @@ pub(crate) async fn end_failed_claim(connection: &mut PgConnection) -> Result<()
 }
 
 /// Whether the claim found the message processed before: a unique key of
-/// the claims table (the partition's own, or `idem_claim`'s for an older
-/// generation) refused it.
+/// of a partition of the claims table refused it.
 pub(crate) fn is_duplicate_claim(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db)
         if db.code().as_deref() == Some("23505")
             && db.table().is_some_and(|table| table.starts_with(CLAIMS_TABLE)))
+}
+
+/// The longest a transaction with `calls` handler calls can run when every
+/// part of it gets its answer under `handler_timeout`: the claim (which may
+/// wait on a concurrent attempt, up to `statement_timeout`), each handler
+/// call (up to the handler timeout) and COMMIT (up to `statement_timeout`),
+/// each the handler timeout: `(2 + calls) × handler_timeout`. The retention
+/// floor counts it for the claiming transaction, and the watchdog waits that
+/// long (plus a margin) before it gives up on one (`Pipeline::watched`).
+pub(crate) fn longest(handler_timeout: Duration, calls: usize) -> Duration {
+    let parts = u32::try_from(calls).unwrap_or(u32::MAX).saturating_add(2);
+    handler_timeout.saturating_mul(parts)
 }
 
 /// How much longer than the handler timeout a transaction may sit idle

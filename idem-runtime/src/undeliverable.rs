@@ -228,6 +228,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     message_id: None,
                     handler: self.handler.name(),
                     delivered: Some(given_up.deliveries),
+                    consumer: Some(&self.route.durable),
                 };
                 return dead_letter::publish_letter(
                     js,
@@ -273,6 +274,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             message_id: message_id.as_ref(),
             handler: self.handler.name(),
             delivered: Some(given_up.deliveries),
+            consumer: Some(&self.route.durable),
         };
         dead_letter::publish_letter(
             js,

@@ -8,8 +8,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use idem_runtime::__private::CLAIM_SQL;
 use idem_runtime::expiry::{self, PurgeReport};
-use idem_runtime::{Delivery, Route, Router, idempotent};
+use idem_runtime::{Delivery, Route, Router, Unbounded, idempotent};
 use sqlx::{Connection, PgConnection, PgPool};
 
 /// Registers handler `name` with `retention` by hand (a router does it at
@@ -51,15 +52,24 @@ async fn purge_until(
     }
 }
 
+/// The runtime's claim of `key` for handler `handler`, as one statement
+/// with its parameters written in.
+fn claim_sql(handler: i32, key: &str) -> sqlx::AssertSqlSafe<String> {
+    assert!(key.chars().all(|c| c.is_ascii_hexdigit() || c == '-'));
+    let sql = CLAIM_SQL
+        .replace("$1", &handler.to_string())
+        .replace("$2", &format!("'{key}'::uuid"));
+    sqlx::AssertSqlSafe(sql)
+}
+
 /// A connection with a claim of `key` in an open transaction.
 async fn claim_held(env: &idem_tests::TestEnv, handler: i32, key: &str) -> PgConnection {
     let mut conn = PgConnection::connect(env.database_url()).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "BEGIN; SELECT idem_claim({handler}, '{key}')"
-    )))
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+    sqlx::raw_sql(claim_sql(handler, key))
+        .execute(&mut conn)
+        .await
+        .unwrap();
     conn
 }
 
@@ -67,9 +77,7 @@ async fn claim_held(env: &idem_tests::TestEnv, handler: i32, key: &str) -> PgCon
 /// was fresh, `Ok(false)` if it was claimed before.
 async fn claim_once(pool: &PgPool, handler: i32, key: &str) -> bool {
     let mut tx = pool.begin().await.unwrap();
-    let claimed = sqlx::query("SELECT idem_claim($1, $2::uuid)")
-        .bind(handler)
-        .bind(key)
+    let claimed = sqlx::raw_sql(claim_sql(handler, key))
         .execute(&mut *tx)
         .await;
     match claimed {
@@ -325,8 +333,20 @@ async fn flowing(
 /// Messages flow, and every message comes back once more while its claim is
 /// well inside the retention, while the router's own purge rotates and
 /// expires generations under them: no duplicate is applied.
+///
+/// The route's retention, 10 s, covers its retention floor (which the
+/// router checks at start-up): a 1 s handler timeout (3 s for the claiming
+/// transaction), ack_wait 1 s for each of the 5 deliveries JetStream can
+/// still make (max_deliver 3), NAK delays of 100 and 200 ms (+20 % jitter),
+/// and 1 s of publisher copies (the test's copies come about half a second
+/// after their message, past the 100 ms duplicate window): 9.36 s. The
+/// stream keeps messages forever; the test replays none, so the route
+/// accepts that term. With generations of 5 s, the fourth opens after about
+/// 15 s, and generation 1, sealed after about 6 s, expires about 10 s
+/// later: the traffic lasts longer (at least 50 ms a message, 24 s).
 #[tokio::test]
 async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
+    const RETENTION: Duration = Duration::from_secs(10);
     let Scenario {
         env: _env,
         pool,
@@ -335,15 +355,28 @@ async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
         stream,
         subject,
     } = scenario("FLOW", Duration::from_millis(100)).await;
-    let (handle, task) = spawn(
-        Router::new().route(
-            Route::new(&stream, "c").retention(Duration::from_secs(2)),
-            flowing,
-        ),
-        nats,
-        pool.clone(),
+    let route = Route::new(&stream, "c")
+        .ack_wait(Duration::from_secs(1))
+        .handler_timeout(Duration::from_secs(1))
+        .max_deliver(3)
+        .backoff(Duration::from_millis(100), Duration::from_millis(200))
+        .publisher_retry_horizon(Duration::from_secs(1))
+        .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
+        .retention(RETENTION);
+    let stream_config = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    let floor = route.retention_floor(&stream_config);
+    assert!(
+        floor.value().is_some_and(|floor| floor <= RETENTION),
+        "{floor}"
     );
-    const MESSAGES: i64 = 120;
+    let (handle, task) = spawn(Router::new().route(route, flowing), nats, pool.clone());
+    const MESSAGES: i64 = 480;
     let publisher = {
         let (js, subject) = (js.clone(), subject.clone());
         tokio::spawn(async move {
@@ -359,7 +392,7 @@ async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
                     Some(&id),
                 )
                 .await;
-                // The copy of the message three steps back, half a second
+                // The copy of the message ten steps back, half a second
                 // later: after the stream's duplicate window, well inside
                 // the retention.
                 if i >= 10 {
@@ -402,6 +435,140 @@ async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
         (ledger.effects, ledger.distinct_messages),
         (MESSAGES, MESSAGES),
         "no duplicate applied"
+    );
+}
+
+/// The age of the claim of `message_id` for handler `flowing`, as the
+/// database sees it, or `None` once it is purged.
+async fn claim_age(pool: &PgPool, message_id: &str) -> Option<Duration> {
+    let age: Option<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM now() - claimed_at)::float8 FROM idem_processed
+          WHERE handler = 'flowing' AND key = idem_key('flowing', $1)",
+    )
+    .bind(message_id)
+    .fetch_optional(pool)
+    .await
+    .unwrap();
+    age.map(Duration::from_secs_f64)
+}
+
+/// The edges of the retention, with the router's own purge running: a copy
+/// that arrives just inside the retention is skipped; once the purge has
+/// expired the claim (never before the retention has passed: its generation
+/// is sealed after the claim, and expires the retention after that; and
+/// within a generation and three purge intervals of a quarter generation
+/// after it), a copy is processed again.
+/// That second effect is the documented behaviour of a duplicate that
+/// arrives after the retention, which the retention floor exists to rule
+/// out.
+#[tokio::test]
+async fn a_copy_just_inside_retention_is_skipped_and_one_after_expiry_is_processed_again() {
+    const RETENTION: Duration = Duration::from_secs(10);
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("EDGE", Duration::from_millis(100)).await;
+    let route = Route::new(&stream, "c")
+        .ack_wait(Duration::from_secs(1))
+        .handler_timeout(Duration::from_secs(1))
+        .max_deliver(3)
+        .backoff(Duration::from_millis(100), Duration::from_millis(200))
+        .publisher_retry_horizon(Duration::ZERO)
+        .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
+        .retention(RETENTION);
+    let (handle, task) = spawn(Router::new().route(route, flowing), nats, pool.clone());
+    let deposit = Deposit {
+        account: "edge".into(),
+        amount: 5,
+    };
+    let processed = |n: u64| {
+        let handle = handle.clone();
+        move || {
+            let handle = handle.clone();
+            async move { handle.stats("c").is_some_and(|s| s.processed() == n) }
+        }
+    };
+    let skipped = |n: u64| {
+        let handle = handle.clone();
+        move || {
+            let handle = handle.clone();
+            async move { handle.stats("c").is_some_and(|s| s.duplicates() == n) }
+        }
+    };
+
+    publish(&js, &subject, &deposit, Some("edge-1")).await;
+    eventually(
+        "the first copy is processed",
+        Duration::from_secs(10),
+        processed(1),
+    )
+    .await;
+
+    // Just inside: a copy published when the claim is 1.5 s short of the
+    // retention, past the stream's duplicate window.
+    let age = claim_age(&pool, "edge-1").await.expect("the claim exists");
+    tokio::time::sleep((RETENTION - Duration::from_millis(1500)).saturating_sub(age)).await;
+    publish(&js, &subject, &deposit, Some("edge-1")).await;
+    eventually(
+        "the copy inside the retention is handled",
+        Duration::from_secs(5),
+        skipped(1),
+    )
+    .await;
+    let age = claim_age(&pool, "edge-1")
+        .await
+        .expect("the claim is still there");
+    assert!(
+        age < RETENTION,
+        "the copy came inside the retention: {age:?}"
+    );
+    assert!(
+        age >= RETENTION - Duration::from_secs(3),
+        "the copy came near the edge: {age:?}"
+    );
+    assert_eq!(
+        handle.stats("c").unwrap().processed(),
+        1,
+        "the copy was skipped"
+    );
+
+    // Outside: wait for the purge to expire the claim, and note how old it
+    // was when it went.
+    let mut last_seen = Duration::ZERO;
+    let deadline = Instant::now() + 3 * RETENTION;
+    while let Some(age) = claim_age(&pool, "edge-1").await {
+        last_seen = age;
+        assert!(Instant::now() < deadline, "the claim was never purged");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        last_seen >= RETENTION - Duration::from_millis(200),
+        "the claim lived out its retention: last seen at {last_seen:?}"
+    );
+    let generation = expiry::generation_length(RETENTION);
+    assert!(
+        last_seen <= RETENTION + 2 * generation,
+        "the claim went within two generations of its retention: last seen at {last_seen:?}"
+    );
+    publish(&js, &subject, &deposit, Some("edge-1")).await;
+    eventually(
+        "the copy after expiry is processed",
+        Duration::from_secs(5),
+        processed(2),
+    )
+    .await;
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let ledger = ledger(&pool, "flowing").await;
+    assert_eq!(
+        (ledger.effects, ledger.distinct_messages),
+        (2, 1),
+        "one effect inside the retention, a second after it: the documented behaviour"
     );
 }
 

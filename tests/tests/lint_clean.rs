@@ -17,7 +17,9 @@
     unreachable_pub
 )]
 
-use idem_runtime::{Classify, Delivery, ErrorClass, Handler, Route, Router, idempotent};
+use idem_runtime::{
+    Classify, Delivery, ErrorClass, Handler, ReplyRoute, Route, Router, idempotent,
+};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -147,6 +149,28 @@ async fn refund(conn: &mut sqlx::PgConnection, cmd: Credit) -> ledger::Result<()
     Ok(())
 }
 
+/// A receipt a handler returns, stored with its claim.
+#[derive(serde::Serialize)]
+struct Receipt {
+    balance: i64,
+}
+
+/// A value, stored with the claim and sent as the reply to a request.
+#[idempotent(name = "balance-v1")]
+async fn balance(tx: &mut sqlx::PgTransaction<'_>, cmd: Credit) -> Result<Receipt, sqlx::Error> {
+    let balance = sqlx::query_scalar("SELECT balance FROM accounts WHERE id = $1")
+        .bind(cmd.account)
+        .fetch_one(&mut **tx)
+        .await?;
+    Ok(Receipt { balance })
+}
+
+/// A value through a `Result` alias, with the raw codec.
+#[idempotent(name = "echo-v1", codec = raw)]
+async fn echo(_tx: &mut sqlx::PgTransaction<'_>, text: String) -> ledger::Result<String> {
+    Ok(text)
+}
+
 /// A public handler in a module, with a `String` error.
 mod public {
     use serde::Deserialize;
@@ -232,11 +256,15 @@ fn every_shape_routes() {
         .route(Route::new("LEDGER", "ignore"), ignore)
         .route(Route::new("LEDGER", "transfer"), transfer)
         .route(Route::new("LEDGER", "refund"), refund)
-        .route(Route::new("LEDGER", "notify"), public::notify);
+        .route(Route::new("LEDGER", "notify"), public::notify)
+        .reply_route(ReplyRoute::new("ledger.balance"), balance)
+        .reply_route(ReplyRoute::new("ledger.echo"), echo);
     let handle = router.handle();
     for durable in [
         "credit", "debit", "audit", "ignore", "transfer", "refund", "notify",
     ] {
         assert!(handle.stats(durable).is_some(), "route {durable}");
     }
+    assert!(handle.stats("ledger.balance").is_some());
+    assert!(handle.stats("ledger.echo").is_some());
 }

@@ -1,0 +1,136 @@
+//! Stored results: what a handler returned, kept with its claim.
+//!
+//! A handler may return a value (`-> Result<Receipt, E>`). The runtime
+//! encodes it with the handler's codec (JSON unless it chose another) and
+//! stores the bytes in the `result` column of the message's claim, in the
+//! same transaction, after the body and before COMMIT:
+//!
+//! ```sql
+//! UPDATE idem_claims SET result = $2 WHERE key = $1
+//! ```
+//!
+//! Every row of that key is this transaction's own claim (during a
+//! generation transition the claim is in two generations; a claim made by
+//! anyone else would have been a duplicate), so the value commits with the
+//! claim and the writes, or not at all. A handler that returns `()` stores
+//! nothing and costs no statement.
+//!
+//! A duplicate of a processed request reads the value back ([`read`]) and
+//! gets the first reply again without running the body (see
+//! [`ReplyRoute`](crate::ReplyRoute)). A stored result lives exactly as long
+//! as its claim: it is in the claim's row, so the route's retention
+//! (`Route::retention`) expires both together, and a claim kept forever
+//! keeps its result forever.
+
+use bytes::Bytes;
+use sqlx::{PgConnection, PgPool, PgTransaction};
+
+use crate::codec::Encode;
+use crate::error::HandlerError;
+use crate::failure::ErrorClass;
+
+/// The result stored for `message_id` by the handler named `handler`: the
+/// bytes its codec encoded (for JSON, the JSON text).
+///
+/// `None` if the message was not processed (or its claim has expired), or
+/// was processed by a handler that returns `()`. It reads committed claims
+/// only, so a message still being processed reads as not processed.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// #[derive(serde::Deserialize)]
+/// struct Receipt { order: i64 }
+///
+/// if let Some(bytes) = idem_runtime::results::stored(&pool, "orders.place.v1", "order-7").await? {
+///     let receipt: Receipt = serde_json::from_slice(&bytes)?;
+///     println!("order {} was placed", receipt.order);
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub async fn stored(
+    pool: &PgPool,
+    handler: &str,
+    message_id: &str,
+) -> Result<Option<Bytes>, sqlx::Error> {
+    let key = crate::claim::key(handler, message_id);
+    let mut connection = pool.acquire().await?;
+    Ok(read(&mut connection, &key).await?.flatten())
+}
+
+/// What the committed claim on `key` stored: `None` if there is no claim,
+/// `Some(None)` for a claim without a result.
+pub(crate) async fn read(
+    connection: &mut PgConnection,
+    key: &str,
+) -> Result<Option<Option<Bytes>>, sqlx::Error> {
+    // Both rows of a claim made during a transition hold the same result.
+    let row: Option<Option<Vec<u8>>> =
+        sqlx::query_scalar("SELECT result FROM idem_claims WHERE key = $1::uuid LIMIT 1")
+            .bind(key)
+            .fetch_optional(connection)
+            .await?;
+    Ok(row.map(|result| result.map(Bytes::from)))
+}
+
+/// Stores `result` with the claim on `key`, which `tx` made.
+pub(crate) async fn store(
+    tx: &mut PgTransaction<'_>,
+    key: &str,
+    result: &Bytes,
+) -> Result<(), HandlerError> {
+    sqlx::query("UPDATE idem_claims SET result = $2 WHERE key = $1::uuid")
+        .bind(key)
+        .bind(result.as_ref())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Stores the results of a batch's messages with their claims, in one
+/// statement.
+pub(crate) async fn store_many(
+    tx: &mut PgTransaction<'_>,
+    keys: &[&str],
+    results: &[&[u8]],
+) -> Result<(), HandlerError> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "UPDATE idem_claims SET result = r.result
+           FROM unnest($1::uuid[], $2::bytea[]) AS r(key, result)
+          WHERE idem_claims.key = r.key",
+    )
+    .bind(keys)
+    .bind(results)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Encodes a handler's value with its codec, for storing. A value that does
+/// not encode will not encode on a retry either: a permanent failure, and
+/// the transaction is rolled back.
+#[doc(hidden)]
+pub fn encode<C: Encode<T>, T>(value: &T) -> Result<Option<Bytes>, HandlerError> {
+    C::encode(value)
+        .map(Some)
+        .map_err(|error| HandlerError::classified(error, Some(ErrorClass::Permanent)))
+}
+
+/// What `#[idempotent]` asks of a value it cannot see in the return type
+/// (an alias such as `type Fallible = Result<(), E>`): that it is `()`.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "this handler returns `{Self}` through a type alias, so idem cannot see that it returns a value",
+    label = "the alias hides the value type `{Self}`",
+    note = "write the value type in the return type, `Result<{Self}, E>` or `MyResult<{Self}>`, so that idem stores it with the claim"
+)]
+pub trait NoValue {}
+
+impl NoValue for () {}
+
+/// Checks that a handler whose return type hides its value returns `()`.
+#[doc(hidden)]
+pub fn no_value<T: NoValue>(_: T) {}

@@ -1,0 +1,1074 @@
+//! The retention floor: the shortest retention under which every duplicate
+//! that can still arrive finds its message's claim.
+//!
+//! A claim is stamped `claimed_at`, the start of the transaction that
+//! inserted it (PostgreSQL's `now()`), and is kept for at least the route's
+//! [`retention`](crate::Route::retention) after that stamp: the
+//! [purge](crate::expiry) drops a claim's generation only once it has been
+//! sealed (no claim can still be written into it) for the longest retention
+//! any handler asks for. A duplicate that reaches the claim check after its
+//! claim is dropped finds no row and is processed again. The
+//! floor bounds how long after the stamp a copy of the message can still
+//! reach the claim check; at start-up the router refuses a route whose
+//! retention is below it.
+//!
+//! # The terms
+//!
+//! A message comes back in three ways. Each term says which duplicates it
+//! covers.
+//!
+//! 1. **Redeliveries of the copy that claimed it** (its ack was lost, its
+//!    worker died, it was NAKed), counted from the stamp. Their sum is the
+//!    *redelivery span*:
+//!    - **The claiming transaction.** Its claim may wait on a concurrent
+//!      attempt (at most `statement_timeout`, which is the handler timeout),
+//!      its handler calls take at most the handler timeout each (a batch
+//!      whose handler runs once per message makes up to `batch` calls), and
+//!      its COMMIT at most `statement_timeout`: `(2 + calls) ×
+//!      handler_timeout`. A batch handler (`#[idempotent(batch)]`) makes one
+//!      call per batch, but the floor is computed from the route alone, so
+//!      it counts `batch`. The runtime's watchdog waits as long, plus a
+//!      margin, before it stops waiting for a transaction. The claim is
+//!      visible only from the COMMIT on. Heartbeats (`+WPI`) hold the
+//!      message's lease for as long, so no redelivery comes earlier; without
+//!      heartbeats, one that does waits on the claim's lock. Without a
+//!      handler timeout the transaction, and its heartbeats, last as long as
+//!      the handler does: no bound ([`Unbounded::HandlerTimeout`]).
+//!    - **Every later delivery.** JetStream delivers a message at most
+//!      `max_deliver + 3` times (the consumer's limit is set 3 above the
+//!      route's; see [`RetryPolicy`](crate::RetryPolicy)), and the claiming
+//!      delivery is at least the first, so at most `max_deliver + 2` follow.
+//!      Each comes at most `ack_wait` after the previous one ended (its ack
+//!      was lost or its worker died; a message's heartbeats stop before it
+//!      is acked), or one NAK delay after it (a COMMIT whose outcome was
+//!      unknown is NAKed with the backoff). The floor counts `ack_wait` for
+//!      every gap plus every NAK delay the policy can give (after deliveries
+//!      1 to `max_deliver − 1`: `initial × 2^(n−1)`, capped at `max`, each
+//!      up to `+jitter`): a little more than any mix of the two can take.
+//!      A duplicate's own attempt is its claim check, which finds a
+//!      committed row at once; in batch mode it is acked with its batch, so
+//!      every gap also counts a batch's transaction.
+//! 2. **Replays and late deliveries of a stored copy.** A consumer's ack
+//!    floor can be reset (nats-server#8036), a consumer deleted and created
+//!    again, or a consumer can be far behind: a stored copy can be delivered
+//!    until it ages out, the stream's `max_age` after it was stored, and the
+//!    claim was stamped after the first copy was stored. `max_age` 0 keeps
+//!    messages forever: no bound ([`Unbounded::StreamMaxAge`]).
+//! 3. **Copies that a publisher stores again.** JetStream drops a publish
+//!    of the same `Nats-Msg-Id` inside the stream's `duplicate_window`, and
+//!    stores one after it as a new copy, whose deliveries (terms 1 and 2)
+//!    start up to the publisher-retry horizon after the first copy's. The
+//!    horizon ([`Route::publisher_retry_horizon`](crate::Route::publisher_retry_horizon))
+//!    adds to the floor when it is longer than the duplicate window, and
+//!    counts 0 otherwise. A route that declares none has no bound here
+//!    ([`Unbounded::PublisherRetryHorizon`]).
+//!
+//! ```text
+//! floor = copies + max(redelivery span, max_age)
+//! ```
+//!
+//! Every delivery of a copy happens while the stream stores it, within
+//! `max_age` of its storage, so with a finite `max_age`, `copies + max_age`
+//! bounds every path by itself. The redelivery span is the bound that does
+//! not depend on `max_age`: the floor keeps the larger of the two, so that
+//! a short `max_age` is not trusted to cut redeliveries short (nor a
+//! delivery taken just before its copy ages out to reach its claim check at
+//! once), and the span is what remains when an unbounded `max_age` is
+//! accepted.
+//!
+//! # Unbounded terms
+//!
+//! A route with an unbounded term and a retention is refused unless it
+//! accepts that term with
+//! [`Route::accept_duplicates_after_retention`](crate::Route::accept_duplicates_after_retention):
+//! the term then counts 0, the rest of the floor is still checked, and a
+//! duplicate that the term lets arrive after the retention is processed
+//! again. A route without a retention keeps its claims forever and is not
+//! checked.
+//!
+//! # Worked example
+//!
+//! The defaults (`ack_wait` 30 s, `max_deliver` 10, backoff 1 s doubling
+//! to 5 min with ±20 % jitter, handler timeout 5 min, per-message mode), a
+//! stream with `max_age` 7 days and the default `duplicate_window` of
+//! 2 min, and publishers that retry for at most 1 min:
+//!
+//! | term | value |
+//! |---|---|
+//! | claiming transaction: 3 × handler_timeout 5m | 15m |
+//! | 12 later deliveries × ack_wait 30s | 6m |
+//! | NAK backoff 1s+2s+4s+8s+16s+32s+1m 4s+2m 8s+4m 16s = 8m 31s, +20 % jitter | 10m 13.2s |
+//! | redelivery span | 31m 13.2s |
+//! | stream max_age | 7d |
+//! | publisher copies: horizon 1m ≤ duplicate_window 2m | 0 |
+//! | floor = 0 + max(31m 13.2s, 7d) | **7d** |
+//!
+//! A publisher that retries for up to 1 h makes it 7d 1h. A stream that
+//! keeps messages forever is refused unless accepted; accepted, the floor is
+//! the redelivery span, 31m 13.2s.
+//!
+//! ```
+//! use std::time::Duration;
+//! use idem_runtime::Route;
+//! use idem_runtime::async_nats::jetstream::stream;
+//!
+//! let stream = stream::Config {
+//!     max_age: Duration::from_secs(7 * 24 * 3600),
+//!     duplicate_window: Duration::from_secs(120),
+//!     ..Default::default()
+//! };
+//! let route = Route::new("LEDGER", "credit").publisher_retry_horizon(Duration::from_secs(60));
+//! let floor = route.retention_floor(&stream);
+//! assert_eq!(floor.value(), Some(Duration::from_secs(7 * 24 * 3600)));
+//! assert!(floor.to_string().ends_with("floor = 0 + max(31m 13.2s, 7d) = 7d"), "{floor}");
+//! ```
+//!
+//! # Not covered
+//!
+//! - A message *held* while the database cannot be used (see the README's
+//!   failure handling) keeps its lease through heartbeats for as long as
+//!   that lasts, before its claim check. The purge needs the database too,
+//!   but a worker cut off from it while the purge runs elsewhere can hold a
+//!   duplicate past the retention.
+//! - Clocks: a copy's storage time is the NATS server's, the stamp and the
+//!   purge are PostgreSQL's. Skew between them adds to every term.
+//! - The floor is computed at start-up from the stream's settings then. A
+//!   `max_age` raised later, or a publisher that retries for longer than it
+//!   declared, is not seen.
+//! - Dead-letter replays are checked when they are replayed
+//!   ([`dead_letter::replay`](crate::dead_letter::replay)).
+
+use std::fmt;
+use std::time::Duration;
+
+use async_nats::jetstream::stream;
+
+use crate::error::Error;
+use crate::route::Route;
+
+/// The consumer metadata key under which a route records its retention
+/// (`forever`, or seconds: `604800s`), for its dead letters to copy.
+pub(crate) const RETENTION_KEY: &str = "idem.retention";
+
+/// The consumer metadata key under which a route records how far apart in
+/// time copies of one message may be stored (the publisher-copies term),
+/// when it is not zero.
+pub(crate) const COPY_SPREAD_KEY: &str = "idem.copy_spread";
+
+/// A term of the retention floor that has no finite bound.
+///
+/// A route whose floor has one and that sets a retention is refused at
+/// start-up, unless it accepts the term with
+/// [`Route::accept_duplicates_after_retention`](crate::Route::accept_duplicates_after_retention).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Unbounded {
+    /// The stream keeps messages forever (`max_age` 0), so a stored message
+    /// can be redelivered or replayed (an ack floor reset, a consumer
+    /// created again) at any time.
+    StreamMaxAge,
+    /// The route has no handler timeout, so a transaction can run, and
+    /// commit its claim, any time after the claim was stamped.
+    HandlerTimeout,
+    /// The route declares no publisher-retry horizon, so a publisher may
+    /// publish the message again at any time; after the stream's duplicate
+    /// window that copy is stored and delivered anew.
+    PublisherRetryHorizon,
+}
+
+impl Unbounded {
+    /// How the term is written in code, for messages.
+    fn path(self) -> &'static str {
+        match self {
+            Unbounded::StreamMaxAge => "Unbounded::StreamMaxAge",
+            Unbounded::HandlerTimeout => "Unbounded::HandlerTimeout",
+            Unbounded::PublisherRetryHorizon => "Unbounded::PublisherRetryHorizon",
+        }
+    }
+
+    /// Why the term has no bound.
+    fn why(self) -> &'static str {
+        match self {
+            Unbounded::StreamMaxAge => {
+                "the stream keeps messages forever (max_age 0), so a stored message can be redelivered or replayed (an ack floor reset, a consumer created again) at any time"
+            }
+            Unbounded::HandlerTimeout => {
+                "the route has no handler timeout, so a transaction can run, and commit its claim, any time after the claim was stamped"
+            }
+            Unbounded::PublisherRetryHorizon => {
+                "the route declares no publisher-retry horizon, so a publisher may publish the message again at any time, stored as a new copy after the duplicate window"
+            }
+        }
+    }
+
+    /// The setting that bounds it.
+    fn bound(self) -> &'static str {
+        match self {
+            Unbounded::StreamMaxAge => "give the stream a max_age",
+            Unbounded::HandlerTimeout => "set `Route::handler_timeout`",
+            Unbounded::PublisherRetryHorizon => {
+                "declare how long publishers retry with `Route::publisher_retry_horizon`"
+            }
+        }
+    }
+}
+
+/// What the floor is computed from: a route's settings and its stream's.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Inputs {
+    pub(crate) ack_wait: Duration,
+    /// The route's delivery limit.
+    pub(crate) max_deliver: u64,
+    /// JetStream's delivery limit for the consumer.
+    pub(crate) server_max_deliver: u64,
+    /// The NAK delays before jitter, after deliveries 1 to `max_deliver − 1`,
+    /// as runs of equal delays: `(delay, how many)`.
+    pub(crate) nak_delays: Vec<(Duration, u64)>,
+    /// The jitter fraction: a NAK delay is up to `1 + jitter` times its base.
+    pub(crate) jitter: f64,
+    pub(crate) handler_timeout: Option<Duration>,
+    /// Messages per transaction: 1 in per-message mode.
+    pub(crate) batch: usize,
+    /// The stream's `max_age`; zero keeps messages forever.
+    pub(crate) max_age: Duration,
+    pub(crate) duplicate_window: Duration,
+    pub(crate) publisher_retry_horizon: Option<Duration>,
+    /// Unbounded terms the route accepts.
+    pub(crate) accepted: Vec<Unbounded>,
+}
+
+impl Inputs {
+    /// The inputs of `route` reading `stream`.
+    pub(crate) fn of(route: &Route, stream: &stream::Config) -> Self {
+        let policy = &route.retry;
+        Inputs {
+            ack_wait: route.ack_wait,
+            max_deliver: policy.max_deliver,
+            server_max_deliver: route.server_max_deliver(),
+            nak_delays: policy.nak_delay_runs(),
+            jitter: policy.jitter,
+            handler_timeout: route.handler_timeout,
+            batch: route.batch,
+            max_age: stream.max_age,
+            duplicate_window: stream.duplicate_window,
+            publisher_retry_horizon: route.publisher_retry_horizon,
+            accepted: route.accepted_unbounded.clone(),
+        }
+    }
+
+    fn accepts(&self, term: Unbounded) -> bool {
+        self.accepted.contains(&term)
+    }
+}
+
+/// A term's value: a duration, none (unbounded), or not counted (an
+/// unbounded term the route accepts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Value {
+    Bounded(Duration),
+    Unbounded(Unbounded),
+    Accepted(Unbounded),
+}
+
+impl Value {
+    /// The duration it adds: an accepted term adds nothing.
+    fn counted(self) -> Option<Duration> {
+        match self {
+            Value::Bounded(duration) => Some(duration),
+            Value::Accepted(_) => Some(Duration::ZERO),
+            Value::Unbounded(_) => None,
+        }
+    }
+}
+
+/// A route's retention floor and how it was computed: what
+/// [`Route::retention_floor`](crate::Route::retention_floor) returns and the
+/// start-up refusals show. Its `Display` is the computation, term by term,
+/// on one line. See the [module docs](self) for what each term covers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetentionFloor {
+    inputs: Inputs,
+    /// Handler calls in one transaction.
+    calls: usize,
+    /// The claiming transaction, `(2 + calls) × handler_timeout`.
+    transaction: Value,
+    /// Deliveries that can follow the claiming one.
+    redeliveries: u64,
+    /// What each of them adds: `ack_wait`, plus a batch's transaction in
+    /// batch mode.
+    per_redelivery: Option<Duration>,
+    nak_total: Duration,
+    nak_with_jitter: Duration,
+    span: Option<Duration>,
+    max_age: Value,
+    copies: Value,
+    floor: Option<Duration>,
+    unbounded: Vec<Unbounded>,
+}
+
+/// Computes the retention floor of `inputs`. Pure: the same inputs give the
+/// same floor.
+pub(crate) fn compute(inputs: Inputs) -> RetentionFloor {
+    let calls = inputs.batch.max(1);
+    let transaction = match inputs.handler_timeout {
+        Some(timeout) => Value::Bounded(crate::transaction::longest(timeout, calls)),
+        None if inputs.accepts(Unbounded::HandlerTimeout) => {
+            Value::Accepted(Unbounded::HandlerTimeout)
+        }
+        None => Value::Unbounded(Unbounded::HandlerTimeout),
+    };
+    let redeliveries = inputs.server_max_deliver.saturating_sub(1);
+    let per_redelivery = if inputs.batch > 1 {
+        transaction
+            .counted()
+            .map(|batch| inputs.ack_wait.saturating_add(batch))
+    } else {
+        Some(inputs.ack_wait)
+    };
+    let nak_total = inputs
+        .nak_delays
+        .iter()
+        .fold(Duration::ZERO, |sum, (delay, count)| {
+            sum.saturating_add(times(*delay, *count))
+        });
+    let nak_with_jitter = with_jitter(nak_total, inputs.jitter);
+    let span = match (transaction.counted(), per_redelivery) {
+        (Some(transaction), Some(each)) => Some(
+            transaction
+                .saturating_add(times(each, redeliveries))
+                .saturating_add(nak_with_jitter),
+        ),
+        _ => None,
+    };
+    let max_age = if !inputs.max_age.is_zero() {
+        Value::Bounded(inputs.max_age)
+    } else if inputs.accepts(Unbounded::StreamMaxAge) {
+        Value::Accepted(Unbounded::StreamMaxAge)
+    } else {
+        Value::Unbounded(Unbounded::StreamMaxAge)
+    };
+    let copies = match inputs.publisher_retry_horizon {
+        Some(horizon) if horizon > inputs.duplicate_window => Value::Bounded(horizon),
+        Some(_) => Value::Bounded(Duration::ZERO),
+        None if inputs.accepts(Unbounded::PublisherRetryHorizon) => {
+            Value::Accepted(Unbounded::PublisherRetryHorizon)
+        }
+        None => Value::Unbounded(Unbounded::PublisherRetryHorizon),
+    };
+    let unbounded: Vec<Unbounded> = [max_age, transaction, copies]
+        .iter()
+        .filter_map(|value| match value {
+            Value::Unbounded(term) => Some(*term),
+            _ => None,
+        })
+        .collect();
+    let floor = match (span, max_age.counted(), copies.counted()) {
+        (Some(span), Some(max_age), Some(copies)) if unbounded.is_empty() => {
+            Some(copies.saturating_add(span.max(max_age)))
+        }
+        _ => None,
+    };
+    RetentionFloor {
+        inputs,
+        calls,
+        transaction,
+        redeliveries,
+        per_redelivery,
+        nak_total,
+        nak_with_jitter,
+        span,
+        max_age,
+        copies,
+        floor,
+        unbounded,
+    }
+}
+
+/// `duration × n`, or [`Duration::MAX`] if that is longer.
+fn times(duration: Duration, n: u64) -> Duration {
+    let nanos = duration.as_nanos().saturating_mul(u128::from(n));
+    let seconds = nanos / 1_000_000_000;
+    match u64::try_from(seconds) {
+        Ok(seconds) => Duration::new(seconds, (nanos % 1_000_000_000) as u32),
+        Err(_) => Duration::MAX,
+    }
+}
+
+/// `base` stretched by the largest jitter, `1 + jitter` times.
+fn with_jitter(base: Duration, jitter: f64) -> Duration {
+    if jitter <= 0.0 {
+        return base;
+    }
+    Duration::try_from_secs_f64(base.as_secs_f64() * (1.0 + jitter)).unwrap_or(Duration::MAX)
+}
+
+impl RetentionFloor {
+    /// The floor: the shortest retention under which every duplicate finds
+    /// its claim. `None` when a term has no bound and is not accepted (see
+    /// [`unbounded`](Self::unbounded)).
+    pub fn value(&self) -> Option<Duration> {
+        self.floor
+    }
+
+    /// The terms without a bound that the route does not accept.
+    pub fn unbounded(&self) -> &[Unbounded] {
+        &self.unbounded
+    }
+
+    /// The part of the floor made of redeliveries of the copy that claimed
+    /// the message, counted from its claim; `None` if unbounded.
+    pub fn redelivery_span(&self) -> Option<Duration> {
+        self.span
+    }
+
+    /// The publisher-copies term: how far apart copies of one message can be
+    /// stored. Zero when it is not counted.
+    pub(crate) fn copy_spread(&self) -> Duration {
+        self.copies.counted().unwrap_or(Duration::ZERO)
+    }
+
+    fn fmt_span(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inputs = &self.inputs;
+        f.write_str("redeliveries after the claim: ")?;
+        match self.transaction {
+            Value::Bounded(transaction) => {
+                let timeout = inputs.handler_timeout.unwrap_or_default();
+                write!(
+                    f,
+                    "claiming transaction (claim wait, {} handler call{}, COMMIT) {} × handler_timeout {} = {}",
+                    self.calls,
+                    if self.calls == 1 { "" } else { "s" },
+                    self.calls + 2,
+                    Human(timeout),
+                    Human(transaction)
+                )?;
+            }
+            Value::Accepted(_) => {
+                f.write_str("claiming transaction: no handler timeout, accepted, counted 0")?
+            }
+            Value::Unbounded(_) => {
+                f.write_str("claiming transaction: no handler timeout, unbounded")?
+            }
+        }
+        match self.per_redelivery {
+            Some(each) if inputs.batch > 1 => write!(
+                f,
+                " + {} later deliveries (max_deliver {} + 3 on the server, less the claiming one) × (ack_wait {} + a batch's transaction) = {}",
+                self.redeliveries,
+                inputs.max_deliver,
+                Human(inputs.ack_wait),
+                Human(times(each, self.redeliveries))
+            )?,
+            Some(each) => write!(
+                f,
+                " + {} later deliveries (max_deliver {} + 3 on the server, less the claiming one) × ack_wait {} = {}",
+                self.redeliveries,
+                inputs.max_deliver,
+                Human(inputs.ack_wait),
+                Human(times(each, self.redeliveries))
+            )?,
+            None => write!(
+                f,
+                " + {} later deliveries × (ack_wait {} + a batch's transaction, unbounded)",
+                self.redeliveries,
+                Human(inputs.ack_wait)
+            )?,
+        }
+        if !inputs.nak_delays.is_empty() {
+            write!(
+                f,
+                " + NAK backoff {} = {}",
+                NakDelays(&inputs.nak_delays),
+                Human(self.nak_total)
+            )?;
+            if inputs.jitter > 0.0 {
+                write!(
+                    f,
+                    ", +{} % jitter = {}",
+                    Percent(inputs.jitter),
+                    Human(self.nak_with_jitter)
+                )?;
+            }
+        }
+        match self.span {
+            Some(span) => write!(f, "; span {}", Human(span)),
+            None => f.write_str("; span unbounded"),
+        }
+    }
+}
+
+impl fmt::Display for RetentionFloor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inputs = &self.inputs;
+        self.fmt_span(f)?;
+        match self.max_age {
+            Value::Bounded(max_age) => write!(
+                f,
+                "; stream max_age {} (a stored copy can be redelivered or replayed until it ages out)",
+                Human(max_age)
+            )?,
+            Value::Accepted(_) => f.write_str(
+                "; stream max_age 0 (kept forever: replays at any time), accepted, not counted",
+            )?,
+            Value::Unbounded(_) => {
+                f.write_str("; stream max_age 0 (kept forever: replays at any time), unbounded")?
+            }
+        }
+        match (self.copies, inputs.publisher_retry_horizon) {
+            (Value::Bounded(copies), Some(horizon)) if !copies.is_zero() => write!(
+                f,
+                "; publisher copies: horizon {} > duplicate_window {}, so a retry is stored as a new copy = {}",
+                Human(horizon),
+                Human(inputs.duplicate_window),
+                Human(copies)
+            )?,
+            (_, Some(horizon)) => write!(
+                f,
+                "; publisher copies: horizon {} ≤ duplicate_window {}, so JetStream drops retries = 0",
+                Human(horizon),
+                Human(inputs.duplicate_window)
+            )?,
+            (Value::Accepted(_), None) => f.write_str(
+                "; publisher copies: no publisher-retry horizon declared, accepted, counted 0",
+            )?,
+            (_, None) => {
+                f.write_str("; publisher copies: no publisher-retry horizon declared, unbounded")?
+            }
+        }
+        match self.floor {
+            Some(floor) => {
+                let copies = Human(self.copy_spread());
+                let span = Human(self.span.unwrap_or_default());
+                match self.max_age {
+                    Value::Bounded(max_age) => write!(
+                        f,
+                        "; floor = {copies} + max({span}, {}) = {}",
+                        Human(max_age),
+                        Human(floor)
+                    ),
+                    _ => write!(f, "; floor = {copies} + {span} = {}", Human(floor)),
+                }
+            }
+            None => {
+                f.write_str("; floor unbounded (")?;
+                for (n, term) in self.unbounded.iter().enumerate() {
+                    if n > 0 {
+                        f.write_str(", ")?;
+                    }
+                    f.write_str(term.path())?;
+                }
+                f.write_str(")")
+            }
+        }
+    }
+}
+
+/// Refuses `route` if it sets a retention below its floor on `stream`, or
+/// one whose floor has an unbounded term it does not accept. Returns the
+/// floor.
+pub(crate) fn check(route: &Route, stream: &stream::Config) -> Result<RetentionFloor, Error> {
+    let floor = route.retention_floor(stream);
+    let Some(retention) = route.retention else {
+        return Ok(floor);
+    };
+    if !floor.unbounded.is_empty() {
+        return Err(Error::RetentionFloorUnbounded {
+            route: route.durable.clone(),
+            retention,
+            unbounded: floor.unbounded.clone(),
+            computation: Box::new(floor),
+        });
+    }
+    match floor.floor {
+        Some(value) if retention < value => Err(Error::RetentionBelowFloor {
+            route: route.durable.clone(),
+            retention,
+            floor: value,
+            computation: Box::new(floor),
+        }),
+        _ => Ok(floor),
+    }
+}
+
+/// The metadata a route records on its consumer, for its dead letters to
+/// copy: its retention and the copies term of its floor.
+pub(crate) fn consumer_metadata(route: &Route, floor: &RetentionFloor) -> Vec<(String, String)> {
+    let mut metadata = vec![(
+        RETENTION_KEY.to_owned(),
+        route
+            .retention
+            .map_or_else(|| "forever".to_owned(), encode_duration),
+    )];
+    let spread = floor.copy_spread();
+    if route.retention.is_some() && !spread.is_zero() {
+        metadata.push((COPY_SPREAD_KEY.to_owned(), encode_duration(spread)));
+    }
+    metadata
+}
+
+/// The message for [`Error::RetentionBelowFloor`].
+pub(crate) fn below_floor_message(
+    route: &str,
+    retention: Duration,
+    floor: Duration,
+    computation: &RetentionFloor,
+) -> String {
+    format!(
+        "route `{route}` keeps its claims for {} (`Route::retention`), below its retention floor of {}: a duplicate can still arrive up to {} after its message was processed, and one that arrives after its claim is purged is processed again. The floor: {computation}. Raise the retention to at least {}, or shorten what the floor is made of (the stream's max_age, the retry policy, the handler timeout, the publisher-retry horizon)",
+        Human(retention),
+        Human(floor),
+        Human(floor),
+        Human(floor)
+    )
+}
+
+/// The message for [`Error::RetentionFloorUnbounded`].
+pub(crate) fn unbounded_message(
+    route: &str,
+    retention: Duration,
+    unbounded: &[Unbounded],
+    computation: &RetentionFloor,
+) -> String {
+    let mut message = format!(
+        "route `{route}` keeps its claims for {} (`Route::retention`), but its retention floor has no bound: ",
+        Human(retention)
+    );
+    for (n, term) in unbounded.iter().enumerate() {
+        if n > 0 {
+            message.push_str("; and ");
+        }
+        message.push_str(term.why());
+    }
+    message.push_str(&format!(". The floor: {computation}. "));
+    for (n, term) in unbounded.iter().enumerate() {
+        if n > 0 {
+            message.push_str("; ");
+        }
+        message.push_str(&format!(
+            "{}, or accept that duplicates arriving after the retention are processed again: `Route::accept_duplicates_after_retention({})`",
+            capitalized(term.bound(), n == 0),
+            term.path()
+        ));
+    }
+    message
+}
+
+fn capitalized(text: &str, first: bool) -> String {
+    let mut chars = text.chars();
+    match chars.next() {
+        Some(c) if first => c.to_uppercase().chain(chars).collect(),
+        _ => text.to_owned(),
+    }
+}
+
+/// A duration as a dead-letter header or consumer metadata value: seconds,
+/// with a fraction if there is one (`604800s`, `0.25s`).
+pub(crate) fn encode_duration(duration: Duration) -> String {
+    let nanos = duration.subsec_nanos();
+    if nanos == 0 {
+        return format!("{}s", duration.as_secs());
+    }
+    let fraction = format!("{nanos:09}");
+    format!("{}.{}s", duration.as_secs(), fraction.trim_end_matches('0'))
+}
+
+/// Reads what [`encode_duration`] wrote.
+pub(crate) fn decode_duration(text: &str) -> Option<Duration> {
+    let number = text.trim().strip_suffix('s')?;
+    let (seconds, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if seconds.is_empty() || !seconds.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    if fraction.len() > 9 || !fraction.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let nanos = if fraction.is_empty() {
+        0
+    } else {
+        format!("{fraction:0<9}").parse::<u32>().ok()?
+    };
+    Some(Duration::new(seconds.parse().ok()?, nanos))
+}
+
+/// A duration for people: `7d`, `1h 23m`, `31m 13.2s`, `250ms`, `0`; rounded
+/// up to the millisecond.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Human(pub(crate) Duration);
+
+impl fmt::Display for Human {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 == Duration::MAX {
+            return f.write_str("forever");
+        }
+        let mut millis = self.0.as_millis();
+        if !self.0.subsec_nanos().is_multiple_of(1_000_000) {
+            millis += 1;
+        }
+        if millis == 0 {
+            return f.write_str("0");
+        }
+        if millis < 1000 {
+            return write!(f, "{millis}ms");
+        }
+        let days = millis / 86_400_000;
+        let hours = millis / 3_600_000 % 24;
+        let minutes = millis / 60_000 % 60;
+        let seconds = millis / 1000 % 60;
+        let rest = millis % 1000;
+        let mut parts = Vec::new();
+        if days > 0 {
+            parts.push(format!("{days}d"));
+        }
+        if hours > 0 {
+            parts.push(format!("{hours}h"));
+        }
+        if minutes > 0 {
+            parts.push(format!("{minutes}m"));
+        }
+        if rest > 0 {
+            let fraction = format!("{rest:03}");
+            parts.push(format!("{seconds}.{}s", fraction.trim_end_matches('0')));
+        } else if seconds > 0 {
+            parts.push(format!("{seconds}s"));
+        }
+        f.write_str(&parts.join(" "))
+    }
+}
+
+/// The NAK delays, a run of equal ones as `5m×3`; the middle left out when
+/// there are many.
+struct NakDelays<'a>(&'a [(Duration, u64)]);
+
+impl fmt::Display for NakDelays<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let runs = self.0;
+        let run = |(delay, count): &(Duration, u64)| {
+            if *count == 1 {
+                Human(*delay).to_string()
+            } else {
+                format!("{}×{count}", Human(*delay))
+            }
+        };
+        let shown: Vec<String> = if runs.len() > 10 {
+            runs[..4]
+                .iter()
+                .map(run)
+                .chain(std::iter::once("…".to_owned()))
+                .chain(runs[runs.len() - 2..].iter().map(run))
+                .collect()
+        } else {
+            runs.iter().map(run).collect()
+        };
+        f.write_str(&shown.join("+"))
+    }
+}
+
+/// A fraction as a percentage, without trailing zeros: `20`, `12.5`.
+struct Percent(f64);
+
+impl fmt::Display for Percent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = format!("{:.2}", self.0 * 100.0);
+        let text = text.trim_end_matches('0').trim_end_matches('.');
+        f.write_str(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RetryPolicy;
+
+    const DAY: Duration = Duration::from_secs(24 * 3600);
+
+    fn secs(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    /// A stream with `max_age` and the default duplicate window.
+    fn stream(max_age: Duration) -> stream::Config {
+        stream::Config {
+            max_age,
+            duplicate_window: secs(120),
+            ..Default::default()
+        }
+    }
+
+    fn route() -> Route {
+        Route::new("S", "c").publisher_retry_horizon(secs(60))
+    }
+
+    #[test]
+    fn the_defaults_with_a_week_of_max_age_give_a_week() {
+        let floor = route().retention_floor(&stream(7 * DAY));
+        // 3 × 5 min + 12 × 30 s + (1 + 2 + ... + 256 s) × 1.2
+        let span = secs(900) + secs(360) + Duration::from_millis(613_200);
+        assert_eq!(floor.redelivery_span(), Some(span));
+        assert_eq!(floor.value(), Some(7 * DAY));
+        assert!(floor.unbounded().is_empty());
+        assert_eq!(
+            floor.to_string(),
+            "redeliveries after the claim: claiming transaction (claim wait, 1 handler call, COMMIT) 3 × handler_timeout 5m = 15m \
+             + 12 later deliveries (max_deliver 10 + 3 on the server, less the claiming one) × ack_wait 30s = 6m \
+             + NAK backoff 1s+2s+4s+8s+16s+32s+1m 4s+2m 8s+4m 16s = 8m 31s, +20 % jitter = 10m 13.2s; span 31m 13.2s; \
+             stream max_age 7d (a stored copy can be redelivered or replayed until it ages out); \
+             publisher copies: horizon 1m ≤ duplicate_window 2m, so JetStream drops retries = 0; \
+             floor = 0 + max(31m 13.2s, 7d) = 7d"
+        );
+    }
+
+    #[test]
+    fn a_max_age_shorter_than_the_span_leaves_the_span() {
+        let floor = route().retention_floor(&stream(secs(600)));
+        assert_eq!(floor.value(), floor.redelivery_span());
+        assert!(
+            floor
+                .to_string()
+                .ends_with("max(31m 13.2s, 10m) = 31m 13.2s")
+        );
+    }
+
+    #[test]
+    fn publisher_retries_past_the_duplicate_window_add_their_horizon() {
+        let floor = Route::new("S", "c")
+            .publisher_retry_horizon(secs(3600))
+            .retention_floor(&stream(7 * DAY));
+        assert_eq!(floor.value(), Some(7 * DAY + secs(3600)));
+        assert_eq!(floor.copy_spread(), secs(3600));
+        let text = floor.to_string();
+        assert!(
+            text.contains(
+                "horizon 1h > duplicate_window 2m, so a retry is stored as a new copy = 1h"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("floor = 1h + max(31m 13.2s, 7d) = 7d 1h"),
+            "{text}"
+        );
+        // A horizon equal to the window: every retry is dropped.
+        let floor = Route::new("S", "c")
+            .publisher_retry_horizon(secs(120))
+            .retention_floor(&stream(7 * DAY));
+        assert_eq!(floor.value(), Some(7 * DAY));
+    }
+
+    #[test]
+    fn each_unbounded_term_is_named_and_can_be_accepted() {
+        // A stream that keeps messages forever.
+        let floor = route().retention_floor(&stream(Duration::ZERO));
+        assert_eq!(floor.value(), None);
+        assert_eq!(floor.unbounded(), [Unbounded::StreamMaxAge]);
+        assert!(floor.to_string().ends_with(
+            "stream max_age 0 (kept forever: replays at any time), unbounded; publisher copies: horizon 1m ≤ duplicate_window 2m, so JetStream drops retries = 0; floor unbounded (Unbounded::StreamMaxAge)"
+        ));
+        let accepted = route()
+            .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
+            .retention_floor(&stream(Duration::ZERO));
+        assert_eq!(accepted.value(), accepted.redelivery_span());
+        assert!(
+            accepted
+                .to_string()
+                .ends_with("floor = 0 + 31m 13.2s = 31m 13.2s"),
+            "{accepted}"
+        );
+
+        // No handler timeout.
+        let floor = route()
+            .without_handler_timeout()
+            .retention_floor(&stream(7 * DAY));
+        assert_eq!(floor.unbounded(), [Unbounded::HandlerTimeout]);
+        assert_eq!(floor.redelivery_span(), None);
+        let accepted = route()
+            .without_handler_timeout()
+            .accept_duplicates_after_retention(Unbounded::HandlerTimeout)
+            .retention_floor(&stream(secs(60)));
+        // 12 × 30 s + 613.2 s: the transaction counts 0.
+        assert_eq!(accepted.value(), Some(Duration::from_millis(973_200)));
+
+        // No publisher-retry horizon.
+        let floor = Route::new("S", "c").retention_floor(&stream(7 * DAY));
+        assert_eq!(floor.unbounded(), [Unbounded::PublisherRetryHorizon]);
+        let accepted = Route::new("S", "c")
+            .accept_duplicates_after_retention(Unbounded::PublisherRetryHorizon)
+            .retention_floor(&stream(7 * DAY));
+        assert_eq!(accepted.value(), Some(7 * DAY));
+    }
+
+    #[test]
+    fn several_unbounded_terms_are_all_named() {
+        let floor = Route::new("S", "c")
+            .without_handler_timeout()
+            .retention_floor(&stream(Duration::ZERO));
+        assert_eq!(
+            floor.unbounded(),
+            [
+                Unbounded::StreamMaxAge,
+                Unbounded::HandlerTimeout,
+                Unbounded::PublisherRetryHorizon
+            ]
+        );
+        assert!(floor.to_string().ends_with(
+            "floor unbounded (Unbounded::StreamMaxAge, Unbounded::HandlerTimeout, Unbounded::PublisherRetryHorizon)"
+        ));
+    }
+
+    #[test]
+    fn batch_mode_counts_a_batch_transaction_per_call_and_per_redelivery() {
+        let floor = route()
+            .batch(4)
+            .handler_timeout(secs(10))
+            .retention_floor(&stream(secs(1)));
+        // transaction (2 + 4) × 10 s = 60 s; 12 × (30 s + 60 s); NAKs 613.2 s.
+        assert_eq!(
+            floor.value(),
+            Some(secs(60) + secs(12 * 90) + Duration::from_millis(613_200))
+        );
+        assert!(
+            floor
+                .to_string()
+                .contains("claiming transaction (claim wait, 4 handler calls, COMMIT) 6 × handler_timeout 10s = 1m"),
+            "{floor}"
+        );
+    }
+
+    #[test]
+    fn one_delivery_without_jitter_has_no_nak_term() {
+        let floor = route()
+            .retry(RetryPolicy::default().max_deliver(1).jitter(0.0))
+            .ack_wait(secs(5))
+            .handler_timeout(secs(1))
+            .retention_floor(&stream(secs(1)));
+        // 3 × 1 s + 3 later deliveries × 5 s.
+        assert_eq!(floor.value(), Some(secs(18)));
+        let text = floor.to_string();
+        assert!(!text.contains("NAK"), "{text}");
+        assert!(
+            text.contains("3 later deliveries (max_deliver 1 + 3"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn capped_backoff_is_written_as_runs() {
+        let floor = route()
+            .retry(RetryPolicy::default().max_deliver(14).jitter(0.0))
+            .retention_floor(&stream(DAY));
+        assert!(
+            floor
+                .to_string()
+                .contains("NAK backoff 1s+2s+4s+8s+16s+32s+1m 4s+2m 8s+4m 16s+5m×4 = 28m 31s;"),
+            "{floor}"
+        );
+        let many = route()
+            .retry(
+                RetryPolicy::default()
+                    .max_deliver(40)
+                    .backoff(Duration::from_millis(1), secs(3600)),
+            )
+            .retention_floor(&stream(DAY));
+        assert!(
+            many.to_string()
+                .contains("NAK backoff 1ms+2ms+4ms+8ms+…+34m 57.152s+1h×17"),
+            "{many}"
+        );
+    }
+
+    #[test]
+    fn huge_settings_saturate_instead_of_overflowing() {
+        let floor = route()
+            .retry(RetryPolicy::default().max_deliver(u64::MAX))
+            .backoff(Duration::MAX, Duration::MAX)
+            .retention_floor(&stream(Duration::MAX));
+        assert_eq!(floor.value(), Some(Duration::MAX));
+        assert!(floor.to_string().ends_with("= forever"), "{floor}");
+    }
+
+    #[test]
+    fn the_check_refuses_below_the_floor_and_unbounded_floors_only_with_a_retention() {
+        let week = stream(7 * DAY);
+        route().validate().unwrap();
+        check(&route(), &week).expect("no retention: kept forever, not checked");
+        check(&route().retention(7 * DAY), &week).expect("at the floor");
+        let err = check(&route().retention(DAY), &week).unwrap_err();
+        assert!(matches!(err, Error::RetentionBelowFloor { .. }), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("route `c` keeps its claims for 1d (`Route::retention`), below its retention floor of 7d"),
+            "{text}"
+        );
+        assert!(
+            text.contains("floor = 0 + max(31m 13.2s, 7d) = 7d"),
+            "{text}"
+        );
+        assert!(
+            text.contains("Raise the retention to at least 7d"),
+            "{text}"
+        );
+
+        let err = check(&route().retention(DAY), &stream(Duration::ZERO)).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("the stream keeps messages forever (max_age 0)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("Give the stream a max_age, or accept that duplicates arriving after the retention are processed again: `Route::accept_duplicates_after_retention(Unbounded::StreamMaxAge)`"),
+            "{text}"
+        );
+        check(&route(), &stream(Duration::ZERO)).expect("no retention: not checked");
+    }
+
+    #[test]
+    fn the_worked_example_refusal_reads_as_documented() {
+        let route = Route::new("LEDGER", "credit")
+            .retention(6 * DAY)
+            .publisher_retry_horizon(secs(60));
+        let err = check(&route, &stream(7 * DAY)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "route `credit` keeps its claims for 6d (`Route::retention`), below its retention floor of 7d: \
+             a duplicate can still arrive up to 7d after its message was processed, and one that arrives after its claim is purged is processed again. \
+             The floor: redeliveries after the claim: claiming transaction (claim wait, 1 handler call, COMMIT) 3 × handler_timeout 5m = 15m \
+             + 12 later deliveries (max_deliver 10 + 3 on the server, less the claiming one) × ack_wait 30s = 6m \
+             + NAK backoff 1s+2s+4s+8s+16s+32s+1m 4s+2m 8s+4m 16s = 8m 31s, +20 % jitter = 10m 13.2s; span 31m 13.2s; \
+             stream max_age 7d (a stored copy can be redelivered or replayed until it ages out); \
+             publisher copies: horizon 1m ≤ duplicate_window 2m, so JetStream drops retries = 0; \
+             floor = 0 + max(31m 13.2s, 7d) = 7d. \
+             Raise the retention to at least 7d, or shorten what the floor is made of \
+             (the stream's max_age, the retry policy, the handler timeout, the publisher-retry horizon)"
+        );
+    }
+
+    #[test]
+    fn durations_round_trip_through_headers() {
+        for duration in [
+            Duration::ZERO,
+            secs(604_800),
+            Duration::from_millis(250),
+            Duration::new(3, 1),
+        ] {
+            assert_eq!(decode_duration(&encode_duration(duration)), Some(duration));
+        }
+        assert_eq!(encode_duration(Duration::from_millis(1500)), "1.5s");
+        for bad in ["", "s", "10", "1.s5", "-1s", "1.0000000001s", "forever"] {
+            assert_eq!(decode_duration(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn durations_for_people() {
+        let cases = [
+            (Duration::ZERO, "0"),
+            (Duration::from_nanos(1), "1ms"),
+            (Duration::from_millis(250), "250ms"),
+            (secs(90), "1m 30s"),
+            (Duration::from_millis(613_200), "10m 13.2s"),
+            (secs(3600 + 23 * 60), "1h 23m"),
+            (7 * DAY + secs(3600), "7d 1h"),
+        ];
+        for (duration, text) in cases {
+            assert_eq!(Human(duration).to_string(), text);
+        }
+    }
+}
