@@ -25,7 +25,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind, Message};
 use futures_util::StreamExt;
-use idem_runtime::{Route, Router, RouterHandle, idempotent};
+use idem_runtime::{Route, Router, RouterHandle, Unbounded, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Semaphore, watch};
@@ -256,7 +256,13 @@ impl Consumer {
                     route = batch_route(route, batch);
                 }
                 if let Some(retention) = retention {
-                    route = route.retention(retention);
+                    // The bench's streams keep their messages (max_age 0),
+                    // and no run republishes a message: the retention floor's
+                    // unbounded terms do not apply here.
+                    route = route
+                        .retention(retention)
+                        .publisher_retry_horizon(Duration::ZERO)
+                        .accept_duplicates_after_retention(Unbounded::StreamMaxAge);
                 }
                 let router = if mode == Mode::IdemBatchHandler {
                     Router::new().route(route, effects)

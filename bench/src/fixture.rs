@@ -209,7 +209,8 @@ pub async fn load(
     .execute(&mut *conn)
     .await
     .map_err(sql("make the newest generation current"))?;
-    sqlx::query("ANALYZE idem_claims")
+    // The claim's plan reads the state and generations tables too.
+    sqlx::raw_sql("ANALYZE idem_claims; ANALYZE idem_generations; ANALYZE idem_dedup_state")
         .execute(&mut *conn)
         .await
         .map_err(sql("analyze the claims"))?;

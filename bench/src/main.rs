@@ -46,6 +46,25 @@ struct Cli {
     /// disk, for the 100-million-claim table of `steady` (about 13 GB)
     #[arg(long, value_name = "DIR", global = true)]
     data_dir: Option<PathBuf>,
+    /// A setting of the bench's own PostgreSQL, e.g. max_wal_size=1GB (the
+    /// WAL it keeps on disk); repeatable
+    #[arg(long, value_name = "NAME=VALUE", global = true, value_parser = pg_setting)]
+    pg_setting: Vec<String>,
+}
+
+/// `name=value`, a PostgreSQL `-c` setting.
+fn pg_setting(value: &str) -> Result<String, String> {
+    match value.split_once('=') {
+        Some((name, _))
+            if !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') =>
+        {
+            Ok(value.to_owned())
+        }
+        _ => Err("expected NAME=VALUE, e.g. max_wal_size=1GB".into()),
+    }
 }
 
 const AFTER_HELP: &str = "\
@@ -114,9 +133,9 @@ primary key, then ATTACH), not through the broker: the live generations
 hold --rows, two older ones a twentieth each. On each table, a throughput
 run (a backlog of --messages) then a latency run (--latency-messages at
 --rate); before each, one older generation is made due to expire and the
-current one due to rotate --rotate-after into the run, so the router's
-purge (every second) expires, rotates and ends a transition while idem
-works. claim p99 is BEGIN to the handler's INSERT, on the server's clock.
+current one due to rotate --rotate-after-ms into the run, and expiry::purge
+runs every second beside the router's own, so that it expires, rotates and
+ends a transition while idem works. claim p99 is BEGIN to the handler's INSERT, on the server's clock.
 Put the servers on disk (--data-dir) for 100M claims: about 13 GB.";
 
 const CONCURRENCY_WITH_BATCHES: &str = "Messages in flight (idem-batch: batches in flight)";
@@ -455,6 +474,8 @@ struct Options {
     rotate_after: Duration,
     /// Where the bench's servers keep their files.
     data_dir: Option<PathBuf>,
+    /// `--pg-setting`s.
+    pg_settings: Vec<String>,
 }
 
 impl Options {
@@ -475,6 +496,7 @@ impl Options {
             latency_messages: 0,
             rotate_after: Duration::ZERO,
             data_dir: None,
+            pg_settings: Vec::new(),
         }
     }
 }
@@ -489,6 +511,7 @@ impl From<Cli> for Options {
     fn from(cli: Cli) -> Options {
         Options {
             data_dir: cli.data_dir,
+            pg_settings: cli.pg_setting,
             ..Options::from(cli.command)
         }
     }
@@ -624,7 +647,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         let need_postgres = options.job != Job::Mode(Mode::Raw);
         let servers = tokio::select! {
-            servers = Servers::start(need_postgres, options.data_dir.as_deref()) => servers?,
+            servers = Servers::start(need_postgres, options.data_dir.as_deref(), &options.pg_settings) => servers?,
             _ = interrupted() => return Err(BenchError::Interrupted),
         };
         let result = tokio::select! {
@@ -1086,6 +1109,8 @@ mod tests {
         assert_eq!((o.job, o.rows, o.rate), (Job::Purge, 5, 100.0));
         assert_eq!(o.data_dir, Some(PathBuf::from("/d")));
         assert_eq!(parse("storage --rows 9").unwrap().rows, 9);
+        let o = parse("storage --pg-setting max_wal_size=1GB --pg-setting a.b=c").unwrap();
+        assert_eq!(o.pg_settings, ["max_wal_size=1GB", "a.b=c"]);
         let o = parse("chart --out /tmp/t.svg --concurrency 4 --pull slots").unwrap();
         assert_eq!(
             (o.job, o.out, o.concurrency, o.pull),
@@ -1138,6 +1163,7 @@ mod tests {
         assert_eq!(kind("idem --messages 0"), ErrorKind::ValueValidation);
         assert_eq!(kind("idem --messages many"), ErrorKind::ValueValidation);
         assert_eq!(kind("naive --pull sometimes"), ErrorKind::InvalidValue);
+        assert_eq!(kind("idem --pg-setting fsync"), ErrorKind::ValueValidation);
         // An option the mode does not read is refused, not ignored.
         assert_eq!(kind("idem --batch 8"), ErrorKind::UnknownArgument);
         assert_eq!(kind("backlog --pull slots"), ErrorKind::UnknownArgument);

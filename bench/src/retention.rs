@@ -18,11 +18,11 @@ use crate::report;
 use crate::run::{self, Context, Database, Measurement, Plan};
 use crate::{BenchError, run_and_print};
 
-/// The steady-state route's retention: short, so that the router purges
-/// every second (`expiry::purge_interval`) and a run sees several purges.
-/// The fill handler's longer retention is the one the purge applies, so
-/// the generated claims stay until a run arms their expiry.
-const STEADY_ROUTE_RETENTION: Duration = Duration::from_secs(8);
+/// How often the steady state runs `expiry::purge` beside the router's
+/// own (which, at a day's retention, runs every minute): as a cron job
+/// might, so that every run sees the purge's passes, an expiry, a rotation
+/// and the end of its transition.
+const PURGE_EVERY: Duration = Duration::from_secs(1);
 
 /// What `steady` runs.
 #[derive(Debug, Clone)]
@@ -48,10 +48,11 @@ const EXPIRING_SHARE: u64 = 20;
 /// Steady state: idem with retention on and the purge running, against an
 /// empty dedup table and one of `rows` claims, in one run. For each table:
 /// a throughput run (a backlog), then a latency run (a fixed offered
-/// rate). Before each, the current generation is made due to rotate
+/// rate), with `expiry::purge` running every second beside the router's
+/// own. Before each, the current generation is made due to rotate
 /// `rotate_after` into the run, and one expiring generation is made due:
-/// the router's purge expires it at its first pass, rotates during the
-/// run, and ends the rotation's transition a pass later.
+/// the purge expires it at its first pass, rotates during the run, and
+/// ends the rotation's transition a pass later.
 pub async fn steady(
     ctx: &Context,
     base: &Plan,
@@ -175,7 +176,7 @@ async fn steady_runs(
                 },
                 rate,
                 prefill: rows,
-                retention: Some(STEADY_ROUTE_RETENTION),
+                retention: Some(fixture::FILL_RETENTION),
                 before_consume: Some(format!(
                     "{} {}",
                     fixture::arm_rotation(s.rotate_after),
@@ -185,7 +186,8 @@ async fn steady_runs(
                 ..base.clone()
             };
             let before = fixture::generations(&db.pool).await.map_err(sql_failed)?;
-            let measured = run_and_print(ctx, plan, Some(db)).await?;
+            let measured =
+                with_purge_every(&db.pool, PURGE_EVERY, run_and_print(ctx, plan, Some(db))).await?;
             let after = fixture::generations(&db.pool).await.map_err(sql_failed)?;
             eprintln!(
                 "idem-bench: [{} {label}] the purge during the run: generations {:?} (current {}) \
@@ -206,6 +208,29 @@ async fn steady_runs(
         }
     }
     Ok((throughput, latency))
+}
+
+/// Runs `work` while `expiry::purge` runs every `interval` on `pool`.
+async fn with_purge_every<T>(
+    pool: &PgPool,
+    interval: Duration,
+    work: impl std::future::Future<Output = Result<T, BenchError>>,
+) -> Result<T, BenchError> {
+    let purging = async {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            match expiry::purge(pool).await {
+                Ok(report) => tracing::debug!(?report, "the bench's purge ran"),
+                Err(e) => tracing::warn!(%e, "the bench's purge failed; again at its next run"),
+            }
+        }
+    };
+    tokio::select! {
+        done = work => done,
+        () = purging => unreachable!("the purge loop never ends"),
+    }
 }
 
 /// What the purge did between two looks at the generations.

@@ -62,10 +62,13 @@ struct OwnedProcess {
 
 impl Servers {
     /// Uses `NATS_URL` / `DATABASE_URL`, or starts what is missing.
-    /// `data_dir`: where the servers' temp dir goes (default: `TMPDIR`).
+    /// `data_dir`: where the servers' temp dir goes (default: `TMPDIR`);
+    /// `pg_settings`: `name=value`s for our PostgreSQL, after (and so
+    /// overriding) [`PG_SETTINGS`].
     pub async fn start(
         need_postgres: bool,
         data_dir: Option<&Path>,
+        pg_settings: &[String],
     ) -> Result<Servers, BenchError> {
         let mut servers = Servers {
             nats_url: String::new(),
@@ -137,13 +140,18 @@ impl Servers {
                 }
                 None => {
                     let dir = dir.as_ref().expect("made above").join("pg");
-                    let (process, url) = start_postgres(&dir).await?;
+                    let settings: Vec<&str> = PG_SETTINGS
+                        .iter()
+                        .copied()
+                        .chain(pg_settings.iter().map(String::as_str))
+                        .collect();
+                    let (process, url) = start_postgres(&dir, &settings).await?;
                     servers.postgres = Some(process);
                     servers.description.push(format!(
                         "PostgreSQL: {url} (data dir {} on {}; {})",
                         dir.join("data").display(),
                         file_system_of(&dir),
-                        PG_SETTINGS.join(", ")
+                        settings.join(", ")
                     ));
                     servers.database_url = Some(url);
                 }
@@ -278,7 +286,10 @@ async fn start_nats(dir: &Path) -> Result<(OwnedProcess, u16), BenchError> {
 }
 
 /// initdb's a cluster in `dir/data` and runs it; returns it and its URL.
-async fn start_postgres(dir: &Path) -> Result<(OwnedProcess, String), BenchError> {
+async fn start_postgres(
+    dir: &Path,
+    settings: &[&str],
+) -> Result<(OwnedProcess, String), BenchError> {
     let bindir = PathBuf::from(
         std::env::var_os("IDEM_PG_BINDIR").unwrap_or_else(|| DEFAULT_PG_BINDIR.into()),
     );
@@ -333,7 +344,7 @@ async fn start_postgres(dir: &Path) -> Result<(OwnedProcess, String), BenchError
             .arg("-k")
             .arg(dir)
             .current_dir(dir);
-        for setting in PG_SETTINGS {
+        for setting in settings {
             cmd.args(["-c", setting]);
         }
         as_user(&mut cmd);
