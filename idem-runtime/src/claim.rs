@@ -22,7 +22,9 @@ use sha2::{Digest, Sha256};
 use sqlx::{PgPool, PgTransaction};
 
 /// Claims key `$2` for the handler with id `$1` (an `integer` and a `uuid`),
-/// or fails with a unique violation if it was claimed before.
+/// or fails with a unique violation if it was claimed before. `$3`
+/// (`bigint`, Unix seconds, or NULL if unknown) is the earliest time an
+/// earlier claim of the same message can have been made.
 ///
 /// One statement, which the runtime prepares once per session. It reads the
 /// generation state and inserts the key into:
@@ -34,9 +36,19 @@ use sqlx::{PgPool, PgTransaction};
 /// - the current generation, whose unique key makes a concurrent claim wait
 ///   for this one and then conflict.
 ///
-/// The state row and the probe are read in the statement's one snapshot: if
-/// it sees no transition, the transition ended before it began, and so did
-/// every transaction that could still write into a sealed generation.
+/// The probe skips the generations that cannot hold a claim made at or
+/// after `$3`: a generation takes claims from its opening until it is
+/// sealed, and generations are sealed in order, so it probes from the
+/// oldest generation sealed at or after `$3`; the kept generation (0) holds
+/// claims made before the oldest live generation opened, so it is probed
+/// only if `$3` is earlier than that. PostgreSQL prunes the skipped
+/// partitions when the statement runs, so a fresh message on a table of
+/// many sealed generations probes none of them.
+///
+/// The state row, the generations and the probe are read in the
+/// statement's one snapshot: if it sees no transition, the transition
+/// ended before it began, and so did every transaction that could still
+/// write into a sealed generation.
 ///
 /// It records the transaction's id in `idem.claim` (once per row inserted;
 /// the same value).
@@ -46,6 +58,11 @@ SELECT $2, g.gen, $1 \
   FROM idem_dedup_state AS s, \
        LATERAL ((SELECT c.gen FROM idem_claims AS c \
                   WHERE c.key = $2 AND c.gen < s.current_gen - s.transition::integer \
+                    AND c.gen >= (SELECT CASE WHEN $3 IS NULL OR to_timestamp($3) < min(opened_at) THEN 0 \
+                                              ELSE min(gen) FILTER (WHERE sealed_at IS NULL \
+                                                                       OR sealed_at >= to_timestamp($3)) \
+                                         END \
+                                    FROM idem_generations) \
                   LIMIT 1) \
                 UNION ALL SELECT s.current_gen - 1 WHERE s.transition \
                 UNION ALL SELECT s.current_gen) AS g(gen) \

@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | [`Json`] | any `serde::Deserialize` (decoding), `serde::Serialize` (encoding) | the default |
 //! | [`Raw`] | `bytes::Bytes`, `Vec<u8>`, `String` (UTF-8 checked) | the bytes as they are |
-//! | [`Protobuf`] | any `prost::Message` | feature `prost` |
+//! | `Protobuf` | any `prost::Message` | feature `prost` |
 //!
 //! A payload that does not decode can never succeed: it is dead-lettered
 //! (`Idem-Failure: undecodable`) on its first delivery, with its message id.

@@ -56,7 +56,7 @@ use crate::retention_floor::{self, COPY_SPREAD_KEY, Human, RETENTION_KEY};
 use crate::route::Route;
 
 /// The header that records when the stream stored the original.
-const STORED_AT: &str = "Idem-Original-Stored-At";
+pub(crate) const STORED_AT: &str = "Idem-Original-Stored-At";
 /// The header that records how long the original's route keeps claims.
 const RETENTION: &str = "Idem-Retention";
 /// The header that records how far apart copies of the original may be
@@ -384,7 +384,7 @@ fn rfc3339(at: time::OffsetDateTime) -> String {
         .unwrap_or_default()
 }
 
-fn parse_time(text: &str) -> Option<time::OffsetDateTime> {
+pub(crate) fn parse_time(text: &str) -> Option<time::OffsetDateTime> {
     time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).ok()
 }
 

@@ -56,6 +56,12 @@ pub(crate) struct Pipeline<H, S> {
     /// the database cannot be used a message is answered with an error
     /// after one more try instead of being held.
     pub(crate) answers: bool,
+    /// How far apart copies of one message can be stored, where the route
+    /// declares it (its publisher-retry horizon, see the retention floor):
+    /// then a claim needs to probe only the generations that can hold an
+    /// earlier claim of its message (see [`Pipeline::claim`]). `None`:
+    /// copies may come at any time, and every claim probes them all.
+    pub(crate) copy_spread: Option<Duration>,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::fault::FaultHooks,
 }
@@ -74,6 +80,11 @@ pub(crate) fn watchdog(handler_timeout: Option<Duration>, calls: usize) -> Optio
 /// How much longer than its bounds allow the watchdog waits for a
 /// transaction.
 const WATCHDOG_MARGIN: Duration = Duration::from_secs(5);
+
+/// How far the NATS server's clock and PostgreSQL's may disagree, for
+/// [`Pipeline::first_claim_not_before`]: a generation sealed this much
+/// before a message was stored is still probed for its claim.
+pub(crate) const CLOCK_SKEW_ALLOWANCE: Duration = Duration::from_secs(5 * 60);
 
 /// How one delivery ended, before it is settled with JetStream.
 pub(crate) enum Verdict {
@@ -281,7 +292,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     async fn claimed_elsewhere(&self, delivery: &Delivery) -> Result<bool, sqlx::Error> {
         let mut connection = self.connections.take().await?;
         let key = self.claim_key(delivery);
-        let claim = self.claim(&key);
+        let claim = self.claim(&key, delivery);
         let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
         let processed = if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
             drop(begun);
@@ -406,7 +417,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             Err(error) => return self.before_handler(error),
         };
         let key = self.claim_key(delivery);
-        let claim = self.claim(&key);
+        let claim = self.claim(&key, delivery);
         let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
         if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
             drop(begun);
@@ -488,11 +499,42 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         crate::claim::key(self.handler.name(), delivery.message_id().as_str())
     }
 
-    fn claim<'k>(&self, key: &'k str) -> transaction::Claim<'k> {
+    fn claim<'k>(&self, key: &'k str, delivery: &Delivery) -> transaction::Claim<'k> {
         transaction::Claim {
             handler_id: self.handler_id,
             key,
+            since: self.first_claim_not_before(delivery),
         }
+    }
+
+    /// The earliest time an earlier claim of `delivery`'s message can have
+    /// been made, if the runtime can bound it; the claim then skips the
+    /// generations sealed before it, which cannot hold such a claim (see
+    /// `CLAIM_SQL`).
+    ///
+    /// Every delivery of a stored message carries the time it was stored,
+    /// and its first claim came after that. Another copy of the message was
+    /// stored at most the route's declared copy spread before this one, or,
+    /// for a replayed dead letter, at its `Idem-Original-Stored-At`. The
+    /// NATS server's clock, which stamps messages, and PostgreSQL's, which
+    /// seals generations, may disagree by up to [`CLOCK_SKEW_ALLOWANCE`].
+    /// A message id taken from the handler's `key` expression may repeat
+    /// between messages published at any time, so it is never bounded; nor
+    /// is a request's.
+    fn first_claim_not_before(&self, delivery: &Delivery) -> Option<time::OffsetDateTime> {
+        let spread = self.copy_spread?;
+        if delivery.message_id().source() == crate::MessageIdSource::Key
+            || delivery.stream().is_empty()
+        {
+            return None;
+        }
+        let replayed_original = delivery
+            .headers()
+            .get(crate::dead_letter::STORED_AT)
+            .and_then(|at| crate::dead_letter::parse_time(at.as_str()));
+        let stored =
+            replayed_original.map_or(delivery.stored_at(), |at| at.min(delivery.stored_at()));
+        Some(stored - spread - CLOCK_SKEW_ALLOWANCE)
     }
 
     /// The verdict on a transaction whose handlers all returned `Ok`, with

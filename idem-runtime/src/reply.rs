@@ -345,6 +345,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> BindReply for BoundReply<H, S> {
             stats: self.stats,
             shutdown: serve.shutdown.clone(),
             answers: true,
+            copy_spread: None,
             #[cfg(feature = "fault-injection")]
             faults: serve.faults,
         });

@@ -15,7 +15,7 @@
 //! claim and the writes, or not at all. A handler that returns `()` stores
 //! nothing and costs no statement.
 //!
-//! A duplicate of a processed request reads the value back ([`read`]) and
+//! A duplicate of a processed request reads the value back and
 //! gets the first reply again without running the body (see
 //! [`ReplyRoute`](crate::ReplyRoute)). A stored result lives exactly as long
 //! as its claim: it is in the claim's row, so the route's retention

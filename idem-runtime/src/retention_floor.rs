@@ -427,6 +427,16 @@ impl RetentionFloor {
         self.copies.counted().unwrap_or(Duration::ZERO)
     }
 
+    /// How far apart copies of one message can be stored, if the route
+    /// declared a publisher-retry horizon; `None` if it did not (the copies
+    /// term is unbounded, or accepted), when copies may come at any time.
+    pub(crate) fn declared_copy_spread(&self) -> Option<Duration> {
+        match self.copies {
+            Value::Bounded(spread) => Some(spread),
+            Value::Unbounded(_) | Value::Accepted(_) => None,
+        }
+    }
+
     fn fmt_span(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inputs = &self.inputs;
         f.write_str("redeliveries after the claim: ")?;

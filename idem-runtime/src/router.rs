@@ -301,8 +301,8 @@ impl<S: Send + Sync + 'static> Router<S> {
             // Before the route pulls, so that nothing it gives up on from
             // now on is missed.
             let advisories = undeliverable::bind(&js, route.route()).await?;
-            let consumer = bind_consumer(&js, route.route()).await?;
-            bound.push((route, consumer, advisories));
+            let (consumer, copy_spread) = bind_consumer(&js, route.route()).await?;
+            bound.push((route, consumer, advisories, copy_spread));
         }
         // Registered only once every route is bound, which checks its
         // retention floor: a refused route's retention is never recorded
@@ -351,7 +351,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         let routes = bound.len() + serving.len();
         let share = (pool.options().get_max_connections() as usize / routes.max(1)).max(1);
         let mut running = JoinSet::new();
-        for (route, consumer, advisories) in bound {
+        for (route, consumer, advisories, copy_spread) in bound {
             tracing::info!(
                 route = route.route().durable,
                 stream = route.route().stream,
@@ -362,6 +362,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                 handler_id,
                 consumer,
                 advisories,
+                copy_spread,
                 js: js.clone(),
                 nats: nats.clone(),
                 pool: pool.clone(),
@@ -469,7 +470,10 @@ const CLIENT_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 const FLUSH_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Creates or updates the stream (if asked) and the durable consumer.
-async fn bind_consumer(js: &jetstream::Context, route: &Route) -> Result<PullConsumer, Error> {
+async fn bind_consumer(
+    js: &jetstream::Context,
+    route: &Route,
+) -> Result<(PullConsumer, Option<Duration>), Error> {
     let jetstream_error = |source: async_nats::Error| Error::JetStream {
         route: route.durable.clone(),
         source,
@@ -513,10 +517,11 @@ async fn bind_consumer(js: &jetstream::Context, route: &Route) -> Result<PullCon
         }
     }
     // Creates the consumer, or (with `update_consumer`) updates it.
-    stream
+    let consumer = stream
         .create_consumer(wanted)
         .await
-        .map_err(|e| jetstream_error(e.into()))
+        .map_err(|e| jetstream_error(e.into()))?;
+    Ok((consumer, floor.declared_copy_spread()))
 }
 
 /// The settings the route cares about that differ, as `field: existing -> wanted`.
@@ -573,6 +578,9 @@ struct Start {
     handler_id: i32,
     consumer: PullConsumer,
     advisories: PullConsumer,
+    /// How far apart copies of one message can be stored, where the route
+    /// declares it (see `Pipeline::copy_spread`).
+    copy_spread: Option<Duration>,
     js: jetstream::Context,
     nats: async_nats::Client,
     pool: PgPool,
@@ -643,6 +651,7 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
         stats,
         shutdown: start.shutdown.clone(),
         answers: false,
+        copy_spread: start.copy_spread,
         #[cfg(feature = "fault-injection")]
         faults: start.faults,
     });

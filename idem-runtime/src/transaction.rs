@@ -10,7 +10,7 @@
 //! ```sql
 //! BEGIN;
 //! EXECUTE idem_bounds_v1('300000', '301000');
-//! EXECUTE idem_claim_v3(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')  -- handler id, claim key
+//! EXECUTE idem_claim_v4(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')  -- handler id, claim key
 //! ```
 //!
 //! The bounds (`set_config(.., true)`, transaction-local): a statement stuck
@@ -90,7 +90,7 @@ macro_rules! still_claiming {
 /// The prepared statements of the module docs: (name, parameters, SQL).
 /// A name carries a version, so that a runtime whose statement changed
 /// never executes an older one a session still holds.
-const CLAIM: (&str, &str, &str) = ("idem_claim_v3", "(integer, uuid)", CLAIM_SQL);
+const CLAIM: (&str, &str, &str) = ("idem_claim_v4", "(integer, uuid, bigint)", CLAIM_SQL);
 const CHECK: (&str, &str, &str) = (
     "idem_check_v1",
     "",
@@ -173,11 +173,18 @@ impl Begin {
             sql.push_str(&self.prepare);
         }
         sql.push_str(&self.bounds);
-        if let Some(Claim { handler_id, key }) = claim {
+        if let Some(Claim {
+            handler_id,
+            key,
+            since,
+        }) = claim
+        {
             let (name, ..) = CLAIM;
-            // A uuid in hex and an integer: nothing to quote.
+            // A uuid in hex and integers: nothing to quote.
             debug_assert!(key.chars().all(|c| c.is_ascii_hexdigit() || c == '-'));
-            sql.push_str(&format!("; EXECUTE {name}({handler_id}, '{key}')"));
+            let since =
+                since.map_or_else(|| "NULL".to_owned(), |at| at.unix_timestamp().to_string());
+            sql.push_str(&format!("; EXECUTE {name}({handler_id}, '{key}', {since})"));
         }
         sql
     }
@@ -191,6 +198,9 @@ impl Begin {
 pub(crate) struct Claim<'a> {
     pub(crate) handler_id: i32,
     pub(crate) key: &'a str,
+    /// The earliest time an earlier claim of the message can have been
+    /// made, if known (see `CLAIM_SQL`).
+    pub(crate) since: Option<time::OffsetDateTime>,
 }
 
 /// Begins a transaction on `connection`, and makes `claim` in it if given:
@@ -398,18 +408,19 @@ mod tests {
         let claim = Some(Claim {
             handler_id: 3,
             key: KEY,
+            since: None,
         });
         let unbounded = Begin::new(None, true);
         assert_eq!(unbounded.statement(None, true), "BEGIN");
         assert_eq!(
             unbounded.statement(claim, true),
-            format!("BEGIN; EXECUTE idem_claim_v2(3, '{KEY}')")
+            format!("BEGIN; EXECUTE idem_claim_v4(3, '{KEY}', NULL)")
         );
         let begin = Begin::new(Some(Duration::from_secs(2)), false);
         assert_eq!(
             begin.statement(claim, true),
             format!(
-                "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); EXECUTE idem_claim_v2(3, '{KEY}')"
+                "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); EXECUTE idem_claim_v4(3, '{KEY}', NULL)"
             )
         );
         assert_eq!(
@@ -424,6 +435,7 @@ mod tests {
         let claim = Claim {
             handler_id: 3,
             key: "8707f5fa-2bfe-0af8-7913-c57c557603d3",
+            since: Some(time::OffsetDateTime::from_unix_timestamp(1_764_500_000).unwrap()),
         };
         let statement = begin.statement(Some(claim), false);
         let (prefix, rest) = statement
@@ -433,7 +445,7 @@ mod tests {
             prefix.starts_with("BEGIN; DO $idem1$BEGIN IF NOT EXISTS"),
             "{prefix}"
         );
-        for name in ["idem_claim_v2", "idem_check_v1", "idem_bounds_v1"] {
+        for name in ["idem_claim_v4", "idem_check_v1", "idem_bounds_v1"] {
             assert!(
                 prefix.contains(&format!(
                     "WHERE name = '{name}') THEN EXECUTE $idem$PREPARE {name}"
@@ -442,7 +454,9 @@ mod tests {
             );
         }
         assert!(!prefix.contains("idem_bounds_client_check_v1"), "{prefix}");
-        assert!(rest.ends_with("EXECUTE idem_claim_v2(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')"));
+        assert!(rest.ends_with(
+            "EXECUTE idem_claim_v4(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3', 1764500000)"
+        ));
         assert!(CHECKED_COMMIT.starts_with(&format!("EXECUTE {}; ", CHECK.0)));
     }
 }

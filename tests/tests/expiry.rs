@@ -58,7 +58,8 @@ fn claim_sql(handler: i32, key: &str) -> sqlx::AssertSqlSafe<String> {
     assert!(key.chars().all(|c| c.is_ascii_hexdigit() || c == '-'));
     let sql = CLAIM_SQL
         .replace("$1", &handler.to_string())
-        .replace("$2", &format!("'{key}'::uuid"));
+        .replace("$2", &format!("'{key}'::uuid"))
+        .replace("$3", "NULL::bigint");
     sqlx::AssertSqlSafe(sql)
 }
 
@@ -269,6 +270,123 @@ async fn claims_conflict_across_generations_until_they_expire() {
     assert!(
         !claim_once(&pool, forever, OTHER).await,
         "kept: still a duplicate"
+    );
+}
+
+/// Claims `key` for `handler` with `$3` = `since` (Unix seconds, or NULL)
+/// through the runtime's prepared claim, in a transaction on `conn` that it
+/// then rolls back: whether the claim was fresh, and whether it probed
+/// generation 1 and the kept generation (from the claim's EXPLAIN ANALYZE:
+/// a partition PostgreSQL pruned as the claim ran shows as never executed).
+async fn claim_probes(
+    conn: &mut PgConnection,
+    handler: i32,
+    key: &str,
+    since: &str,
+) -> (bool, bool, bool) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DEALLOCATE ALL; PREPARE claim(integer, uuid, bigint) AS {CLAIM_SQL}"
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+    let plan: Result<Vec<String>, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) \
+         EXECUTE claim({handler}, '{key}', {since})"
+    )))
+    .fetch_all(&mut *conn)
+    .await;
+    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+    let plan = match plan {
+        Ok(plan) => plan,
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("23505") => {
+            return (false, true, true);
+        }
+        Err(other) => panic!("the claim failed: {other}"),
+    };
+    let probed = |index: &str| {
+        let line = plan
+            .iter()
+            .find(|line| line.contains(index))
+            .unwrap_or_else(|| panic!("{index} is in the plan: {plan:#?}"));
+        !line.contains("never executed")
+    };
+    (
+        true,
+        probed("idem_claims_g1_pkey"),
+        probed("idem_claims_kept_pkey"),
+    )
+}
+
+/// A claim that knows when its message was stored (the runtime passes it
+/// where the route declares its publisher-retry horizon) probes only the
+/// generations sealed after that: PostgreSQL prunes the others when the
+/// claim runs, so a fresh message does not pay a probe for every sealed
+/// generation. A message stored before a generation was sealed still finds
+/// its claim there; and the bound is trusted: a copy stored later than the
+/// route declared it could be is not looked for in the older generations.
+#[tokio::test]
+async fn a_claim_probes_only_the_generations_its_message_can_have_been_claimed_in() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let handler = register(&pool, "bounded", Duration::from_secs(2)).await;
+    assert!(claim_once(&pool, handler, KEY).await);
+    let stored: i64 = sqlx::query_scalar("SELECT extract(epoch FROM now())::bigint - 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    // Generation 1 opened an hour ago (so the purge rotates at once).
+    sqlx::query("UPDATE idem_generations SET opened_at = now() - interval '1 hour' WHERE gen = 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    while state(&pool).await != (2, false) {
+        purge_until(&pool, "generation 1 is sealed", |r| {
+            r.rotated_to.is_some() || r.transition_ended.is_some()
+        })
+        .await;
+    }
+    let sealed: i64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM sealed_at)::bigint FROM idem_generations WHERE gen = 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+
+    let mut conn = PgConnection::connect(env.database_url()).await.unwrap();
+    const FRESH: &str = "00000000-0000-0000-0000-00000000000f";
+    // Stored an hour after generation 1 was sealed: neither it nor the kept
+    // generation is probed.
+    let later = (sealed + 3600).to_string();
+    assert_eq!(
+        claim_probes(&mut conn, handler, FRESH, &later).await,
+        (true, false, false)
+    );
+    // Unknown: every sealed generation is probed.
+    assert_eq!(
+        claim_probes(&mut conn, handler, FRESH, "NULL").await,
+        (true, true, true)
+    );
+    // Stored before the seal: generation 1 is probed, the kept one is not.
+    assert_eq!(
+        claim_probes(&mut conn, handler, FRESH, &(sealed - 1).to_string()).await,
+        (true, true, false)
+    );
+    // The message of the claim in generation 1, stored before the seal:
+    // found there.
+    assert!(
+        !claim_probes(&mut conn, handler, KEY, &stored.to_string())
+            .await
+            .0,
+        "a duplicate"
+    );
+    // The same key, as a copy said to be stored an hour after the seal:
+    // generation 1 is not probed, and the claim is taken again.
+    assert_eq!(
+        claim_probes(&mut conn, handler, KEY, &later).await,
+        (true, false, false)
     );
 }
 
@@ -570,6 +688,97 @@ async fn a_copy_just_inside_retention_is_skipped_and_one_after_expiry_is_process
         (2, 1),
         "one effect inside the retention, a second after it: the documented behaviour"
     );
+}
+
+/// A message delivered again long after its first delivery (its consumer
+/// created anew, which delivers the stream from the start) carries the time
+/// it was first stored: its claim, now in a sealed generation, is still
+/// probed and found, on a route whose declared publisher-retry horizon lets
+/// a fresh message skip the sealed generations.
+#[tokio::test]
+async fn an_old_message_delivered_again_after_its_generation_is_sealed_is_skipped() {
+    const RETENTION: Duration = Duration::from_secs(10);
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("AGAIN", Duration::from_millis(100)).await;
+    let route = || {
+        Route::new(&stream, "c")
+            .ack_wait(Duration::from_secs(1))
+            .handler_timeout(Duration::from_secs(1))
+            .max_deliver(3)
+            .backoff(Duration::from_millis(100), Duration::from_millis(200))
+            .publisher_retry_horizon(Duration::ZERO)
+            .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
+            .retention(RETENTION)
+    };
+    let deposit = Deposit {
+        account: "again".into(),
+        amount: 3,
+    };
+    let (handle, task) = spawn(
+        Router::new().route(route(), flowing),
+        nats.clone(),
+        pool.clone(),
+    );
+    publish(&js, &subject, &deposit, Some("again-1")).await;
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(handle.stats("c").unwrap().processed(), 1);
+
+    // Wait until the claim's generation is sealed (the purge runs beside
+    // the router; run it by hand now that the router is stopped).
+    let generation: i32 = sqlx::query_scalar(
+        "SELECT min(gen) FROM idem_claims WHERE key = idem_key('flowing', 'again-1')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    purge_until(&pool, "the claim's generation is sealed", |_| true).await;
+    let deadline = Instant::now() + 3 * RETENTION;
+    loop {
+        let sealed: Option<bool> =
+            sqlx::query_scalar("SELECT sealed_at IS NOT NULL FROM idem_generations WHERE gen = $1")
+                .bind(generation)
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+        if sealed == Some(true) {
+            break;
+        }
+        assert!(sealed.is_some(), "sealed before it expired");
+        assert!(Instant::now() < deadline, "the generation was never sealed");
+        expiry::purge(&pool).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let current: i32 = sqlx::query_scalar("SELECT current_gen FROM idem_dedup_state")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(current > generation, "new claims go elsewhere now");
+
+    // The consumer created anew delivers the stored message again.
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .delete_consumer("c")
+        .await
+        .unwrap();
+    let (handle, task) = spawn(Router::new().route(route(), flowing), nats, pool.clone());
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(
+        (stats.processed(), stats.duplicates()),
+        (0, 1),
+        "delivered again and skipped"
+    );
+    let ledger = ledger(&pool, "flowing").await;
+    assert_eq!((ledger.effects, ledger.distinct_messages), (1, 1));
 }
 
 #[idempotent(name = "upgraded")]

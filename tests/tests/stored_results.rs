@@ -287,6 +287,13 @@ async fn service(faults: FaultHooks) -> Service {
 
 /// Sends `d` as a request with `id` as its `Nats-Msg-Id` (if any), and
 /// returns the reply, or `None` if none came within `wait`.
+/// Asks `s` with message id `id`, and expects a reply within 10 s.
+async fn ask(s: &Service, id: &str, d: &Deposit) -> async_nats::Message {
+    request(&s.nats, &s.subject, Some(id), d, Duration::from_secs(10))
+        .await
+        .expect("a reply")
+}
+
 async fn request(
     nats: &async_nats::Client,
     subject: &str,
@@ -328,33 +335,9 @@ async fn a_retried_request_gets_the_first_reply_and_applies_once() {
     let s = service(FaultHooks::default()).await;
     let order = deposit("alice", 25);
 
-    let first = request(
-        &s.nats,
-        &s.subject,
-        Some("order-1"),
-        &order,
-        Duration::from_secs(10),
-    )
-    .await
-    .expect("a reply");
-    let second = request(
-        &s.nats,
-        &s.subject,
-        Some("order-1"),
-        &order,
-        Duration::from_secs(10),
-    )
-    .await
-    .expect("a reply");
-    let other = request(
-        &s.nats,
-        &s.subject,
-        Some("order-2"),
-        &order,
-        Duration::from_secs(10),
-    )
-    .await
-    .expect("a reply");
+    let first = ask(&s, "order-1", &order).await;
+    let second = ask(&s, "order-1", &order).await;
+    let other = ask(&s, "order-2", &order).await;
 
     assert_eq!(
         first.payload, second.payload,
@@ -554,15 +537,7 @@ async fn failed_requests_get_error_replies_and_commit_nothing() {
 
     // A permanent error of the handler: nothing committed, nothing stored.
     let order = deposit("bob", 30);
-    let refused = request(
-        &s.nats,
-        &s.subject,
-        Some("order-b"),
-        &order,
-        Duration::from_secs(10),
-    )
-    .await
-    .expect("a reply");
+    let refused = ask(&s, "order-b", &order).await;
     assert_eq!(header(&refused, "Idem-Error"), Some("permanent"));
     assert!(
         header(&refused, "Idem-Reason")
@@ -603,24 +578,8 @@ async fn failed_requests_get_error_replies_and_commit_nothing() {
         .execute(&s.pool)
         .await
         .unwrap();
-    let placed = request(
-        &s.nats,
-        &s.subject,
-        Some("order-b"),
-        &order,
-        Duration::from_secs(10),
-    )
-    .await
-    .expect("a reply");
-    let again = request(
-        &s.nats,
-        &s.subject,
-        Some("order-b"),
-        &order,
-        Duration::from_secs(10),
-    )
-    .await
-    .expect("a reply");
+    let placed = ask(&s, "order-b", &order).await;
+    let again = ask(&s, "order-b", &order).await;
     assert_eq!(receipt(&placed).account, "bob");
     assert_eq!(placed.payload, again.payload);
     assert_eq!(ledger(&s.pool, PLACE).await, Ledger::once_each(1));
