@@ -236,6 +236,7 @@ pub(crate) mod tests {
                 retention: None,
                 before_consume: None,
                 time_in_tx: false,
+                id_from_header: false,
             },
             msgs_per_sec: rate,
             elapsed: Duration::from_secs_f64(20_000.0 / rate),

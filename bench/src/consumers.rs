@@ -126,6 +126,20 @@ async fn effect(tx: &mut sqlx::PgTransaction<'_>, msg: Payload) -> Result<(), sq
     insert_effect(tx, &msg).await
 }
 
+/// As [`effect`], with the message's `Nats-Msg-Id` as its id (the default)
+/// instead of a key expression: on a route that declares its
+/// publisher-retry horizon, the runtime then knows the earliest time the
+/// message can have been claimed, and its claim probes only the
+/// generations sealed after it. A key expression may repeat at any time,
+/// so its claim probes every sealed generation.
+#[idempotent(name = "bench.effect.v1")]
+async fn effect_by_msg_id(
+    tx: &mut sqlx::PgTransaction<'_>,
+    msg: Payload,
+) -> Result<(), sqlx::Error> {
+    insert_effect(tx, &msg).await
+}
+
 /// The `idem-batch-handler` handler: the fresh messages of a batch, written
 /// with one statement.
 #[idempotent(name = "bench.effect.v1", key = |msg| msg.key, batch)]
@@ -266,6 +280,8 @@ impl Consumer {
                 }
                 let router = if mode == Mode::IdemBatchHandler {
                     Router::new().route(route, effects)
+                } else if plan.id_from_header {
+                    Router::new().route(route, effect_by_msg_id)
                 } else {
                     Router::new().route(route, effect)
                 };

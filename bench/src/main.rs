@@ -320,6 +320,11 @@ struct SteadyArgs {
     /// When the current generation is due to rotate, in ms after the consumer starts
     #[arg(long, value_name = "MS", default_value_t = 2_000, value_parser = whole::<u64>)]
     rotate_after_ms: u64,
+    /// Take the message id from a key expression, whose claim probes every
+    /// sealed generation [default: the Nats-Msg-Id, whose claim probes only
+    /// the generations sealed after the message was stored]
+    #[arg(long)]
+    key_expression: bool,
     #[command(flatten)]
     load: Load,
     #[command(flatten)]
@@ -472,6 +477,8 @@ struct Options {
     generations: u32,
     latency_messages: usize,
     rotate_after: Duration,
+    /// steady: ids from the handler's key expression, not Nats-Msg-Id.
+    key_expression: bool,
     /// Where the bench's servers keep their files.
     data_dir: Option<PathBuf>,
     /// `--pg-setting`s.
@@ -495,6 +502,7 @@ impl Options {
             generations: 0,
             latency_messages: 0,
             rotate_after: Duration::ZERO,
+            key_expression: false,
             data_dir: None,
             pg_settings: Vec::new(),
         }
@@ -579,6 +587,7 @@ impl From<Command> for Options {
                 latency_messages: a.latency_messages,
                 rate: a.rate as f64,
                 rotate_after: Duration::from_millis(a.rotate_after_ms),
+                key_expression: a.key_expression,
                 ping: a.pools.ping(),
                 ..Options::new(Job::Steady, a.messages, a.load)
             },
@@ -714,11 +723,17 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
             prefilled(&ctx, options, messages, options.prefill).await?;
         }
         Job::Steady => {
-            let base = plan(options, Mode::Idem, "steady", messages);
+            let base = Plan {
+                id_from_header: !options.key_expression,
+                ..plan(options, Mode::Idem, "steady", messages)
+            };
             retention::steady(&ctx, &base, &steady_of(options)).await?;
         }
         Job::Purge => {
-            let base = plan(options, Mode::Idem, "purge", messages);
+            let base = Plan {
+                id_from_header: true,
+                ..plan(options, Mode::Idem, "purge", messages)
+            };
             retention::purge(&ctx, &base, &purge_of(options)).await?;
         }
         Job::Storage => {
@@ -746,6 +761,7 @@ fn plan(options: &Options, mode: Mode, scenario: &'static str, messages: usize) 
         retention: None,
         before_consume: None,
         time_in_tx: false,
+        id_from_header: false,
     }
 }
 
@@ -970,7 +986,10 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
         duplicates: Some(0),
         ..options.clone()
     };
-    let base = plan(retention_options, Mode::Idem, "steady", n);
+    let base = Plan {
+        id_from_header: true,
+        ..plan(retention_options, Mode::Idem, "steady", n)
+    };
     let steady = retention::Steady {
         rows: SMOKE_ROWS,
         live: 3,
@@ -985,14 +1004,7 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
         messages: n.min(250),
         rate: options.rate,
     };
-    runs.push(
-        retention::purge(
-            ctx,
-            &plan(retention_options, Mode::Idem, "purge", n),
-            &purge,
-        )
-        .await?,
-    );
+    runs.push(retention::purge(ctx, &base, &purge).await?);
     retention::storage(
         ctx,
         &plan(retention_options, Mode::Naive, "storage", 1),
@@ -1146,6 +1158,8 @@ mod tests {
             (100_000_000, 3, 50_000)
         );
         assert_eq!(steady.rotate_after, Duration::from_secs(2));
+        assert!(!steady.key_expression);
+        assert!(parse("steady --key-expression").unwrap().key_expression);
         assert_eq!(parse("purge").unwrap().rows, 10_000_000);
         assert_eq!(parse("storage").unwrap().rows, 1_000_000);
         assert_eq!(parse("smoke").unwrap().data_dir, None);

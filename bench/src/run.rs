@@ -46,6 +46,9 @@ pub struct Plan {
     /// after that the handler's INSERT ran (the claim's latency, as the
     /// handler sees it), on the server's clock.
     pub time_in_tx: bool,
+    /// idem: publish each message with its key as `Nats-Msg-Id`, and take
+    /// that as its id, instead of the handler's key expression.
+    pub id_from_header: bool,
 }
 
 /// What a run measured.
@@ -223,7 +226,7 @@ async fn measure(
     let twice: Vec<String> = (0..plan.duplicates)
         .map(|i| keys[i * n / plan.duplicates].clone())
         .collect();
-    let with_ids = !twice.is_empty();
+    let with_ids = !twice.is_empty() || plan.id_from_header;
     // Every copy is acked, the second ones too.
     let total = n + twice.len();
     let observer = AckObserver::start(&ctx.observer, stream, total).await?;
