@@ -233,6 +233,10 @@ pub(crate) mod tests {
                 duplicates: 0,
                 ping: true,
                 pull: Pull::Prefetch,
+                retention: None,
+                before_consume: None,
+                time_in_tx: false,
+                id_from_header: false,
             },
             msgs_per_sec: rate,
             elapsed: Duration::from_secs_f64(20_000.0 / rate),
@@ -247,6 +251,10 @@ pub(crate) mod tests {
             publish_lag_ms: None,
             client_cpu_us_per_msg: 50.0,
             servers_cpu_us_per_msg: Some(40.0),
+            claim_p50_ms: None,
+            claim_p99_ms: None,
+            samples: Vec::new(),
+            tx_samples: Vec::new(),
         }
     }
 

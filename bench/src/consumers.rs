@@ -25,13 +25,14 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind, Message};
 use futures_util::StreamExt;
-use idem_runtime::{Route, Router, RouterHandle, idempotent};
+use idem_runtime::{Route, Router, RouterHandle, Unbounded, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::BenchError;
+use crate::run::Plan;
 
 /// The handler name: the same in the `idem` claim and the `manual` dedup
 /// insert, so both write identical dedup rows.
@@ -125,6 +126,20 @@ async fn effect(tx: &mut sqlx::PgTransaction<'_>, msg: Payload) -> Result<(), sq
     insert_effect(tx, &msg).await
 }
 
+/// As [`effect`], with the message's `Nats-Msg-Id` as its id (the default)
+/// instead of a key expression: on a route that declares its
+/// publisher-retry horizon, the runtime then knows the earliest time the
+/// message can have been claimed, and its claim probes only the
+/// generations sealed after it. A key expression may repeat at any time,
+/// so its claim probes every sealed generation.
+#[idempotent(name = "bench.effect.v1")]
+async fn effect_by_msg_id(
+    tx: &mut sqlx::PgTransaction<'_>,
+    msg: Payload,
+) -> Result<(), sqlx::Error> {
+    insert_effect(tx, &msg).await
+}
+
 /// The `idem-batch-handler` handler: the fresh messages of a batch, written
 /// with one statement.
 #[idempotent(name = "bench.effect.v1", key = |msg| msg.key, batch)]
@@ -196,15 +211,22 @@ pub struct ConsumerReport {
 impl Consumer {
     /// Creates the durable consumer (or starts the router, which does) and
     /// starts consuming.
+    /// Starts `plan`'s mode, with its concurrency, batch size, fetch and
+    /// retention.
     pub async fn start(
-        mode: Mode,
+        plan: &Plan,
         nats: &async_nats::Client,
         pool: Option<&PgPool>,
         source: Source<'_>,
-        concurrency: usize,
-        batch: usize,
-        pull: Pull,
     ) -> Result<Consumer, BenchError> {
+        let Plan {
+            mode,
+            concurrency,
+            batch,
+            pull,
+            retention,
+            ..
+        } = *plan;
         let durable = format!("bench-{}", mode.name());
         match mode {
             Mode::Raw | Mode::Naive | Mode::Manual => {
@@ -247,8 +269,19 @@ impl Consumer {
                 if mode.batches() {
                     route = batch_route(route, batch);
                 }
+                if let Some(retention) = retention {
+                    // The bench's streams keep their messages (max_age 0),
+                    // and no run republishes a message: the retention floor's
+                    // unbounded terms do not apply here.
+                    route = route
+                        .retention(retention)
+                        .publisher_retry_horizon(Duration::ZERO)
+                        .accept_duplicates_after_retention(Unbounded::StreamMaxAge);
+                }
                 let router = if mode == Mode::IdemBatchHandler {
                     Router::new().route(route, effects)
+                } else if plan.id_from_header {
+                    Router::new().route(route, effect_by_msg_id)
                 } else {
                     Router::new().route(route, effect)
                 };

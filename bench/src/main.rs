@@ -11,19 +11,21 @@
 
 mod chart;
 mod consumers;
+mod fixture;
 mod probe;
 mod report;
+mod retention;
 mod run;
 mod servers;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use consumers::{Mode, Pull};
-use run::{Context, Measurement, Plan};
+use run::{Context, Database, Measurement, Plan};
 use servers::Servers;
 
 /// How fast idem consumes, against hand-written consumers doing the same
@@ -40,6 +42,29 @@ use servers::Servers;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Where the bench's own servers keep their files [default: TMPDIR]: on
+    /// disk, for the 100-million-claim table of `steady` (about 13 GB)
+    #[arg(long, value_name = "DIR", global = true)]
+    data_dir: Option<PathBuf>,
+    /// A setting of the bench's own PostgreSQL, e.g. max_wal_size=1GB (the
+    /// WAL it keeps on disk); repeatable
+    #[arg(long, value_name = "NAME=VALUE", global = true, value_parser = pg_setting)]
+    pg_setting: Vec<String>,
+}
+
+/// `name=value`, a PostgreSQL `-c` setting.
+fn pg_setting(value: &str) -> Result<String, String> {
+    match value.split_once('=') {
+        Some((name, _))
+            if !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') =>
+        {
+            Ok(value.to_owned())
+        }
+        _ => Err("expected NAME=VALUE, e.g. max_wal_size=1GB".into()),
+    }
 }
 
 const AFTER_HELP: &str = "\
@@ -50,8 +75,8 @@ the options of a mode or scenario.
 
 NATS_URL and DATABASE_URL select servers (the bench creates and drops a
 database per run there: it needs CREATEDB); without them it starts its own
-nats-server and PostgreSQL on 127.0.0.1, under TMPDIR on disk, and removes
-them on exit. RUST_LOG sets the log filter (default: warn).";
+nats-server and PostgreSQL on 127.0.0.1, under --data-dir or TMPDIR, on
+disk, and removes them on exit. RUST_LOG sets the log filter (default: warn).";
 
 /// The modes (one consumer each) and the scenarios (several runs each).
 #[derive(Debug, Subcommand)]
@@ -82,6 +107,13 @@ enum Command {
     Backlog(BacklogArgs),
     /// idem and manual with an empty dedup table, then a pre-filled one
     Prefilled(PrefilledArgs),
+    /// idem with retention and the purge running: 100M claims vs an empty table
+    #[command(after_help = STEADY)]
+    Steady(SteadyArgs),
+    /// expiry::purge of a 10M-claim generation under load: its time, p99 during vs otherwise
+    Purge(PurgeArgs),
+    /// Bytes per claim, heap and indexes: the claims table vs version 1's
+    Storage(StorageArgs),
     /// Every mode and scenario, small, with duplicates: checks correctness only (CI)
     #[command(after_help = SMOKE)]
     Smoke(SmokeArgs),
@@ -94,6 +126,17 @@ window, so that JetStream stores both copies). It checks only correctness:
 effects = distinct messages and one skipped duplicate per second copy in the
 dedup modes, and a second effect per copy in naive, the control. The target
 lines mean little at this size.";
+
+const STEADY: &str = "\
+The claims are generated straight into the partitions (COPY, then the
+primary key, then ATTACH), not through the broker: the live generations
+hold --rows, two older ones a twentieth each. On each table, a throughput
+run (a backlog of --messages) then a latency run (--latency-messages at
+--rate); before each, one older generation is made due to expire and the
+current one due to rotate --rotate-after-ms into the run, and expiry::purge
+runs every second beside the router's own, so that it expires, rotates and
+ends a transition while idem works. claim p99 is BEGIN to the handler's INSERT, on the server's clock.
+Put the servers on disk (--data-dir) for 100M claims: about 13 GB.";
 
 const CONCURRENCY_WITH_BATCHES: &str = "Messages in flight (idem-batch: batches in flight)";
 
@@ -258,6 +301,61 @@ struct PrefilledArgs {
 }
 
 #[derive(Debug, Args)]
+struct SteadyArgs {
+    /// Claims in the full table's live generations
+    #[arg(long, value_name = "ROWS", default_value_t = 100_000_000, value_parser = positive::<u64>)]
+    rows: u64,
+    /// Live generations: the current one and the sealed ones
+    #[arg(long, value_name = "G", default_value_t = 3, value_parser = positive::<u32>)]
+    generations: u32,
+    /// Messages of each throughput run, published, then consumed
+    #[arg(long, value_name = "N", default_value_t = 50_000, value_parser = positive::<usize>)]
+    messages: usize,
+    /// Messages of each latency run, published at --rate while consuming
+    #[arg(long, value_name = "N", default_value_t = 10_000, value_parser = positive::<usize>)]
+    latency_messages: usize,
+    /// Offered load of the latency runs, messages per second
+    #[arg(long, value_name = "R", default_value_t = DEFAULT_RATE, value_parser = positive::<u64>)]
+    rate: u64,
+    /// When the current generation is due to rotate, in ms after the consumer starts
+    #[arg(long, value_name = "MS", default_value_t = 2_000, value_parser = whole::<u64>)]
+    rotate_after_ms: u64,
+    /// Take the message id from a key expression, whose claim probes every
+    /// sealed generation [default: the Nats-Msg-Id, whose claim probes only
+    /// the generations sealed after the message was stored]
+    #[arg(long)]
+    key_expression: bool,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+}
+
+#[derive(Debug, Args)]
+struct PurgeArgs {
+    /// Claims in the generation the purge expires
+    #[arg(long, value_name = "ROWS", default_value_t = 10_000_000, value_parser = positive::<u64>)]
+    rows: u64,
+    /// Messages published at --rate while consuming; the purge runs a third of the way in
+    #[arg(long, value_name = "N", default_value_t = 10_000, value_parser = positive::<usize>)]
+    messages: usize,
+    /// Offered load, messages per second
+    #[arg(long, value_name = "R", default_value_t = DEFAULT_RATE, value_parser = positive::<u64>)]
+    rate: u64,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
+}
+
+#[derive(Debug, Args)]
+struct StorageArgs {
+    /// Claims per table
+    #[arg(long, value_name = "ROWS", default_value_t = 1_000_000, value_parser = positive::<u64>)]
+    rows: u64,
+}
+
+#[derive(Debug, Args)]
 struct SmokeArgs {
     /// Messages per run (latency: at most 250)
     #[arg(long, value_name = "N", default_value_t = 500, value_parser = positive::<usize>)]
@@ -350,6 +448,9 @@ enum Job {
     Latency,
     Backlog,
     Prefilled,
+    Steady,
+    Purge,
+    Storage,
     Smoke,
 }
 
@@ -370,6 +471,18 @@ struct Options {
     pull: Pull,
     /// Where `chart` writes its SVG.
     out: PathBuf,
+    /// The retention scenarios' claims (steady, purge, storage).
+    rows: u64,
+    /// steady: live generations, latency run size, rotation delay.
+    generations: u32,
+    latency_messages: usize,
+    rotate_after: Duration,
+    /// steady: ids from the handler's key expression, not Nats-Msg-Id.
+    key_expression: bool,
+    /// Where the bench's servers keep their files.
+    data_dir: Option<PathBuf>,
+    /// `--pg-setting`s.
+    pg_settings: Vec<String>,
 }
 
 impl Options {
@@ -385,6 +498,13 @@ impl Options {
             ping: true,
             pull: Pull::Prefetch,
             out: PathBuf::new(),
+            rows: 0,
+            generations: 0,
+            latency_messages: 0,
+            rotate_after: Duration::ZERO,
+            key_expression: false,
+            data_dir: None,
+            pg_settings: Vec::new(),
         }
     }
 }
@@ -392,6 +512,16 @@ impl Options {
 impl Pools {
     fn ping(&self) -> bool {
         !self.no_ping
+    }
+}
+
+impl From<Cli> for Options {
+    fn from(cli: Cli) -> Options {
+        Options {
+            data_dir: cli.data_dir,
+            pg_settings: cli.pg_setting,
+            ..Options::from(cli.command)
+        }
     }
 }
 
@@ -451,17 +581,48 @@ impl From<Command> for Options {
                 pull: a.fetch.pull,
                 ..Options::new(Job::Prefilled, a.messages, a.load)
             },
+            Command::Steady(a) => Options {
+                rows: a.rows,
+                generations: a.generations,
+                latency_messages: a.latency_messages,
+                rate: a.rate as f64,
+                rotate_after: Duration::from_millis(a.rotate_after_ms),
+                key_expression: a.key_expression,
+                ping: a.pools.ping(),
+                ..Options::new(Job::Steady, a.messages, a.load)
+            },
+            Command::Purge(a) => Options {
+                rows: a.rows,
+                rate: a.rate as f64,
+                ping: a.pools.ping(),
+                ..Options::new(Job::Purge, a.messages, a.load)
+            },
+            Command::Storage(a) => Options {
+                rows: a.rows,
+                ..Options::new(
+                    Job::Storage,
+                    1,
+                    Load {
+                        concurrency: 1,
+                        duplicates: 0,
+                    },
+                )
+            },
             Command::Smoke(a) => Options {
-                job: Job::Smoke,
-                messages: a.messages,
                 duplicates: a.duplicates,
                 concurrency: a.concurrency,
                 batch: a.batch.batch,
                 rate: a.rate as f64,
-                prefill: 0,
                 ping: a.pools.ping(),
                 pull: a.fetch.pull,
-                out: PathBuf::new(),
+                ..Options::new(
+                    Job::Smoke,
+                    a.messages,
+                    Load {
+                        concurrency: a.concurrency,
+                        duplicates: 0,
+                    },
+                )
             },
         }
     }
@@ -478,7 +639,7 @@ fn main() -> ExitCode {
     since_start();
     // On a bad argument clap prints the error and the usage and exits with
     // 2; on --help it prints the help and exits with 0.
-    let options = Options::from(Cli::parse().command);
+    let options = Options::from(Cli::parse());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -495,7 +656,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         let need_postgres = options.job != Job::Mode(Mode::Raw);
         let servers = tokio::select! {
-            servers = Servers::start(need_postgres) => servers?,
+            servers = Servers::start(need_postgres, options.data_dir.as_deref(), &options.pg_settings) => servers?,
             _ = interrupted() => return Err(BenchError::Interrupted),
         };
         let result = tokio::select! {
@@ -561,6 +722,24 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
         Job::Prefilled => {
             prefilled(&ctx, options, messages, options.prefill).await?;
         }
+        Job::Steady => {
+            let base = Plan {
+                id_from_header: !options.key_expression,
+                ..plan(options, Mode::Idem, "steady", messages)
+            };
+            retention::steady(&ctx, &base, &steady_of(options)).await?;
+        }
+        Job::Purge => {
+            let base = Plan {
+                id_from_header: true,
+                ..plan(options, Mode::Idem, "purge", messages)
+            };
+            retention::purge(&ctx, &base, &purge_of(options)).await?;
+        }
+        Job::Storage => {
+            let base = plan(options, Mode::Naive, "storage", 1);
+            retention::storage(&ctx, &base, options.rows).await?;
+        }
         Job::Smoke => smoke(&ctx, options).await?,
     }
     Ok(())
@@ -579,14 +758,49 @@ fn plan(options: &Options, mode: Mode, scenario: &'static str, messages: usize) 
         duplicates: options.duplicates.unwrap_or(0).min(messages),
         ping: options.ping,
         pull: options.pull,
+        retention: None,
+        before_consume: None,
+        time_in_tx: false,
+        id_from_header: false,
     }
 }
 
-/// Runs `plan` and prints its JSON line.
-async fn run_and_print(ctx: &Context, plan: Plan) -> Result<Measurement, BenchError> {
-    let measured = run::run(ctx, &plan).await?;
+fn steady_of(options: &Options) -> retention::Steady {
+    retention::Steady {
+        rows: options.rows,
+        live: options.generations,
+        messages: options.messages,
+        latency_messages: options.latency_messages,
+        rate: options.rate,
+        rotate_after: options.rotate_after,
+    }
+}
+
+fn purge_of(options: &Options) -> retention::Purge {
+    retention::Purge {
+        rows: options.rows,
+        messages: options.messages,
+        rate: options.rate,
+    }
+}
+
+/// Runs `plan`, on a database of its own or on `db`, and prints its JSON
+/// line.
+async fn run_and_print(
+    ctx: &Context,
+    plan: Plan,
+    db: Option<&Database>,
+) -> Result<Measurement, BenchError> {
+    let measured = match db {
+        Some(db) => run::run_on(ctx, &plan, db).await?,
+        None => run::run(ctx, &plan).await?,
+    };
+    let claim = match (measured.claim_p50_ms, measured.claim_p99_ms) {
+        (Some(p50), Some(p99)) => format!(", claim p50 {p50:.2} ms, p99 {p99:.2} ms"),
+        _ => String::new(),
+    };
     eprintln!(
-        "idem-bench: [{} {}] {:.0} msgs/s, p50 {:.1} ms, p99 {:.1} ms, effects {}",
+        "idem-bench: [{} {}] {:.0} msgs/s, p50 {:.1} ms, p99 {:.1} ms{claim}, effects {}",
         plan.scenario,
         plan.mode.name(),
         measured.msgs_per_sec,
@@ -605,7 +819,7 @@ async fn compare(
 ) -> Result<Vec<Measurement>, BenchError> {
     let mut runs = Vec::new();
     for mode in Mode::ALL {
-        runs.push(run_and_print(ctx, plan(options, mode, "throughput", messages)).await?);
+        runs.push(run_and_print(ctx, plan(options, mode, "throughput", messages), None).await?);
     }
     // The table goes to stderr with the other human-readable lines: stdout
     // holds only JSON, one object per line.
@@ -639,7 +853,7 @@ async fn chart(
     }
     let mut runs = Vec::new();
     for mode in [Mode::Raw, Mode::Naive, Mode::Idem] {
-        runs.push(run_and_print(ctx, plan(options, mode, "throughput", messages)).await?);
+        runs.push(run_and_print(ctx, plan(options, mode, "throughput", messages), None).await?);
     }
     for batch in CHART_BATCHES {
         for mode in [Mode::IdemBatch, Mode::IdemBatchHandler] {
@@ -647,7 +861,7 @@ async fn chart(
                 batch,
                 ..plan(options, mode, "throughput", messages)
             };
-            runs.push(run_and_print(ctx, plan).await?);
+            runs.push(run_and_print(ctx, plan, None).await?);
         }
     }
     chart::write(out, &runs).map_err(|e| BenchError::failed(format!("the chart: {e}")))?;
@@ -670,7 +884,7 @@ async fn latency(
             rate: Some(rate),
             ..plan(options, mode, "latency", messages)
         };
-        runs.push(run_and_print(ctx, plan).await?);
+        runs.push(run_and_print(ctx, plan, None).await?);
     }
     let p99 = runs
         .iter()
@@ -693,7 +907,7 @@ async fn backlog(
     options: &Options,
     messages: usize,
 ) -> Result<Measurement, BenchError> {
-    let measured = run_and_print(ctx, plan(options, Mode::Idem, "backlog", messages)).await?;
+    let measured = run_and_print(ctx, plan(options, Mode::Idem, "backlog", messages), None).await?;
     eprintln!(
         "{}",
         report::target(
@@ -721,7 +935,7 @@ async fn prefilled(
                 prefill,
                 ..plan(options, mode, "prefilled", messages)
             };
-            let measured = run_and_print(ctx, plan).await?;
+            let measured = run_and_print(ctx, plan, None).await?;
             rates[i] = measured.msgs_per_sec;
             runs.push(measured);
         }
@@ -737,6 +951,9 @@ async fn prefilled(
     }
     Ok(runs)
 }
+
+/// Claims in smoke's retention scenarios.
+const SMOKE_ROWS: u64 = 3_000;
 
 /// Every mode and scenario with small numbers: checks that each run ends
 /// with the right effects (every run does), not how fast it is.
@@ -763,6 +980,37 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
     runs.extend(latency(ctx, options, n.min(250), options.rate).await?);
     runs.push(backlog(ctx, options, n).await?);
     runs.extend(prefilled(ctx, options, n, 20_000).await?);
+    // The retention scenarios, tiny: no duplicates (they check their own
+    // end state), the rotation due at once.
+    let retention_options = &Options {
+        duplicates: Some(0),
+        ..options.clone()
+    };
+    let base = Plan {
+        id_from_header: true,
+        ..plan(retention_options, Mode::Idem, "steady", n)
+    };
+    let steady = retention::Steady {
+        rows: SMOKE_ROWS,
+        live: 3,
+        messages: n,
+        latency_messages: n.min(250),
+        rate: options.rate,
+        rotate_after: Duration::ZERO,
+    };
+    runs.extend(retention::steady(ctx, &base, &steady).await?);
+    let purge = retention::Purge {
+        rows: SMOKE_ROWS,
+        messages: n.min(250),
+        rate: options.rate,
+    };
+    runs.push(retention::purge(ctx, &base, &purge).await?);
+    retention::storage(
+        ctx,
+        &plan(retention_options, Mode::Naive, "storage", 1),
+        SMOKE_ROWS,
+    )
+    .await?;
     // The chart goes to a folder of its own, removed afterwards.
     let folder = tempfile::tempdir()
         .map_err(|e| BenchError::setup(format!("a folder for the chart: {e}")))?;
@@ -835,7 +1083,7 @@ mod tests {
 
     fn parse(line: &str) -> Result<Options, clap::Error> {
         let args = std::iter::once("idem-bench").chain(line.split_whitespace());
-        Cli::try_parse_from(args).map(|cli| Options::from(cli.command))
+        Cli::try_parse_from(args).map(Options::from)
     }
 
     #[test]
@@ -862,6 +1110,19 @@ mod tests {
         assert_eq!(parse("latency --rate 250").unwrap().rate, 250.0);
         assert_eq!(parse("prefilled --prefill 1_000").unwrap().prefill, 1000);
         assert_eq!(parse("compare").unwrap().job, Job::Compare);
+        let o = parse("steady --rows 1_000 --generations 4 --latency-messages 7 --data-dir /d")
+            .unwrap();
+        assert_eq!(
+            (o.job, o.rows, o.generations, o.latency_messages),
+            (Job::Steady, 1000, 4, 7)
+        );
+        assert_eq!(o.data_dir, Some(PathBuf::from("/d")));
+        let o = parse("--data-dir /d purge --rows 5 --rate 100").unwrap();
+        assert_eq!((o.job, o.rows, o.rate), (Job::Purge, 5, 100.0));
+        assert_eq!(o.data_dir, Some(PathBuf::from("/d")));
+        assert_eq!(parse("storage --rows 9").unwrap().rows, 9);
+        let o = parse("storage --pg-setting max_wal_size=1GB --pg-setting a.b=c").unwrap();
+        assert_eq!(o.pg_settings, ["max_wal_size=1GB", "a.b=c"]);
         let o = parse("chart --out /tmp/t.svg --concurrency 4 --pull slots").unwrap();
         assert_eq!(
             (o.job, o.out, o.concurrency, o.pull),
@@ -891,6 +1152,17 @@ mod tests {
             (500.0, true, Pull::Prefetch)
         );
         assert_eq!(parse("prefilled").unwrap().prefill, 5_000_000);
+        let steady = parse("steady").unwrap();
+        assert_eq!(
+            (steady.rows, steady.generations, steady.messages),
+            (100_000_000, 3, 50_000)
+        );
+        assert_eq!(steady.rotate_after, Duration::from_secs(2));
+        assert!(!steady.key_expression);
+        assert!(parse("steady --key-expression").unwrap().key_expression);
+        assert_eq!(parse("purge").unwrap().rows, 10_000_000);
+        assert_eq!(parse("storage").unwrap().rows, 1_000_000);
+        assert_eq!(parse("smoke").unwrap().data_dir, None);
     }
 
     #[test]
@@ -905,6 +1177,7 @@ mod tests {
         assert_eq!(kind("idem --messages 0"), ErrorKind::ValueValidation);
         assert_eq!(kind("idem --messages many"), ErrorKind::ValueValidation);
         assert_eq!(kind("naive --pull sometimes"), ErrorKind::InvalidValue);
+        assert_eq!(kind("idem --pg-setting fsync"), ErrorKind::ValueValidation);
         // An option the mode does not read is refused, not ignored.
         assert_eq!(kind("idem --batch 8"), ErrorKind::UnknownArgument);
         assert_eq!(kind("backlog --pull slots"), ErrorKind::UnknownArgument);

@@ -44,6 +44,14 @@ struct Line<'a> {
     /// How a hand-written mode fetched (`prefetch` or `slots`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pull: Option<&'a str>,
+    /// BEGIN → the handler's INSERT, server clock (retention scenarios).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    claim_p50_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    claim_p99_ms: Option<f64>,
+    /// The route's retention, seconds (retention scenarios).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retention_s: Option<f64>,
 }
 
 fn round(value: f64, digits: i32) -> f64 {
@@ -77,6 +85,9 @@ pub fn json_line(m: &Measurement) -> String {
         prefill_rows: plan.prefill,
         pool_ping: plan.ping,
         pull: plan.mode.hand_written().then(|| plan.pull.name()),
+        claim_p50_ms: m.claim_p50_ms.map(|v| round(v, 3)),
+        claim_p99_ms: m.claim_p99_ms.map(|v| round(v, 3)),
+        retention_s: plan.retention.map(|r| r.as_secs_f64()),
     })
     .expect("a report serializes")
 }

@@ -36,6 +36,19 @@ pub struct Plan {
     pub ping: bool,
     /// How the hand-written modes fetch.
     pub pull: Pull,
+    /// The idem route's `Route::retention`: its claims expire, and the
+    /// router runs the purge in the background.
+    pub retention: Option<Duration>,
+    /// SQL run on the run's database just before the consumer starts (the
+    /// retention scenarios arm a rotation and an expiry with it).
+    pub before_consume: Option<String>,
+    /// Record, with each effect, when its transaction began and how long
+    /// after that the handler's INSERT ran (the claim's latency, as the
+    /// handler sees it), on the server's clock.
+    pub time_in_tx: bool,
+    /// idem: publish each message with its key as `Nats-Msg-Id`, and take
+    /// that as its id, instead of the handler's key expression.
+    pub id_from_header: bool,
 }
 
 /// What a run measured.
@@ -59,6 +72,21 @@ pub struct Measurement {
     /// bounded by their sum, whatever else runs there.
     pub client_cpu_us_per_msg: f64,
     pub servers_cpu_us_per_msg: Option<f64>,
+    /// With `Plan::time_in_tx`: BEGIN → the handler's INSERT, nearest-rank.
+    pub claim_p50_ms: Option<f64>,
+    pub claim_p99_ms: Option<f64>,
+    /// Each copy's publish and first ack, for latencies by time window.
+    pub samples: Vec<Sample>,
+    /// With `Plan::time_in_tx`, per effect: (transaction start, Unix µs;
+    /// BEGIN → handler INSERT, µs).
+    pub tx_samples: Vec<(i64, i64)>,
+}
+
+/// When one message was published and when its first ack was seen.
+#[derive(Debug, Clone, Copy)]
+pub struct Sample {
+    pub published: Instant,
+    pub acked: Instant,
 }
 
 /// The connections every run shares. Publisher, consumer and ack observer
@@ -99,7 +127,7 @@ impl Context {
     }
 
     /// A name no other run of this or another bench process uses.
-    fn next_tag(&self) -> String {
+    pub fn next_tag(&self) -> String {
         let n = self.runs.fetch_add(1, Ordering::Relaxed);
         format!("{}_{n}", std::process::id())
     }
@@ -111,24 +139,8 @@ const DUPLICATE_WINDOW: Duration = Duration::from_millis(100);
 
 /// Runs `plan` on fresh fixtures and removes them afterwards.
 pub async fn run(ctx: &Context, plan: &Plan) -> Result<Measurement, BenchError> {
-    let tag = ctx.next_tag();
-    let stream_name = format!("BENCH_{tag}");
-    let subject = format!("bench.{tag}");
-    ctx.publisher
-        .create_stream(stream::Config {
-            name: stream_name.clone(),
-            subjects: vec![subject.clone()],
-            storage: stream::StorageType::File,
-            // Zero is JetStream's default, 2 minutes.
-            duplicate_window: if plan.duplicates > 0 {
-                DUPLICATE_WINDOW
-            } else {
-                Duration::ZERO
-            },
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| BenchError::failed(format!("create stream {stream_name}: {e}")))?;
+    let (stream_name, subject) = create_stream(ctx, plan).await?;
+    let tag = stream_name.trim_start_matches("BENCH_").to_owned();
     let database = match plan.mode.uses_database() {
         true => match Database::create(ctx, &tag, plan).await {
             Ok(db) => Some(db),
@@ -155,6 +167,46 @@ pub async fn run(ctx: &Context, plan: &Plan) -> Result<Measurement, BenchError> 
     outcome
 }
 
+/// A stream of the run's own; returns its name and subject.
+async fn create_stream(ctx: &Context, plan: &Plan) -> Result<(String, String), BenchError> {
+    let tag = ctx.next_tag();
+    let stream_name = format!("BENCH_{tag}");
+    let subject = format!("bench.{tag}");
+    ctx.publisher
+        .create_stream(stream::Config {
+            name: stream_name.clone(),
+            subjects: vec![subject.clone()],
+            storage: stream::StorageType::File,
+            // Zero is JetStream's default, 2 minutes.
+            duplicate_window: if plan.duplicates > 0 {
+                DUPLICATE_WINDOW
+            } else {
+                Duration::ZERO
+            },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| BenchError::failed(format!("create stream {stream_name}: {e}")))?;
+    Ok((stream_name, subject))
+}
+
+/// Runs `plan` on a fresh stream and on `db`, made by [`Database::create`]
+/// and kept for more runs (its dedup table is not emptied; the effects
+/// are).
+pub async fn run_on(ctx: &Context, plan: &Plan, db: &Database) -> Result<Measurement, BenchError> {
+    let (stream_name, subject) = create_stream(ctx, plan).await?;
+    let outcome = async {
+        sqlx::query("TRUNCATE bench_effects")
+            .execute(&db.pool)
+            .await
+            .map_err(|e| BenchError::setup(format!("empty bench_effects: {e}")))?;
+        measure(ctx, plan, &stream_name, &subject, Some(db)).await
+    }
+    .await;
+    delete_stream(ctx, &stream_name).await;
+    outcome
+}
+
 async fn delete_stream(ctx: &Context, name: &str) {
     if let Err(e) = ctx.publisher.delete_stream(name).await {
         tracing::warn!(%e, stream = name, "cannot delete the bench stream");
@@ -174,23 +226,21 @@ async fn measure(
     let twice: Vec<String> = (0..plan.duplicates)
         .map(|i| keys[i * n / plan.duplicates].clone())
         .collect();
-    let with_ids = !twice.is_empty();
+    let with_ids = !twice.is_empty() || plan.id_from_header;
     // Every copy is acked, the second ones too.
     let total = n + twice.len();
     let observer = AckObserver::start(&ctx.observer, stream, total).await?;
     let source = || Source { stream, subject };
     let pool = db.map(|db| &db.pool);
     let cpu_now = || probe::CpuSample::now(ctx.server_pids.as_deref());
-    let start_consumer = || {
-        Consumer::start(
-            plan.mode,
-            &ctx.consumer,
-            pool,
-            source(),
-            plan.concurrency,
-            plan.batch,
-            plan.pull,
-        )
+    let start_consumer = || async {
+        if let (Some(sql), Some(pool)) = (&plan.before_consume, pool) {
+            sqlx::raw_sql(AssertSqlSafe(sql.clone()))
+                .execute(pool)
+                .await
+                .map_err(|e| BenchError::setup(format!("before the consumer starts: {e}")))?;
+        }
+        Consumer::start(plan, &ctx.consumer, pool, source()).await
     };
 
     let (published, consumer, started, rss_at_start, cpu_at_start) = match plan.rate {
@@ -246,16 +296,38 @@ async fn measure(
     waited?;
     let report = stopped?;
 
-    let mut latencies: Vec<Duration> = published
+    let samples: Vec<Sample> = published
         .messages
         .iter()
-        .filter_map(|p| Some(acks.get(p.seq)?.saturating_duration_since(p.at)))
+        .filter_map(|p| {
+            Some(Sample {
+                published: p.at,
+                acked: acks.get(p.seq)?,
+            })
+        })
+        .collect();
+    let mut latencies: Vec<Duration> = samples
+        .iter()
+        .map(|s| s.acked.saturating_duration_since(s.published))
         .collect();
     latencies.sort_unstable();
     let last_ack = acks.last().unwrap_or_else(Instant::now);
     let elapsed = last_ack.saturating_duration_since(started);
 
     let effects = verify(plan, db, &report).await?;
+    let tx_samples: Vec<(i64, i64)> = match (plan.time_in_tx, db) {
+        (true, Some(db)) => sqlx::query_as("SELECT tx_started_us, in_tx_us FROM bench_effects")
+            .fetch_all(&db.pool)
+            .await
+            .map_err(|e| BenchError::failed(format!("read the transaction times: {e}")))?,
+        _ => Vec::new(),
+    };
+    let mut in_tx: Vec<Duration> = tx_samples
+        .iter()
+        .map(|&(_, us)| Duration::from_micros(us.max(0).unsigned_abs()))
+        .collect();
+    in_tx.sort_unstable();
+    let claim_percentile = |q| plan.time_in_tx.then(|| percentile_ms(&in_tx, q));
     Ok(Measurement {
         plan: plan.clone(),
         msgs_per_sec: total as f64 / elapsed.as_secs_f64(),
@@ -271,6 +343,10 @@ async fn measure(
         publish_lag_ms: plan.rate.map(|_| published.max_lag.as_secs_f64() * 1000.0),
         client_cpu_us_per_msg: client_cpu * 1e6 / total as f64,
         servers_cpu_us_per_msg: servers_cpu.map(|cpu| cpu * 1e6 / total as f64),
+        claim_p50_ms: claim_percentile(0.50),
+        claim_p99_ms: claim_percentile(0.99),
+        samples,
+        tx_samples,
     })
 }
 
@@ -380,14 +456,7 @@ async fn verify(
         )));
     }
     if plan.mode.dedups() {
-        let count = if plan.mode == Mode::Manual {
-            "SELECT count(*) FROM manual_processed_messages WHERE handler = $1"
-        } else {
-            "SELECT count(*) FROM idem_processed WHERE handler = $1"
-        };
-        let claims: i64 = sqlx::query_scalar(count)
-            .bind(HANDLER_NAME)
-            .fetch_one(&db.pool)
+        let claims = count_claims(plan.mode, &db.pool)
             .await
             .map_err(|e| BenchError::failed(format!("count dedup rows: {e}")))?;
         if claims as u64 != n {
@@ -411,8 +480,32 @@ async fn verify(
     Ok(rows as u64)
 }
 
+/// The dedup rows of the effects' messages (`HANDLER_NAME`'s). Looked up
+/// by key, from the effects' keys first, so that a dedup table of 100
+/// million rows costs index probes, never a scan or a join the planner
+/// could turn around; a claim made during a generation transition is in
+/// two partitions, and counts once.
+async fn count_claims(mode: Mode, pool: &PgPool) -> Result<i64, sqlx::Error> {
+    let ids: Vec<String> = sqlx::query_scalar("SELECT message_key FROM bench_effects")
+        .fetch_all(pool)
+        .await?;
+    let count = if mode == Mode::Manual {
+        "SELECT count(*) FROM manual_processed_messages
+          WHERE handler = $1 AND message_id = ANY ($2)"
+    } else {
+        "SELECT count(DISTINCT key) FROM idem_claims
+          WHERE key = ANY (ARRAY(SELECT idem_key($1, id) FROM unnest($2::text[]) AS id))
+            AND handler_id = (SELECT id FROM idem_handlers WHERE name = $1)"
+    };
+    sqlx::query_scalar(count)
+        .bind(HANDLER_NAME)
+        .bind(ids)
+        .fetch_one(pool)
+        .await
+}
+
 /// The nearest-rank percentile `q` of sorted `values`, in milliseconds.
-fn percentile_ms(sorted: &[Duration], q: f64) -> f64 {
+pub fn percentile_ms(sorted: &[Duration], q: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
@@ -453,14 +546,14 @@ fn progress(plan: &Plan, what: &str) {
 /// A database of its own for one run, on the `DATABASE_URL` server (or the
 /// bench's own), so that no run sees another's rows and no user data is
 /// touched. Dropped afterwards.
-struct Database {
+pub struct Database {
     admin_url: String,
     name: String,
-    pool: PgPool,
+    pub pool: PgPool,
 }
 
 impl Database {
-    async fn create(ctx: &Context, tag: &str, plan: &Plan) -> Result<Database, BenchError> {
+    pub async fn create(ctx: &Context, tag: &str, plan: &Plan) -> Result<Database, BenchError> {
         let admin_url = ctx
             .database_url
             .clone()
@@ -515,12 +608,22 @@ impl Database {
         let sql =
             |what: &'static str| move |e: sqlx::Error| BenchError::setup(format!("{what}: {e}"));
         // No key of its own: a duplicate effect shows up as an extra row.
-        sqlx::query(
-            "CREATE TABLE bench_effects (message_key text NOT NULL, published_us bigint NOT NULL)",
-        )
-        .execute(&self.pool)
-        .await
-        .map_err(sql("create bench_effects"))?;
+        let effects = if plan.time_in_tx {
+            "CREATE TABLE bench_effects (
+                 message_key   text   NOT NULL,
+                 published_us  bigint NOT NULL,
+                 tx_started_us bigint NOT NULL
+                     DEFAULT (extract(epoch FROM transaction_timestamp()) * 1e6)::bigint,
+                 in_tx_us      bigint NOT NULL
+                     DEFAULT (extract(epoch FROM clock_timestamp() - transaction_timestamp())
+                              * 1e6)::bigint)"
+        } else {
+            "CREATE TABLE bench_effects (message_key text NOT NULL, published_us bigint NOT NULL)"
+        };
+        sqlx::query(effects)
+            .execute(&self.pool)
+            .await
+            .map_err(sql("create bench_effects"))?;
         if plan.mode == Mode::Manual {
             // What a hand-written consumer keeps: the message id as it is.
             sqlx::raw_sql(
@@ -589,7 +692,7 @@ impl Database {
         Ok(())
     }
 
-    async fn drop(self) {
+    pub async fn drop(self) {
         self.pool.close().await;
         drop_database(&self.admin_url, &self.name).await;
     }

@@ -2,9 +2,11 @@
 //! otherwise a nats-server and a PostgreSQL cluster of its own, on 127.0.0.1
 //! with random ports and files in one temp dir, stopped and removed on exit.
 //!
-//! The temp dir is under `TMPDIR` (default /tmp), on purpose not /dev/shm:
-//! the numbers are only honest when every COMMIT and every JetStream write
-//! waits for a real fsync. Both servers keep their durability settings
+//! The temp dir is under `--data-dir` if given, else `TMPDIR` (default
+//! /tmp), on purpose not /dev/shm: the numbers are only honest when every
+//! COMMIT and every JetStream write waits for a real fsync, and a dedup
+//! table of 100 million claims (about 10 GB) does not belong in RAM. The
+//! bench warns when the dir is on a RAM file system. Both servers keep their durability settings
 //! (`fsync` and `synchronous_commit` on; JetStream `sync_interval: always`,
 //! as the project's tests and demo run it).
 
@@ -60,7 +62,14 @@ struct OwnedProcess {
 
 impl Servers {
     /// Uses `NATS_URL` / `DATABASE_URL`, or starts what is missing.
-    pub async fn start(need_postgres: bool) -> Result<Servers, BenchError> {
+    /// `data_dir`: where the servers' temp dir goes (default: `TMPDIR`);
+    /// `pg_settings`: `name=value`s for our PostgreSQL, after (and so
+    /// overriding) [`PG_SETTINGS`].
+    pub async fn start(
+        need_postgres: bool,
+        data_dir: Option<&Path>,
+        pg_settings: &[String],
+    ) -> Result<Servers, BenchError> {
         let mut servers = Servers {
             nats_url: String::new(),
             database_url: None,
@@ -72,10 +81,28 @@ impl Servers {
         let external_nats = std::env::var("NATS_URL").ok();
         let external_pg = std::env::var("DATABASE_URL").ok().filter(|_| need_postgres);
         if external_nats.is_none() || (need_postgres && external_pg.is_none()) {
+            let parent = data_dir.map_or_else(std::env::temp_dir, Path::to_owned);
+            fs::create_dir_all(&parent).map_err(|e| {
+                BenchError::setup(format!("cannot create {}: {e}", parent.display()))
+            })?;
             let dir = tempfile::Builder::new()
                 .prefix("idem-bench-")
-                .tempdir()
-                .map_err(|e| BenchError::setup(format!("cannot create a temp dir: {e}")))?;
+                .tempdir_in(&parent)
+                .map_err(|e| {
+                    BenchError::setup(format!(
+                        "cannot create a temp dir in {}: {e}",
+                        parent.display()
+                    ))
+                })?;
+            let file_system = file_system_of(dir.path());
+            if file_system.starts_with("tmpfs") || file_system.starts_with("ramfs") {
+                eprintln!(
+                    "idem-bench: warning: the servers' files go to {} on {file_system}, in RAM: \
+                     fsync costs nothing there, and a large dedup table takes memory; \
+                     --data-dir puts them on disk",
+                    dir.path().display()
+                );
+            }
             // As root, PostgreSQL runs as `postgres` and must reach its dir.
             fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755))
                 .map_err(|e| BenchError::setup(format!("cannot chmod the temp dir: {e}")))?;
@@ -113,13 +140,18 @@ impl Servers {
                 }
                 None => {
                     let dir = dir.as_ref().expect("made above").join("pg");
-                    let (process, url) = start_postgres(&dir).await?;
+                    let settings: Vec<&str> = PG_SETTINGS
+                        .iter()
+                        .copied()
+                        .chain(pg_settings.iter().map(String::as_str))
+                        .collect();
+                    let (process, url) = start_postgres(&dir, &settings).await?;
                     servers.postgres = Some(process);
                     servers.description.push(format!(
                         "PostgreSQL: {url} (data dir {} on {}; {})",
                         dir.join("data").display(),
                         file_system_of(&dir),
-                        PG_SETTINGS.join(", ")
+                        settings.join(", ")
                     ));
                     servers.database_url = Some(url);
                 }
@@ -254,7 +286,10 @@ async fn start_nats(dir: &Path) -> Result<(OwnedProcess, u16), BenchError> {
 }
 
 /// initdb's a cluster in `dir/data` and runs it; returns it and its URL.
-async fn start_postgres(dir: &Path) -> Result<(OwnedProcess, String), BenchError> {
+async fn start_postgres(
+    dir: &Path,
+    settings: &[&str],
+) -> Result<(OwnedProcess, String), BenchError> {
     let bindir = PathBuf::from(
         std::env::var_os("IDEM_PG_BINDIR").unwrap_or_else(|| DEFAULT_PG_BINDIR.into()),
     );
@@ -309,7 +344,7 @@ async fn start_postgres(dir: &Path) -> Result<(OwnedProcess, String), BenchError
             .arg("-k")
             .arg(dir)
             .current_dir(dir);
-        for setting in PG_SETTINGS {
+        for setting in settings {
             cmd.args(["-c", setting]);
         }
         as_user(&mut cmd);
