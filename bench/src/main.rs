@@ -12,6 +12,7 @@
 mod chart;
 mod consumers;
 mod fixture;
+mod outbox;
 mod probe;
 mod report;
 mod retention;
@@ -114,6 +115,9 @@ enum Command {
     Purge(PurgeArgs),
     /// Bytes per claim, heap and indexes: the claims table vs version 1's
     Storage(StorageArgs),
+    /// The outbox Relay vs raw publishes; COMMIT -> stored p50/p99, outbox vs publish-after-commit
+    #[command(after_help = OUTBOX)]
+    Outbox(OutboxArgs),
     /// Every mode and scenario, small, with duplicates: checks correctness only (CI)
     #[command(after_help = SMOKE)]
     Smoke(SmokeArgs),
@@ -137,6 +141,18 @@ current one due to rotate --rotate-after-ms into the run, and expiry::purge
 runs every second beside the router's own, so that it expires, rotates and
 ends a transition while idem works. claim p99 is BEGIN to the handler's INSERT, on the server's clock.
 Put the servers on disk (--data-dir) for 100M claims: about 13 GB.";
+
+const OUTBOX: &str = "\
+Throughput: --messages rows queued in idem_outbox (untimed), then drained by
+one Relay (its own cycles until one takes nothing), against raw publishes of
+the same payloads with a Nats-Msg-Id each, pipelined in windows of
+--relay-batch, on the same connection. Latency: --latency-messages offered
+at --rate to an #[idempotent] handler that inserts a row and queues one
+outbox message (a Relay runs beside the router), then to a hand-written
+handler that publishes after its COMMIT; then both over a backlog of the
+same size. Latency is from the wall clock taken right before the COMMIT is
+sent (carried in the output message) to the output message's delivery to a
+JetStream consumer, which follows its storage (and PubAck).";
 
 const CONCURRENCY_WITH_BATCHES: &str = "Messages in flight (idem-batch: batches in flight)";
 
@@ -349,6 +365,28 @@ struct PurgeArgs {
 }
 
 #[derive(Debug, Args)]
+struct OutboxArgs {
+    /// Rows queued in the outbox, then drained by the relay (and raw publishes)
+    #[arg(long, value_name = "N", default_value_t = 50_000, value_parser = positive::<usize>)]
+    messages: usize,
+    /// Messages of each latency and backlog run of the handlers
+    #[arg(long, value_name = "N", default_value_t = 10_000, value_parser = positive::<usize>)]
+    latency_messages: usize,
+    /// Offered load of the latency runs, messages per second
+    #[arg(long, value_name = "R", default_value_t = DEFAULT_RATE, value_parser = positive::<u64>)]
+    rate: u64,
+    /// The relay's batch size (rows per cycle), and raw's publish window
+    #[arg(long, value_name = "B", default_value_t = DEFAULT_RELAY_BATCH, value_parser = positive::<usize>)]
+    relay_batch: usize,
+    /// Messages in flight in the handlers
+    #[arg(long, value_name = "C", default_value_t = 8, value_parser = positive::<usize>)]
+    concurrency: usize,
+}
+
+/// `Relay`'s default batch size.
+const DEFAULT_RELAY_BATCH: usize = 1024;
+
+#[derive(Debug, Args)]
 struct StorageArgs {
     /// Claims per table
     #[arg(long, value_name = "ROWS", default_value_t = 1_000_000, value_parser = positive::<u64>)]
@@ -451,6 +489,7 @@ enum Job {
     Steady,
     Purge,
     Storage,
+    Outbox,
     Smoke,
 }
 
@@ -608,6 +647,19 @@ impl From<Command> for Options {
                     },
                 )
             },
+            Command::Outbox(a) => Options {
+                latency_messages: a.latency_messages,
+                rate: a.rate as f64,
+                batch: a.relay_batch,
+                ..Options::new(
+                    Job::Outbox,
+                    a.messages,
+                    Load {
+                        concurrency: a.concurrency,
+                        duplicates: 0,
+                    },
+                )
+            },
             Command::Smoke(a) => Options {
                 duplicates: a.duplicates,
                 concurrency: a.concurrency,
@@ -739,6 +791,21 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
         Job::Storage => {
             let base = plan(options, Mode::Naive, "storage", 1);
             retention::storage(&ctx, &base, options.rows).await?;
+        }
+        Job::Outbox => {
+            let scenario = outbox::Scenario {
+                messages,
+                latency_messages: options.latency_messages,
+                rate: options.rate,
+                concurrency: options.concurrency,
+                relay_batch: options.batch,
+            };
+            outbox::outbox(
+                &ctx,
+                &plan(options, Mode::Idem, "outbox", messages),
+                &scenario,
+            )
+            .await?;
         }
         Job::Smoke => smoke(&ctx, options).await?,
     }
@@ -1011,6 +1078,22 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
         SMOKE_ROWS,
     )
     .await?;
+    let scenario = outbox::Scenario {
+        messages: n,
+        latency_messages: n.min(250),
+        rate: options.rate,
+        concurrency: options.concurrency,
+        relay_batch: DEFAULT_RELAY_BATCH,
+    };
+    let outbox_runs = outbox::outbox(
+        ctx,
+        &plan(retention_options, Mode::Idem, "outbox", n),
+        &scenario,
+    )
+    .await?
+    .runs
+    .len()
+        + 1;
     // The chart goes to a folder of its own, removed afterwards.
     let folder = tempfile::tempdir()
         .map_err(|e| BenchError::setup(format!("a folder for the chart: {e}")))?;
@@ -1020,7 +1103,7 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
     eprintln!(
         "idem-bench: smoke passed: {} runs with {duplicates} duplicates stored in all, each \
          with the expected effects, in {wall:.1} s",
-        runs.len()
+        runs.len() + outbox_runs
     );
     println!(
         "{}",
@@ -1030,7 +1113,7 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
             "duplicates_per_run": options.duplicates,
             "concurrency": options.concurrency,
             "batch": options.batch,
-            "runs_correct": runs.len(),
+            "runs_correct": runs.len() + outbox_runs,
             "wall_s": (wall * 10.0).round() / 10.0,
         })
     );
@@ -1162,6 +1245,11 @@ mod tests {
         assert!(parse("steady --key-expression").unwrap().key_expression);
         assert_eq!(parse("purge").unwrap().rows, 10_000_000);
         assert_eq!(parse("storage").unwrap().rows, 1_000_000);
+        let o = parse("outbox").unwrap();
+        assert_eq!(
+            (o.job, o.messages, o.latency_messages, o.rate, o.batch),
+            (Job::Outbox, 50_000, 10_000, 500.0, 1024)
+        );
         assert_eq!(parse("smoke").unwrap().data_dir, None);
     }
 
