@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Runs the example service (examples/ledger) end to end against real servers.
+# Runs the example services end to end against real servers, and fails if
+# any of them applied a message more than once or not at all.
 #
-#   scripts/demo.sh [ARGS...]     ARGS go to the ledger-example binary
+#   scripts/demo.sh                    the ledger, then the pipeline
+#   scripts/demo.sh ledger [ARGS...]   the ledger (examples/ledger) only
+#   scripts/demo.sh pipeline [ARGS...] the pipeline (examples/pipeline) only:
+#                                      the orders and payments services, each
+#                                      its own process, driven by pipeline-demo
+#   scripts/demo.sh --credits N ...    the ledger only, with these ARGS
+#
+# ARGS go to the ledger-example or pipeline-demo binary (--help lists them).
 #
 # Uses NATS_URL and DATABASE_URL when they are set; otherwise starts a
 # throwaway nats-server (JetStream) and PostgreSQL on 127.0.0.1 with random
@@ -17,7 +25,10 @@ workdir=$(mktemp -d -t idem-demo.XXXXXX)
 # mktemp makes the dir 0700; as root, PostgreSQL runs as the postgres user
 # and must be able to reach its data dir inside.
 chmod 755 "$workdir"
+service_pids=()
 cleanup() {
+    # The pipeline's services, if the script is stopped while they run.
+    if [ "${#service_pids[@]}" -gt 0 ]; then kill -TERM "${service_pids[@]}" 2>/dev/null || true; fi
     stop_servers
     rm -rf "$workdir"
 }
@@ -39,5 +50,53 @@ else
 fi
 export NATS_URL DATABASE_URL
 
-# Not `exec`: the trap must run after the example exits.
-cargo run -q -p ledger-example -- "$@"
+demos=(ledger pipeline)
+case "${1:-}" in
+ledger | pipeline)
+    demos=("$1")
+    shift
+    ;;
+-*) demos=(ledger) ;;
+esac
+
+# Not `exec`: the trap must run after the examples exit.
+run_ledger() {
+    cargo run -q -p ledger-example -- "$@"
+}
+
+# Starts the two services in the background (logs in $workdir), runs the
+# driver against them, then stops them with SIGTERM and checks that they
+# exited cleanly.
+run_pipeline() {
+    cargo build -q -p pipeline-example --bins
+    local bin=${CARGO_TARGET_DIR:-target}/debug service pid status=0
+    local -A pids=()
+    for service in orders payments; do
+        "$bin/$service" >"$workdir/$service.log" 2>&1 &
+        pids[$service]=$!
+        service_pids+=("$!")
+    done
+    "$bin/pipeline-demo" "$@" || status=$?
+    for service in orders payments; do
+        pid=${pids[$service]}
+        kill -TERM "$pid" 2>/dev/null || true
+        if ! wait "$pid"; then
+            log "the $service service did not exit cleanly; its log:"
+            cat "$workdir/$service.log" >&2
+            status=1
+        fi
+    done
+    service_pids=()
+    if [ "$status" != 0 ]; then
+        for service in orders payments; do
+            log "$service service log:"
+            tail -n 20 "$workdir/$service.log" >&2
+        done
+    fi
+    return "$status"
+}
+
+for demo in "${demos[@]}"; do
+    [ "$demo" = "${demos[0]}" ] || printf '\n'
+    "run_$demo" "$@"
+done

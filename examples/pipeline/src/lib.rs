@@ -1,0 +1,116 @@
+//! A pipeline of two services that hand work on through the transactional
+//! outbox, each step exactly once:
+//!
+//! ```text
+//! orders.placed ──▶ orders::place ──outbox──▶ payments.requested
+//!                                                    │
+//!       ┌──────────────── payments::charge ◀─────────┘
+//!       └──outbox──▶ orders.paid ──▶ orders::mark_paid
+//! ```
+//!
+//! - [`orders`] consumes `orders.placed`, writes the order and queues a
+//!   `payments.requested`; it also consumes `orders.paid` and marks the
+//!   order paid.
+//! - [`payments`] consumes `payments.requested`, records one charge per
+//!   order and queues an `orders.paid`.
+//!
+//! Each service is a binary (`src/bin/orders.rs`, `src/bin/payments.rs`)
+//! that runs its router and an outbox relay beside it, via [`serve`].
+//! `scripts/demo.sh pipeline` starts both and drives them with
+//! `src/bin/pipeline-demo.rs`; `tests/tests/pipeline.rs` runs the same
+//! routers in-process.
+
+pub mod demo;
+pub mod orders;
+pub mod payments;
+
+use std::time::Duration;
+
+use idem_runtime::Router;
+use idem_runtime::outbox::Relay;
+use serde::{Deserialize, Serialize};
+
+/// The stream that stores `orders.>`: `orders.placed` and `orders.paid`.
+pub const ORDERS_STREAM: &str = "ORDERS";
+/// The stream that stores `payments.>`.
+pub const PAYMENTS_STREAM: &str = "PAYMENTS";
+/// JetStream's publish-dedup window on both streams. Short, so that the demo
+/// can wait past it and show a retry that only the claim stops.
+pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
+
+/// A customer placed an order (published by a shop front; its
+/// `Nats-Msg-Id` is `order-<order>`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OrderPlaced {
+    pub order: i64,
+    pub amount: i64,
+}
+
+/// The orders service asks for an order to be charged.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PaymentRequested {
+    pub order: i64,
+    pub amount: i64,
+}
+
+/// The payments service charged an order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OrderPaid {
+    pub order: i64,
+    pub charge: i64,
+}
+
+/// A stream config for `name`, storing `subjects`.
+fn stream_config(name: &str, subjects: &str) -> async_nats::jetstream::stream::Config {
+    async_nats::jetstream::stream::Config {
+        name: name.into(),
+        subjects: vec![subjects.into()],
+        duplicate_window: DUPLICATE_WINDOW,
+        ..Default::default()
+    }
+}
+
+/// Reads an environment variable the services need.
+pub fn env(name: &str) -> Result<String, String> {
+    std::env::var(name).map_err(|_| {
+        format!(
+            "{name} is not set; run scripts/demo.sh pipeline, which starts the servers, or set it"
+        )
+    })
+}
+
+/// Connects to `NATS_URL` and `DATABASE_URL`, with logs filtered by
+/// `RUST_LOG` (default: info for idem, warn for the rest).
+pub async fn connect() -> Result<(async_nats::Client, sqlx::PgPool), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,idem_runtime=info".into()),
+        )
+        .init();
+    let nats = async_nats::connect(env("NATS_URL")?).await?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(10)
+        .connect(&env("DATABASE_URL")?)
+        .await?;
+    Ok((nats, pool))
+}
+
+/// Runs a service: its router, and an outbox relay beside it that publishes
+/// what the handlers queued, until SIGINT or SIGTERM. The relay stops after
+/// the router has settled its last message; what it leaves pending, the
+/// next start (or another replica's relay) publishes.
+pub async fn serve<S: Send + Sync + 'static>(
+    router: Router<S>,
+    nats: async_nats::Client,
+    pool: sqlx::PgPool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let relay = tokio::spawn(Relay::new().run_until(nats.clone(), pool.clone(), async {
+        let _ = stopped.await;
+    }));
+    let served = router.run(nats, pool).await;
+    let _ = stop.send(());
+    relay.await??;
+    Ok(served?)
+}
