@@ -39,11 +39,12 @@ use sqlx::{PgPool, PgTransaction};
 /// The probe skips the generations that cannot hold a claim made at or
 /// after `$3`: a generation takes claims from its opening until it is
 /// sealed, and generations are sealed in order, so it probes from the
-/// oldest generation sealed at or after `$3`; the kept generation (0) holds
-/// claims made before the oldest live generation opened, so it is probed
-/// only if `$3` is earlier than that. PostgreSQL prunes the skipped
-/// partitions when the statement runs, so a fresh message on a table of
-/// many sealed generations probes none of them.
+/// oldest generation sealed at or after `$3`. The kept generation (0) is
+/// always probed: the purge copies claims into it just before it detaches
+/// their generation, and a claim made then must find them there, whatever
+/// `idem_generations` still says. PostgreSQL prunes the skipped partitions
+/// when the statement runs, so a fresh message on a table of many sealed
+/// generations probes only the kept one.
 ///
 /// The state row, the generations and the probe are read in the
 /// statement's one snapshot: if it sees no transition, the transition
@@ -58,11 +59,10 @@ SELECT $2, g.gen, $1 \
   FROM idem_dedup_state AS s, \
        LATERAL ((SELECT c.gen FROM idem_claims AS c \
                   WHERE c.key = $2 AND c.gen < s.current_gen - s.transition::integer \
-                    AND c.gen >= (SELECT CASE WHEN $3 IS NULL OR to_timestamp($3) < min(opened_at) THEN 0 \
-                                              ELSE min(gen) FILTER (WHERE sealed_at IS NULL \
-                                                                       OR sealed_at >= to_timestamp($3)) \
-                                         END \
-                                    FROM idem_generations) \
+                    AND (c.gen = 0 \
+                         OR c.gen >= (SELECT min(gen) FILTER (WHERE $3 IS NULL OR sealed_at IS NULL \
+                                                                 OR sealed_at >= to_timestamp($3)) \
+                                        FROM idem_generations)) \
                   LIMIT 1) \
                 UNION ALL SELECT s.current_gen - 1 WHERE s.transition \
                 UNION ALL SELECT s.current_gen) AS g(gen) \

@@ -57,6 +57,8 @@ use crate::route::Route;
 
 /// The header that records when the stream stored the original.
 pub(crate) const STORED_AT: &str = "Idem-Original-Stored-At";
+/// The header a replayed message carries: `<dead-letter stream>:<sequence>`.
+pub(crate) const REPLAYED_FROM: &str = "Idem-Replayed-From";
 /// The header that records how long the original's route keeps claims.
 const RETENTION: &str = "Idem-Retention";
 /// The header that records how far apart copies of the original may be
@@ -566,7 +568,7 @@ pub async fn replay_with(
         headers.insert(NATS_MESSAGE_ID, message_id.as_str());
     }
     headers.insert(
-        "Idem-Replayed-From",
+        REPLAYED_FROM,
         format!("{dead_letter_stream}:{sequence}").as_str(),
     );
     // Should the replay be dead-lettered too, its dead letter keeps the

@@ -521,7 +521,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// seals generations, may disagree by up to [`CLOCK_SKEW_ALLOWANCE`].
     /// A message id taken from the handler's `key` expression may repeat
     /// between messages published at any time, so it is never bounded; nor
-    /// is a request's.
+    /// is a request's, a message sourced from another stream, or a replay
+    /// whose dead letter does not record its original's storage time.
     fn first_claim_not_before(&self, delivery: &Delivery) -> Option<time::OffsetDateTime> {
         let spread = self.copy_spread?;
         if delivery.message_id().source() == crate::MessageIdSource::Key
@@ -529,10 +530,21 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         {
             return None;
         }
-        let replayed_original = delivery
-            .headers()
+        let headers = delivery.headers();
+        // Copied in from another stream (a source), it was stored there
+        // first, at a time this one does not record.
+        if headers.get("Nats-Stream-Source").is_some() {
+            return None;
+        }
+        let replayed_original = headers
             .get(crate::dead_letter::STORED_AT)
             .and_then(|at| crate::dead_letter::parse_time(at.as_str()));
+        // A replay of a dead letter that does not record its original's
+        // storage time (written by an older idem) can be a copy of a message
+        // claimed any time before.
+        if replayed_original.is_none() && headers.get(crate::dead_letter::REPLAYED_FROM).is_some() {
+            return None;
+        }
         let stored =
             replayed_original.map_or(delivery.stored_at(), |at| at.min(delivery.stored_at()));
         Some(stored - spread - CLOCK_SKEW_ALLOWANCE)

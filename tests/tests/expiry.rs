@@ -321,9 +321,9 @@ async fn claim_probes(
 
 /// A claim that knows when its message was stored (the runtime passes it
 /// where the route declares its publisher-retry horizon) probes only the
-/// generations sealed after that: PostgreSQL prunes the others when the
-/// claim runs, so a fresh message does not pay a probe for every sealed
-/// generation. A message stored before a generation was sealed still finds
+/// generations sealed after that, and the kept one: PostgreSQL prunes the
+/// others when the claim runs, so a fresh message does not pay a probe for
+/// every sealed generation. A message stored before a generation was sealed still finds
 /// its claim there; and the bound is trusted: a copy stored later than the
 /// route declared it could be is not looked for in the older generations.
 #[tokio::test]
@@ -357,22 +357,22 @@ async fn a_claim_probes_only_the_generations_its_message_can_have_been_claimed_i
 
     let mut conn = PgConnection::connect(env.database_url()).await.unwrap();
     const FRESH: &str = "00000000-0000-0000-0000-00000000000f";
-    // Stored an hour after generation 1 was sealed: neither it nor the kept
-    // generation is probed.
+    // Stored an hour after generation 1 was sealed: it is not probed (the
+    // kept generation always is).
     let later = (sealed + 3600).to_string();
     assert_eq!(
         claim_probes(&mut conn, handler, FRESH, &later).await,
-        (true, false, false)
+        (true, false, true)
     );
     // Unknown: every sealed generation is probed.
     assert_eq!(
         claim_probes(&mut conn, handler, FRESH, "NULL").await,
         (true, true, true)
     );
-    // Stored before the seal: generation 1 is probed, the kept one is not.
+    // Stored before the seal: generation 1 is probed.
     assert_eq!(
         claim_probes(&mut conn, handler, FRESH, &(sealed - 1).to_string()).await,
-        (true, true, false)
+        (true, true, true)
     );
     // The message of the claim in generation 1, stored before the seal:
     // found there.
@@ -386,7 +386,7 @@ async fn a_claim_probes_only_the_generations_its_message_can_have_been_claimed_i
     // generation 1 is not probed, and the claim is taken again.
     assert_eq!(
         claim_probes(&mut conn, handler, KEY, &later).await,
-        (true, false, false)
+        (true, false, true)
     );
 }
 
