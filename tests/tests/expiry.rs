@@ -439,6 +439,21 @@ async fn two_purgers_at_once_do_no_work_twice() {
     );
 }
 
+/// A route whose retention floor is about 9 s with a publisher-retry
+/// horizon of up to 1 s: a 1 s handler timeout, ack_wait 1 s, max_deliver
+/// 3, NAK delays of 100 and 200 ms; the test streams keep messages forever
+/// and the tests replay none, so it accepts that term.
+fn short_retention_route(stream: &str, horizon: Duration, retention: Duration) -> Route {
+    Route::new(stream, "c")
+        .ack_wait(Duration::from_secs(1))
+        .handler_timeout(Duration::from_secs(1))
+        .max_deliver(3)
+        .backoff(Duration::from_millis(100), Duration::from_millis(200))
+        .publisher_retry_horizon(horizon)
+        .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
+        .retention(retention)
+}
+
 #[idempotent(name = "flowing")]
 async fn flowing(
     tx: &mut sqlx::PgTransaction<'_>,
@@ -473,14 +488,7 @@ async fn a_purge_beside_live_traffic_removes_no_claim_inside_retention() {
         stream,
         subject,
     } = scenario("FLOW", Duration::from_millis(100)).await;
-    let route = Route::new(&stream, "c")
-        .ack_wait(Duration::from_secs(1))
-        .handler_timeout(Duration::from_secs(1))
-        .max_deliver(3)
-        .backoff(Duration::from_millis(100), Duration::from_millis(200))
-        .publisher_retry_horizon(Duration::from_secs(1))
-        .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
-        .retention(RETENTION);
+    let route = short_retention_route(&stream, Duration::from_secs(1), RETENTION);
     let stream_config = js
         .get_stream(&stream)
         .await
@@ -590,14 +598,7 @@ async fn a_copy_just_inside_retention_is_skipped_and_one_after_expiry_is_process
         stream,
         subject,
     } = scenario("EDGE", Duration::from_millis(100)).await;
-    let route = Route::new(&stream, "c")
-        .ack_wait(Duration::from_secs(1))
-        .handler_timeout(Duration::from_secs(1))
-        .max_deliver(3)
-        .backoff(Duration::from_millis(100), Duration::from_millis(200))
-        .publisher_retry_horizon(Duration::ZERO)
-        .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
-        .retention(RETENTION);
+    let route = short_retention_route(&stream, Duration::ZERO, RETENTION);
     let (handle, task) = spawn(Router::new().route(route, flowing), nats, pool.clone());
     let deposit = Deposit {
         account: "edge".into(),
@@ -706,16 +707,7 @@ async fn an_old_message_delivered_again_after_its_generation_is_sealed_is_skippe
         stream,
         subject,
     } = scenario("AGAIN", Duration::from_millis(100)).await;
-    let route = || {
-        Route::new(&stream, "c")
-            .ack_wait(Duration::from_secs(1))
-            .handler_timeout(Duration::from_secs(1))
-            .max_deliver(3)
-            .backoff(Duration::from_millis(100), Duration::from_millis(200))
-            .publisher_retry_horizon(Duration::ZERO)
-            .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
-            .retention(RETENTION)
-    };
+    let route = || short_retention_route(&stream, Duration::ZERO, RETENTION);
     let deposit = Deposit {
         account: "again".into(),
         amount: 3,
