@@ -524,30 +524,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// is a request's, a message sourced from another stream, or a replay
     /// whose dead letter does not record its original's storage time.
     fn first_claim_not_before(&self, delivery: &Delivery) -> Option<time::OffsetDateTime> {
-        let spread = self.copy_spread?;
-        if delivery.message_id().source() == crate::MessageIdSource::Key
-            || delivery.stream().is_empty()
-        {
-            return None;
-        }
-        let headers = delivery.headers();
-        // Copied in from another stream (a source), it was stored there
-        // first, at a time this one does not record.
-        if headers.get("Nats-Stream-Source").is_some() {
-            return None;
-        }
-        let replayed_original = headers
-            .get(crate::dead_letter::STORED_AT)
-            .and_then(|at| crate::dead_letter::parse_time(at.as_str()));
-        // A replay of a dead letter that does not record its original's
-        // storage time (written by an older idem) can be a copy of a message
-        // claimed any time before.
-        if replayed_original.is_none() && headers.get(crate::dead_letter::REPLAYED_FROM).is_some() {
-            return None;
-        }
-        let stored =
-            replayed_original.map_or(delivery.stored_at(), |at| at.min(delivery.stored_at()));
-        Some(stored - spread - CLOCK_SKEW_ALLOWANCE)
+        first_claim_not_before(self.copy_spread, delivery)
     }
 
     /// The verdict on a transaction whose handlers all returned `Ok`, with
@@ -796,9 +773,80 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 }
 
+/// [`Pipeline::first_claim_not_before`] for a route whose declared copy
+/// spread is `copy_spread`.
+fn first_claim_not_before(
+    copy_spread: Option<Duration>,
+    delivery: &Delivery,
+) -> Option<time::OffsetDateTime> {
+    let spread = copy_spread?;
+    if delivery.message_id().source() == crate::MessageIdSource::Key || delivery.stream().is_empty()
+    {
+        return None;
+    }
+    let headers = delivery.headers();
+    // Copied in from another stream (a source), it was stored there
+    // first, at a time this one does not record.
+    if headers.get("Nats-Stream-Source").is_some() {
+        return None;
+    }
+    let replayed_original = headers
+        .get(crate::dead_letter::STORED_AT)
+        .and_then(|at| crate::dead_letter::parse_time(at.as_str()));
+    // A replay of a dead letter that does not record its original's
+    // storage time (written by an older idem) can be a copy of a message
+    // claimed any time before.
+    if replayed_original.is_none() && headers.get(crate::dead_letter::REPLAYED_FROM).is_some() {
+        return None;
+    }
+    let stored = replayed_original.map_or(delivery.stored_at(), |at| at.min(delivery.stored_at()));
+    Some(stored - spread - CLOCK_SKEW_ALLOWANCE)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_claim_is_bounded_by_its_copy_s_storage_time_unless_that_can_mislead() {
+        let spread = Some(Duration::from_secs(60));
+        let allowance = Duration::from_secs(60) + CLOCK_SKEW_ALLOWANCE;
+        let fresh =
+            Delivery::for_test("orders.placed", "ORDERS", 7).with_header("Nats-Msg-Id", "o-7");
+        assert_eq!(
+            first_claim_not_before(spread, &fresh),
+            Some(fresh.stored_at() - allowance)
+        );
+        assert_eq!(
+            first_claim_not_before(None, &fresh),
+            None,
+            "no declared horizon"
+        );
+
+        let original = fresh.stored_at() - Duration::from_secs(86_400);
+        let stamp = original
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap();
+        let replay = fresh
+            .clone()
+            .with_header(crate::dead_letter::REPLAYED_FROM, "IDEM_DEAD_LETTERS:3")
+            .with_header(crate::dead_letter::STORED_AT, &stamp);
+        assert_eq!(
+            first_claim_not_before(spread, &replay),
+            Some(original - allowance),
+            "a replay is bounded by its original's storage time"
+        );
+        let old_replay = fresh
+            .clone()
+            .with_header(crate::dead_letter::REPLAYED_FROM, "IDEM_DEAD_LETTERS:3");
+        assert_eq!(
+            first_claim_not_before(spread, &old_replay),
+            None,
+            "a replay that does not record its original's time"
+        );
+        let sourced = fresh.clone().with_header("Nats-Stream-Source", "EU 12");
+        assert_eq!(first_claim_not_before(spread, &sourced), None, "sourced");
+    }
 
     #[test]
     fn the_watchdog_waits_out_every_handler_call_of_a_batch() {
