@@ -59,9 +59,13 @@
 //! [`RouterHandle::relay`](crate::RouterHandle::relay). A relay can also run
 //! in a process of its own ([`Relay::run_until`]), as many as you like.
 //!
-//! # What is not done yet
+//! # Batch handlers
 //!
-//! Batch handlers (`#[idempotent(batch)]`) cannot take an [`Outbox`].
+//! A batch handler (`#[idempotent(batch)]`) takes a [`BatchOutbox`]: one
+//! [`Outbox`] per message of the batch, in the order of the messages it is
+//! given, each with the ids that message would get from a per-message
+//! handler. So a batch rolled back and rerun one message per transaction
+//! (the batch fallback) queues the same ids again.
 
 use std::future::Future;
 use std::marker::PhantomData;
@@ -79,7 +83,7 @@ use sqlx::{PgConnection, PgPool};
 use crate::codec::{Encode, EncodeError, Json};
 use crate::delivery::Delivery;
 use crate::failure::{Classifier, Classify, ErrorClass};
-use crate::state::{FromDelivery, Parameter};
+use crate::state::{FromBatch, FromDelivery, Parameter};
 
 /// The channel the outbox's trigger notifies on each queuing transaction.
 pub const CHANNEL: &str = "idem_outbox";
@@ -253,6 +257,87 @@ impl<C> Parameter for Outbox<C> {}
 impl<S, C> FromDelivery<S> for Outbox<C> {
     fn from_delivery(delivery: &Delivery, _: &S) -> Self {
         Self::for_delivery(delivery)
+    }
+}
+
+/// The outboxes of a batch handler's messages: [`message(i)`](Self::message)
+/// is the [`Outbox`] of the batch's message `i` (the handler's messages and
+/// deliveries come in the same order), with that message's ids, as a
+/// per-message handler of the same name would queue them.
+///
+/// ```
+/// use idem_runtime::{idempotent, outbox::BatchOutbox};
+///
+/// #[derive(serde::Deserialize)]
+/// struct OrderPlaced { order: i64 }
+/// #[derive(serde::Serialize)]
+/// struct PaymentRequested { order: i64 }
+///
+/// #[idempotent(name = "orders.place_many.v1", batch)]
+/// async fn place_many(
+///     tx: &mut sqlx::PgTransaction<'_>,
+///     outbox: BatchOutbox,
+///     placed: Vec<OrderPlaced>,
+/// ) -> Result<(), idem_runtime::outbox::OutboxError> {
+///     for (i, placed) in placed.iter().enumerate() {
+///         let request = PaymentRequested { order: placed.order };
+///         outbox.message(i).send(tx, "payments.requested", &request).await?;
+///     }
+///     Ok(())
+/// }
+/// ```
+pub struct BatchOutbox<C = Json> {
+    outboxes: Vec<Outbox<C>>,
+}
+
+impl<C> std::fmt::Debug for BatchOutbox<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(&self.outboxes).finish()
+    }
+}
+
+impl<C> BatchOutbox<C> {
+    /// The outboxes of `deliveries`, in their order: what the runtime gives
+    /// a batch handler.
+    pub fn for_deliveries(deliveries: &[Delivery]) -> Self {
+        Self {
+            outboxes: deliveries.iter().map(Outbox::for_delivery).collect(),
+        }
+    }
+
+    /// The outbox of the batch's message `index`.
+    ///
+    /// # Panics
+    ///
+    /// If `index` is not below [`len`](Self::len): the batch has no such
+    /// message, and a message queued under another's ids would be dropped
+    /// downstream as a duplicate.
+    pub fn message(&self, index: usize) -> &Outbox<C> {
+        match self.outboxes.get(index) {
+            Some(outbox) => outbox,
+            None => panic!(
+                "BatchOutbox::message({index}): the batch has {} messages",
+                self.outboxes.len()
+            ),
+        }
+    }
+
+    /// How many messages the batch has.
+    pub fn len(&self) -> usize {
+        self.outboxes.len()
+    }
+
+    /// Whether the batch has no message (never so for a batch handler).
+    pub fn is_empty(&self) -> bool {
+        self.outboxes.is_empty()
+    }
+}
+
+impl<C> Parameter for BatchOutbox<C> {}
+
+impl<S, C> FromBatch<S> for BatchOutbox<C> {
+    fn from_batch(deliveries: &[Delivery], _: &S) -> Self {
+        Self::for_deliveries(deliveries)
     }
 }
 
@@ -863,6 +948,26 @@ mod tests {
         assert_ne!(first.id_of(0), other.id_of(0));
         let random: Outbox = Outbox::random();
         assert_ne!(random.id_of(0), random.id_of(0));
+    }
+
+    #[test]
+    fn a_batch_message_gets_the_ids_a_per_message_handler_would() {
+        let deliveries: Vec<Delivery> = (1..=3)
+            .map(|seq| {
+                Delivery::for_test("orders.placed", "ORDERS", seq)
+                    .with_header("Nats-Msg-Id", &format!("order-{seq}"))
+                    .for_handler("orders.place_many.v1")
+            })
+            .collect();
+        let batch: BatchOutbox = BatchOutbox::for_deliveries(&deliveries);
+        assert_eq!(batch.len(), 3);
+        for (i, delivery) in deliveries.iter().enumerate() {
+            let alone: Outbox = Outbox::for_delivery(delivery);
+            assert_eq!(batch.message(i).next_id(), alone.next_id());
+        }
+        // The fallback's batch of one message queues that message's ids.
+        let fallback: BatchOutbox = BatchOutbox::for_deliveries(&deliveries[1..2]);
+        assert_eq!(fallback.message(0).next_id(), batch.message(1).next_id());
     }
 
     #[test]

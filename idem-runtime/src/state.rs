@@ -93,7 +93,7 @@ pub trait FromDelivery<S>: Parameter + Sized {
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be taken from a message",
     label = "not a handler parameter",
-    note = "between the transaction and the message, a handler takes `State<T>` (a part of the router's state), `idem_runtime::outbox::Outbox` or `&idem_runtime::Delivery`; the message itself comes last"
+    note = "between the transaction and the message, a handler takes `State<T>` (a part of the router's state), `idem_runtime::outbox::Outbox` (a batch handler: `BatchOutbox`) or `&idem_runtime::Delivery` (a batch handler: `&[Delivery]`); the message itself comes last"
 )]
 pub trait Parameter {}
 
@@ -105,7 +105,8 @@ impl<T> Parameter for State<T> {}
 #[diagnostic::on_unimplemented(
     message = "the router's state `{S}` cannot provide `{Self}` to a batch handler",
     label = "not provided by `{S}`",
-    note = "a `State<T>` parameter needs `T: FromRef<{S}>`: a `T` field in the state with `#[derive(FromRef)]` on it, or `impl FromRef<{S}> for T`"
+    note = "a `State<T>` parameter needs `T: FromRef<{S}>`: a `T` field in the state with `#[derive(FromRef)]` on it, or `impl FromRef<{S}> for T`",
+    note = "a batch handler takes `idem_runtime::outbox::BatchOutbox`, not `Outbox`: one outbox per message of the batch"
 )]
 pub trait FromBatch<S>: Parameter + Sized {
     /// Makes the parameter for one batch.

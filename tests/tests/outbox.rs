@@ -15,7 +15,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use common::*;
 use idem_runtime::fault::AfterPubAcks;
-use idem_runtime::outbox::{self, Outbox, OutboxError, Relay, RelayError};
+use idem_runtime::outbox::{self, BatchOutbox, Outbox, OutboxError, Relay, RelayError};
 use idem_runtime::{Classify, Delivery, ErrorClass, Route, Router, State, idempotent};
 use sqlx::PgPool;
 use tokio::sync::oneshot;
@@ -618,6 +618,120 @@ async fn a_router_s_relay_reports_the_outbox_lag_in_its_handle() {
     assert_eq!(relay_stats.published(), 3);
     assert_eq!(stored_count(&js, &later).await, 3);
     stop(handle, task).await;
+}
+
+/// Queues each deposit of the batch for `<account>.out`, then fails the
+/// whole call when any amount is negative: the batch rolls back and each
+/// message runs again alone.
+#[idempotent(name = "outbox.batch-queue.v1", batch)]
+async fn queue_batch(
+    tx: &mut sqlx::PgTransaction<'_>,
+    State(queued): State<Queued>,
+    outbox: BatchOutbox,
+    deposits: Vec<Deposit>,
+) -> Result<(), FailAfterQueuing> {
+    for (i, d) in deposits.iter().enumerate() {
+        let id = outbox
+            .message(i)
+            .send(tx, &format!("{}.out", d.account), d)
+            .await?;
+        queued.0.lock().unwrap().push((d.amount, id));
+    }
+    if deposits.iter().any(|d| d.amount < 0) {
+        return Err(FailAfterQueuing::Refused);
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_batch_handler_queues_each_message_s_ids_and_its_fallback_queues_the_same() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("OBBATCH", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBBATCH_OUT", Duration::from_secs(120)).await;
+    // All published before the router starts, so that batches form; one
+    // message fails its batch.
+    publish_deposits(&js, &subject, &out, "bq", 30).await;
+    let failing = Deposit {
+        account: out.clone(),
+        amount: -1,
+    };
+    publish(&js, &subject, &failing, Some("bq-failing")).await;
+    let queued = Queued::default();
+    let router = Router::with_state(queued.clone())
+        .route(Route::new(&stream, "batch").batch(16), queue_batch)
+        .relay(Relay::new());
+    let (handle, task) = spawn(router, nats, pool.clone());
+    let stats = handle.stats("batch").unwrap();
+    eventually(
+        "30 published and the failing one dead-lettered",
+        Duration::from_secs(60),
+        || async {
+            stored_count(&js, &out).await >= 30 && dead_letters(&js, &stream).await.len() == 1
+        },
+    )
+    .await;
+    wait_all_acked(&js, &stream, "batch").await;
+    stop(handle, task).await;
+
+    // The faults happened: a batch held several messages, and one rolled
+    // back after queuing and ran again one message at a time.
+    assert!(stats.largest_batch() > 1, "a batch held several messages");
+    assert!(stats.batch_fallbacks() >= 1, "the failing batch fell back");
+    let key = |id: &str| {
+        let pool = pool.clone();
+        let id = id.to_owned();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT idem_key($1, $2)::text")
+                .bind("outbox.batch-queue.v1")
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let mut expected = HashSet::new();
+    for amount in 0..30 {
+        expected.insert(format!("{}.0", key(&format!("bq-{amount}")).await));
+    }
+    let messages = stored(&js, &out).await;
+    let stored_ids: HashSet<String> = messages.iter().map(|m| header(m, "Nats-Msg-Id")).collect();
+    assert_eq!(
+        messages.len(),
+        30,
+        "one message per committed deposit, none for the failing one"
+    );
+    assert_eq!(
+        stored_ids, expected,
+        "each message's ids, as a per-message handler would queue them"
+    );
+    // A message queued in the rolled-back batch and again in its fallback
+    // got the same id both times.
+    let queued = queued.0.lock().unwrap().clone();
+    let mut ids_by_amount: std::collections::HashMap<i64, HashSet<String>> = Default::default();
+    for (amount, id) in &queued {
+        ids_by_amount.entry(*amount).or_default().insert(id.clone());
+    }
+    let rerun = (0..30)
+        .filter(|a| queued.iter().filter(|(amount, _)| amount == a).count() > 1)
+        .count();
+    assert!(
+        rerun >= 1,
+        "some deposit ran in the failed batch and again alone"
+    );
+    for (amount, ids) in &ids_by_amount {
+        assert_eq!(
+            ids.len(),
+            1,
+            "deposit {amount} got one id however often it ran: {ids:?}"
+        );
+    }
+    assert_eq!(pending_rows(&pool).await, 0);
 }
 
 /// A measurement, not a check: the relay's rate against pipelined raw
