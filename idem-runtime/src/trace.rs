@@ -111,7 +111,10 @@ pub(crate) fn continue_trace(span: &tracing::Span, headers: Option<&HeaderMap>) 
 
 /// Links `span` to the context each of `headers` carries (none for those
 /// without): a batch's span, which has one parent and many messages.
-pub(crate) fn link_each<'a>(span: &tracing::Span, headers: impl IntoIterator<Item = &'a HeaderMap>) {
+pub(crate) fn link_each<'a>(
+    span: &tracing::Span,
+    headers: impl IntoIterator<Item = &'a HeaderMap>,
+) {
     for headers in headers {
         // add_link ignores an invalid (absent) context.
         span.add_link(extract(headers).span().span_context().clone());
@@ -190,15 +193,25 @@ mod tests {
         let mut out = HeaderMap::new();
         inject(&cx, &mut out);
         assert_eq!(out.get(TRACEPARENT).map(|v| v.as_str()), Some(PARENT));
-        assert_eq!(out.get(TRACESTATE).map(|v| v.as_str()), Some("vendor=opaque"));
+        assert_eq!(
+            out.get(TRACESTATE).map(|v| v.as_str()),
+            Some("vendor=opaque")
+        );
     }
 
     #[test]
     fn missing_or_malformed_context_extracts_as_none() {
-        for bad in ["", "garbage", "00-00000000000000000000000000000000-00f067aa0ba902b7-01"] {
+        for bad in [
+            "",
+            "garbage",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        ] {
             let mut headers = HeaderMap::new();
             headers.insert(TRACEPARENT, bad);
-            assert!(!extract(&headers).span().span_context().is_valid(), "{bad:?}");
+            assert!(
+                !extract(&headers).span().span_context().is_valid(),
+                "{bad:?}"
+            );
         }
         assert!(!extract(&HeaderMap::new()).span().span_context().is_valid());
     }
@@ -213,7 +226,10 @@ mod tests {
             TraceState::default(),
         );
         let mut headers = HeaderMap::new();
-        inject(&Context::new().with_remote_span_context(context), &mut headers);
+        inject(
+            &Context::new().with_remote_span_context(context),
+            &mut headers,
+        );
         assert!(headers.get(TRACEPARENT).is_some());
         assert!(headers.get(TRACESTATE).is_none());
     }
