@@ -113,7 +113,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let trace = trace_of(hop).unwrap_or_else(|| "none".to_owned());
         println!("    {:<19} trace {trace}  span {parent}", hop.subject);
     }
-    let one_trace = !trace.is_empty() && hops.iter().all(|hop| trace_of(hop).as_ref() == Some(&trace));
+    let one_trace = !trace.is_empty()
+        && hops
+            .iter()
+            .all(|hop| trace_of(hop).as_ref() == Some(&trace));
     if one_trace {
         println!("  followed in trace {trace}: every hop carries it");
     } else {
