@@ -10,17 +10,19 @@
 //! the second one's parent must be the first one's span, and the outbox row
 //! must carry the first span's `traceparent`. A message without one starts a
 //! trace of its own. In batch mode each message keeps its own trace, and the
-//! batch span links to every message it took.
+//! batch span links to every message it took. A dead letter keeps the
+//! original's context, and its replay continues the original trace.
 
 mod common;
 
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_nats::jetstream;
 use common::*;
 use idem_runtime::outbox::{Outbox, OutboxError, Relay};
-use idem_runtime::{Delivery, Route, Router, idempotent};
+use idem_runtime::{Delivery, Permanent, Route, Router, State, dead_letter, idempotent};
 use opentelemetry::trace::{SpanId, TraceContextExt, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use sqlx::PgPool;
@@ -48,6 +50,26 @@ async fn second(
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
     record_effect(tx, "trace.second.v1", &d, delivery).await
+}
+
+/// Whether [`refusing`] still refuses (the bug a replay comes after).
+#[derive(Clone)]
+struct Refuses(Arc<AtomicBool>);
+
+/// Dead-letters every message while the bug is in, then records it.
+#[idempotent(name = "trace.refusing.v1")]
+async fn refusing(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    State(refuses): State<Refuses>,
+    d: Deposit,
+) -> Result<(), Permanent> {
+    if refuses.0.load(Ordering::SeqCst) {
+        return Err(Permanent::new("refused until the fix"));
+    }
+    record_effect(tx, "trace.refusing.v1", &d, delivery)
+        .await
+        .map_err(Permanent::new)
 }
 
 /// The spans every test of this process exports. Installed once, as the
@@ -139,17 +161,18 @@ fn parsed(traceparent: &str) -> (TraceId, SpanId) {
     (context.trace_id(), context.span_id())
 }
 
-/// Publishes `deposit` with `Nats-Msg-Id` `msg_id` and, if given, a
-/// `traceparent`.
+/// Publishes `deposit` with, if given, a `Nats-Msg-Id` and a `traceparent`.
 async fn publish_traced(
     js: &jetstream::Context,
     subject: &str,
     deposit: &Deposit,
-    msg_id: &str,
+    msg_id: Option<&str>,
     traceparent: Option<&str>,
 ) {
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert(async_nats::header::NATS_MESSAGE_ID, msg_id);
+    if let Some(msg_id) = msg_id {
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, msg_id);
+    }
     if let Some(traceparent) = traceparent {
         headers.insert("traceparent", traceparent);
     }
@@ -257,7 +280,14 @@ async fn the_trace_id_survives_a_hop_through_the_outbox() {
         ..
     } = &hop.scenario;
     let (trace, published_span, traceparent) = remote_parent();
-    publish_traced(js, subject, &hop.deposit(1), "traced-1", Some(&traceparent)).await;
+    publish_traced(
+        js,
+        subject,
+        &hop.deposit(1),
+        Some("traced-1"),
+        Some(&traceparent),
+    )
+    .await;
 
     // No relay yet: the row stays pending, with what the handler stored.
     let (handle, task) = spawn(hop.router(1), nats.clone(), pool.clone());
@@ -339,13 +369,13 @@ async fn a_message_without_a_traceparent_starts_a_fresh_trace() {
         subject,
         ..
     } = &hop.scenario;
-    publish_traced(js, subject, &hop.deposit(1), "untraced-1", None).await;
+    publish_traced(js, subject, &hop.deposit(1), Some("untraced-1"), None).await;
     // A malformed one is no context either (and no panic).
     publish_traced(
         js,
         subject,
         &hop.deposit(2),
-        "untraced-2",
+        Some("untraced-2"),
         Some("00-not-a-trace-01"),
     )
     .await;
@@ -398,7 +428,7 @@ async fn in_a_batch_each_message_keeps_its_trace_and_the_batch_links_them() {
             js,
             subject,
             &hop.deposit(n),
-            &format!("batched-{n}"),
+            Some(&format!("batched-{n}")),
             Some(&traceparent),
         )
         .await;
@@ -489,4 +519,74 @@ async fn in_a_batch_each_message_keeps_its_trace_and_the_batch_links_them() {
             "a batch span is in a trace of its own"
         );
     }
+}
+
+#[tokio::test]
+async fn a_dead_letter_keeps_the_context_and_its_replay_continues_the_trace() {
+    exporter();
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("TRACEDEAD", Duration::from_secs(120)).await;
+    let (trace, published_span, traceparent) = remote_parent();
+    // No Nats-Msg-Id: the replay's id (the stream position) is then not in
+    // JetStream's duplicate window.
+    publish_traced(
+        &js,
+        &subject,
+        &Deposit {
+            account: "a".into(),
+            amount: 1,
+        },
+        None,
+        Some(&traceparent),
+    )
+    .await;
+    let refuses = Refuses(Arc::new(AtomicBool::new(true)));
+    let router = Router::with_state(refuses.clone()).route(Route::new(&stream, "r"), refusing);
+    let (handle, task) = spawn(router, nats.clone(), pool.clone());
+    let [failed] = wait_spans("idem.message", &subject, 1)
+        .await
+        .try_into()
+        .expect("one span for the refused attempt");
+    let letters = dead_letters(&js, &stream).await;
+    let [letter] = letters.as_slice() else {
+        panic!("one dead letter: {}", letters.len());
+    };
+    assert_eq!(header(letter, "Idem-Failure"), "permanent");
+    assert_eq!(failed.span_context.trace_id(), trace);
+    assert_eq!(
+        header(letter, "traceparent"),
+        traceparent,
+        "the dead letter keeps the original's context"
+    );
+
+    refuses.0.store(false, Ordering::SeqCst);
+    dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, letter.sequence)
+        .await
+        .expect("the replay is published");
+    let spans = wait_spans("idem.message", &subject, 2).await;
+    stop(handle, task).await;
+    let replayed = spans
+        .iter()
+        .find(|span| span.span_context.span_id() != failed.span_context.span_id())
+        .expect("a span for the replay");
+    assert_eq!(
+        replayed.span_context.trace_id(),
+        trace,
+        "the replay is in the original trace"
+    );
+    assert_eq!(
+        (replayed.parent_span_id, failed.parent_span_id),
+        (published_span, published_span),
+        "the refused attempt and the replay are both children of the publisher's span"
+    );
+    assert_eq!(
+        ledger(&pool, "trace.refusing.v1").await,
+        Ledger::once_each(1)
+    );
 }
