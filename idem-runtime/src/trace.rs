@@ -14,8 +14,10 @@
 //!   stored headers as they are, later and from whatever task or process:
 //!   the downstream message's span is then a child of the span that queued
 //!   it (the handler's `idem.message`, or a span the handler opened inside
-//!   it). Headers that already carry a `traceparent` are left as they are:
-//!   the caller chose the context.
+//!   it). A `traceparent` and `tracestate` among the headers given (say,
+//!   forwarded from the incoming message) are replaced: each hop names its
+//!   own span as the parent, as W3C asks. Without a current context (no
+//!   layer, no span) the headers are stored as given.
 //! - **Batches.** A batch has many parents, and a span has one. The
 //!   `idem.batch` span starts a trace of its own and gets a link to each
 //!   message's context. Each handler call inside the batch (and each
@@ -121,18 +123,29 @@ pub(crate) fn link_each<'a>(
     }
 }
 
-/// `headers`, with the current span's context added unless they carry a
-/// `traceparent` already: what an outbox message is stored with, so that
-/// it carries the queuing span's context to wherever it is published from.
+/// `headers` with the current span's context in place of any they carry:
+/// what an outbox message is stored with, so that it carries the queuing
+/// span's context to wherever it is published from. Each hop names its own
+/// span as the parent (W3C), so a `traceparent` forwarded from the incoming
+/// message is replaced, with its `tracestate`. Without a current context
+/// (no OpenTelemetry layer, no span), `headers` are kept as they are.
 pub(crate) fn with_current_context(headers: &HeaderMap) -> Cow<'_, HeaderMap> {
-    if Headers(headers).get(TRACEPARENT).is_some() {
-        return Cow::Borrowed(headers);
-    }
     let cx = tracing::Span::current().context();
     if !cx.span().span_context().is_valid() {
         return Cow::Borrowed(headers);
     }
-    let mut carried = headers.clone();
+    let is_context = |name: &str| {
+        name.eq_ignore_ascii_case(TRACEPARENT) || name.eq_ignore_ascii_case(TRACESTATE)
+    };
+    let mut carried = HeaderMap::new();
+    for (name, values) in headers
+        .iter()
+        .filter(|(name, _)| !is_context(name.as_ref()))
+    {
+        for value in values {
+            carried.append(name.clone(), value.clone());
+        }
+    }
     inject(&cx, &mut carried);
     Cow::Owned(carried)
 }
@@ -235,11 +248,11 @@ mod tests {
     }
 
     #[test]
-    fn a_chosen_traceparent_is_kept_and_no_context_adds_nothing() {
+    fn without_a_current_context_headers_are_kept_as_given() {
+        // No OpenTelemetry layer here: the current span has no context.
         let mut headers = HeaderMap::new();
         headers.insert(TRACEPARENT, PARENT);
         assert!(matches!(with_current_context(&headers), Cow::Borrowed(_)));
-        // No OpenTelemetry layer here: the current span has no context.
         let empty = HeaderMap::new();
         assert!(with_current_context(&empty).get(TRACEPARENT).is_none());
     }

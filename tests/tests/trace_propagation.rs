@@ -31,14 +31,20 @@ use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
-/// Queues the deposit for `<account>.next`, in the handler's transaction.
+/// Queues the deposit for `<account>.next`, in the handler's transaction,
+/// forwarding the incoming headers (the publisher's `traceparent` among
+/// them, which the outbox must replace with this handler's span).
 #[idempotent(name = "trace.first.v1")]
 async fn first(
     tx: &mut sqlx::PgTransaction<'_>,
     outbox: Outbox,
+    delivery: &Delivery,
     d: Deposit,
 ) -> Result<(), OutboxError> {
-    outbox.send(tx, &format!("{}.next", d.account), &d).await?;
+    let next = format!("{}.next", d.account);
+    outbox
+        .send_with_headers(tx, &next, &d, delivery.headers())
+        .await?;
     Ok(())
 }
 
@@ -161,7 +167,11 @@ fn parsed(traceparent: &str) -> (TraceId, SpanId) {
     (context.trace_id(), context.span_id())
 }
 
-/// Publishes `deposit` with, if given, a `Nats-Msg-Id` and a `traceparent`.
+/// A vendor's trace state, published with each `traceparent`.
+const VENDOR_STATE: &str = "vendor=opaque";
+
+/// Publishes `deposit` with, if given, a `Nats-Msg-Id` and a `traceparent`
+/// (with [`VENDOR_STATE`]).
 async fn publish_traced(
     js: &jetstream::Context,
     subject: &str,
@@ -175,6 +185,7 @@ async fn publish_traced(
     }
     if let Some(traceparent) = traceparent {
         headers.insert("traceparent", traceparent);
+        headers.insert("tracestate", VENDOR_STATE);
     }
     let payload = serde_json::to_vec(deposit).unwrap().into();
     js.publish_with_headers(subject.to_owned(), headers, payload)
@@ -184,10 +195,12 @@ async fn publish_traced(
         .expect("publish is acknowledged");
 }
 
-/// The `traceparent` stored with each pending outbox row, in id order.
-async fn pending_traceparents(pool: &PgPool) -> Vec<Option<String>> {
-    sqlx::query_scalar(
-        "SELECT (SELECT h->>1 FROM jsonb_array_elements(headers) h WHERE h->>0 = 'traceparent')
+/// The `traceparent` and `tracestate` stored with each pending outbox row,
+/// in id order.
+async fn pending_traceparents(pool: &PgPool) -> Vec<(Option<String>, Option<String>)> {
+    sqlx::query_as(
+        "SELECT (SELECT h->>1 FROM jsonb_array_elements(headers) h WHERE h->>0 = 'traceparent'),
+                (SELECT h->>1 FROM jsonb_array_elements(headers) h WHERE h->>0 = 'tracestate')
          FROM idem_outbox ORDER BY id",
     )
     .fetch_all(pool)
@@ -306,8 +319,10 @@ async fn the_trace_id_survives_a_hop_through_the_outbox() {
     assert_eq!(first_span.parent_span_id, published_span);
     assert!(first_span.parent_span_is_remote);
 
-    // The outbox row carries the first span's context, taken at enqueue.
-    let [Some(stored)] = rows.as_slice() else {
+    // The outbox row carries the first span's context, taken at enqueue:
+    // the forwarded publisher's traceparent was replaced, its trace state
+    // went on.
+    let [(Some(stored), state)] = rows.as_slice() else {
         panic!("one pending outbox row with a traceparent: {rows:?}");
     };
     assert_eq!(
@@ -315,6 +330,7 @@ async fn the_trace_id_survives_a_hop_through_the_outbox() {
         (trace, first_span.span_context.span_id()),
         "the row's traceparent names the first handler's span"
     );
+    assert_eq!(state.as_deref(), Some(VENDOR_STATE));
 
     // Now publish from a relay whose own span is in another trace.
     let (stop_relay, relay, unrelated) = spawn_unrelated_relay(nats.clone(), pool.clone());
