@@ -76,7 +76,7 @@ run_pipeline() {
         pids[$service]=$!
         service_pids+=("$!")
     done
-    "$bin/pipeline-demo" "$@" || status=$?
+    "$bin/pipeline-demo" "$@" | tee "$workdir/demo.out" || status=$?
     for service in orders payments; do
         pid=${pids[$service]}
         kill -TERM "$pid" 2>/dev/null || true
@@ -87,6 +87,15 @@ run_pipeline() {
         fi
     done
     service_pids=()
+    # The services log each message's span; show those of the order the
+    # driver followed, in the order they started.
+    local trace
+    trace=$(sed -n 's/.*followed in trace \([0-9a-f]\{32\}\).*/\1/p' "$workdir/demo.out")
+    if [ -n "$trace" ]; then
+        printf '  its spans, from the services'"'"' logs:\n'
+        grep -h "^idem span .* trace=$trace " "$workdir/orders.log" "$workdir/payments.log" |
+            sort -k3,3n | sed 's/^idem span [0-9.]* trace=[0-9a-f]* /    /' || true
+    fi
     if [ "$status" != 0 ]; then
         for service in orders payments; do
             log "$service service log:"

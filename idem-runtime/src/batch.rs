@@ -71,6 +71,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             handler = self.handler.name(),
             size = messages.len()
         );
+        #[cfg(feature = "otel")]
+        crate::trace::link_each(&span, messages.iter().filter_map(|m| m.headers.as_ref()));
         self.run_batch(messages).instrument(span).await;
     }
 
@@ -174,19 +176,19 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         for item in ready {
             // Each message settles, and its heartbeats stop, as soon as it is
             // decided, not when the whole fallback ends.
-            let verdict = match item.payload {
-                Some(payload) => {
-                    self.decide(&item.message.payload, payload, &item.delivery)
-                        .await
+            let (message, delivery, payload) = (&item.message, &item.delivery, item.payload);
+            let decided = async move {
+                match payload {
+                    Some(payload) => self.decide(&message.payload, payload, delivery).await,
+                    None => match self.decode(&message.payload) {
+                        Ok(payload) => self.decide(&message.payload, payload, delivery).await,
+                        Err(error) => Verdict::Rejected(error),
+                    },
                 }
-                None => match self.decode(&item.message.payload) {
-                    Ok(payload) => {
-                        self.decide(&item.message.payload, payload, &item.delivery)
-                            .await
-                    }
-                    Err(error) => Verdict::Rejected(error),
-                },
             };
+            #[cfg(feature = "otel")]
+            let decided = decided.instrument(self.span(delivery));
+            let verdict = decided.await;
             self.settle(&item.message, &item.delivery, verdict, item.lease)
                 .await;
         }
@@ -301,12 +303,13 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             .filter(|(_, fresh)| **fresh)
         {
             let payload = payload.take().expect("each payload is used once");
-            let result = self
-                .run_handler(
-                    self.handler
-                        .handle_and_encode(tx, payload, delivery, &self.state),
-                )
-                .await?;
+            let call = self
+                .handler
+                .handle_and_encode(tx, payload, delivery, &self.state);
+            // In its message's trace, so that what it queues carries that on.
+            #[cfg(feature = "otel")]
+            let call = call.instrument(self.span(delivery));
+            let result = self.run_handler(call).await?;
             if let Some(result) = result {
                 stored_keys.push(key.as_str());
                 results.push(result);

@@ -68,6 +68,8 @@ pub mod schema;
 mod shutdown;
 mod state;
 mod stats;
+#[cfg(feature = "otel")]
+pub mod trace;
 mod transaction;
 mod undeliverable;
 

@@ -352,6 +352,9 @@ pub async fn enqueue(
     headers: &HeaderMap,
 ) -> Result<(), OutboxError> {
     check_subject(subject)?;
+    // The queuing span's context, taken now: the relay publishes later.
+    #[cfg(feature = "otel")]
+    let headers = &*crate::trace::with_current_context(headers);
     if msg_id.is_empty() || msg_id.len() > crate::MAX_MESSAGE_ID_LEN {
         return Err(OutboxError::InvalidId(msg_id.to_owned()));
     }

@@ -159,15 +159,18 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         .await;
     }
 
-    fn span(&self, delivery: &Delivery) -> tracing::Span {
-        tracing::info_span!(
+    pub(crate) fn span(&self, delivery: &Delivery) -> tracing::Span {
+        let span = tracing::info_span!(
             "idem.message",
             handler = self.handler.name(),
             subject = %delivery.subject(),
             stream_seq = delivery.stream_sequence(),
             message_id = tracing::field::Empty,
             delivered = delivery.delivered(),
-        )
+        );
+        #[cfg(feature = "otel")]
+        crate::trace::continue_trace(&span, Some(delivery.headers()));
+        span
     }
 
     /// The delivery metadata of `message`, or `None` after dead-lettering a

@@ -490,6 +490,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             subject = %request.subject,
             message_id = tracing::field::Empty,
         );
+        #[cfg(feature = "otel")]
+        crate::trace::continue_trace(&span, request.headers.as_ref());
         async {
             let answer = match self.prepare_request(&request) {
                 Err(rejected) => {

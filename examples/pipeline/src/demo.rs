@@ -28,9 +28,11 @@ pub struct Published {
 }
 
 /// Publishes `orders.placed` for each order in `orders`, with
-/// `Nats-Msg-Id: order-<id>`; then a tenth of them again at once (a
-/// publisher retry JetStream drops), and, after the duplicate window,
-/// another tenth again (one JetStream stores, and only the claim stops).
+/// `Nats-Msg-Id: order-<id>` and the `traceparent` of a `shop.place_order`
+/// span of its own (none without an OpenTelemetry layer); then a tenth of
+/// them again at once (a publisher retry JetStream drops), and, after the
+/// duplicate window, another tenth again (one JetStream stores, and only
+/// the claim stops). A retry carries its order's headers, trace included.
 pub async fn publish_orders(
     js: &jetstream::Context,
     orders: Range<i64>,
@@ -49,10 +51,19 @@ pub async fn publish_orders(
         after_window: tenth,
         dropped_by_jetstream: 0,
     };
-    let mut publish = async |order: &OrderPlaced| -> Result<(), Error> {
-        let mut headers = async_nats::HeaderMap::new();
-        let id = format!("order-{}", order.order);
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+    let headers: Vec<async_nats::HeaderMap> = placed
+        .iter()
+        .map(|order| {
+            let mut headers = async_nats::HeaderMap::new();
+            let id = format!("order-{}", order.order);
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+            tracing::info_span!("shop.place_order", order = order.order)
+                .in_scope(|| idem_runtime::trace::inject_current(&mut headers));
+            headers
+        })
+        .collect();
+    let mut publish = async |index: usize| -> Result<(), Error> {
+        let (order, headers) = (&placed[index], headers[index].clone());
         let payload = serde_json::to_vec(order)?.into();
         let ack = js
             .publish_with_headers("orders.placed", headers, payload)
@@ -62,12 +73,12 @@ pub async fn publish_orders(
         sent.dropped_by_jetstream += usize::from(ack.duplicate);
         Ok(())
     };
-    for order in placed.iter().chain(&placed[..tenth]) {
-        publish(order).await?;
+    for index in (0..placed.len()).chain(0..tenth) {
+        publish(index).await?;
     }
     tokio::time::sleep(DUPLICATE_WINDOW + Duration::from_millis(500)).await;
-    for order in &placed[placed.len() - tenth..] {
-        publish(order).await?;
+    for index in placed.len() - tenth..placed.len() {
+        publish(index).await?;
     }
     Ok(sent)
 }
@@ -160,6 +171,64 @@ impl Tally {
     }
 }
 
+/// One hop of an order through the pipeline: a message the streams store
+/// for it, and the trace context it carries.
+#[derive(Debug, Clone)]
+pub struct Hop {
+    /// `orders.placed`, `payments.requested` or `orders.paid`.
+    pub subject: &'static str,
+    /// Its `traceparent` header: the trace, and the span that published it
+    /// (the shop's) or queued it (a handler's, through the outbox).
+    pub traceparent: Option<String>,
+}
+
+/// The first message each subject of the pipeline stores for `order`, in
+/// pipeline order, with the trace context it carries.
+pub async fn follow(js: &jetstream::Context, order: i64) -> Result<Vec<Hop>, Error> {
+    let mut hops = Vec::new();
+    for (stream, subject) in [
+        (ORDERS_STREAM, "orders.placed"),
+        (PAYMENTS_STREAM, "payments.requested"),
+        (ORDERS_STREAM, "orders.paid"),
+    ] {
+        let stream = js.get_stream(stream).await?;
+        let mut next = 1;
+        let traceparent = loop {
+            let message = match stream
+                .raw_message_builder()
+                .sequence(next)
+                .next_by_subject(subject)
+                .send()
+                .await
+            {
+                Ok(message) => message,
+                Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => {
+                    return Err(format!("no {subject} message for order {order}").into());
+                }
+                Err(error) => return Err(error.into()),
+            };
+            next = message.sequence + 1;
+            if serde_json::from_slice::<ForOrder>(&message.payload)?.order == order {
+                break message
+                    .headers
+                    .get(idem_runtime::trace::TRACEPARENT)
+                    .map(|value| value.as_str().to_owned());
+            }
+        };
+        hops.push(Hop {
+            subject,
+            traceparent,
+        });
+    }
+    Ok(hops)
+}
+
+/// The order a pipeline message is for.
+#[derive(serde::Deserialize)]
+struct ForOrder {
+    order: i64,
+}
+
 /// How many messages on `subject` (`orders.placed` or `orders.paid`) the
 /// stream stores for each order in `orders`.
 async fn stored_per_order(
@@ -183,10 +252,6 @@ async fn stored_per_order(
             Err(error) => return Err(error.into()),
         };
         next = message.sequence + 1;
-        #[derive(serde::Deserialize)]
-        struct ForOrder {
-            order: i64,
-        }
         let ForOrder { order } = serde_json::from_slice(&message.payload)?;
         if orders.contains(&order) {
             *counts.entry(order).or_default() += 1;

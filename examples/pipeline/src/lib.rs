@@ -23,6 +23,7 @@
 pub mod demo;
 pub mod orders;
 pub mod payments;
+pub mod spans;
 
 use std::time::Duration;
 
@@ -80,14 +81,10 @@ pub fn env(name: &str) -> Result<String, String> {
 }
 
 /// Connects to `NATS_URL` and `DATABASE_URL`, with logs filtered by
-/// `RUST_LOG` (default: info for idem, warn for the rest).
+/// `RUST_LOG` (default: info for idem, warn for the rest) and spans traced
+/// across services (see [`spans`]).
 pub async fn connect() -> Result<(async_nats::Client, sqlx::PgPool), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,idem_runtime=info".into()),
-        )
-        .init();
+    spans::install();
     let nats = async_nats::connect(env("NATS_URL")?).await?;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(10)

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
-use pipeline_example::demo::{Tally, publish_orders, wait_for_streams, wait_settled};
+use pipeline_example::demo::{Tally, follow, publish_orders, wait_for_streams, wait_settled};
 
 /// Publishes orders to the running pipeline and checks it applied each once.
 #[derive(Debug, Parser)]
@@ -92,13 +92,43 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         "  took                           {:>6.2}s",
         elapsed.as_secs_f64()
     );
-    if tally.exactly_once(sent.unique) {
+    // The last order was also published again after the duplicate window:
+    // its trace shows the copy the claim skipped too (in the services' logs).
+    let followed = orders.end - 1;
+    let hops = follow(&js, followed).await?;
+    let trace_of = |hop: &pipeline_example::demo::Hop| {
+        hop.traceparent
+            .as_deref()
+            .and_then(|traceparent| traceparent.split('-').nth(1))
+            .map(str::to_owned)
+    };
+    let trace = trace_of(&hops[0]).unwrap_or_default();
+    println!("  order {followed}, hop by hop (trace id, and the span that sent it):");
+    for hop in &hops {
+        let parent = hop
+            .traceparent
+            .as_deref()
+            .and_then(|traceparent| traceparent.split('-').nth(2))
+            .unwrap_or("-");
+        let trace = trace_of(hop).unwrap_or_else(|| "none".to_owned());
+        println!("    {:<19} trace {trace}  span {parent}", hop.subject);
+    }
+    let one_trace = !trace.is_empty()
+        && hops
+            .iter()
+            .all(|hop| trace_of(hop).as_ref() == Some(&trace));
+    if one_trace {
+        println!("  followed in trace {trace}: every hop carries it");
+    } else {
+        println!("  NOT one trace: {hops:?}");
+    }
+    if tally.exactly_once(sent.unique) && one_trace {
         println!(
             "exactly once: each order written, charged and marked paid once, one orders.paid each"
         );
         Ok(())
     } else {
         println!("NOT exactly once: {tally:?}");
-        Err("the pipeline's effects do not match its unique orders".into())
+        Err("the pipeline's effects do not match its unique orders, or its trace broke".into())
     }
 }
