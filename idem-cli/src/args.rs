@@ -83,9 +83,6 @@ pub enum DeadLetterAction {
     List {
         #[command(flatten)]
         filter: FilterArgs,
-        /// Show at most this many (the oldest).
-        #[arg(long, value_name = "N")]
-        limit: Option<usize>,
     },
 
     /// Show one dead letter: every header, and its payload.
@@ -157,6 +154,10 @@ pub struct FilterArgs {
     /// one route's idem.dead.<stream>.<durable>.
     #[arg(long, value_name = "SUBJECT")]
     pub subject: Option<String>,
+
+    /// At most this many, the oldest.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
 }
 
 impl FilterArgs {
@@ -186,6 +187,9 @@ impl FilterArgs {
         }
         if let Some(subject) = &self.subject {
             filter = filter.subject(subject.clone());
+        }
+        if let Some(limit) = self.limit {
+            filter = filter.limit(limit);
         }
         filter
     }

@@ -14,15 +14,10 @@ pub async fn list(
     js: &jetstream::Context,
     stream: &str,
     filter: &FilterArgs,
-    limit: Option<usize>,
 ) -> Result<Report, CliError> {
-    let mut letters = dead_letter::list(js, stream, &filter.filter())
+    let letters = dead_letter::list(js, stream, &filter.filter())
         .await
         .map_err(read_error)?;
-    let total = letters.len();
-    if let Some(limit) = limit {
-        letters.truncate(limit);
-    }
     let json = Value::Array(letters.iter().map(summary).collect());
     let text = if letters.is_empty() {
         format!(
@@ -55,11 +50,8 @@ pub async fn list(
             ]);
         }
         let mut text = output::render(&table);
-        if letters.len() < total {
-            text.push_str(&format!(
-                "\n({} of {total} shown: --limit)",
-                letters.len()
-            ));
+        if filter.limit == Some(letters.len()) {
+            text.push_str("\n(the oldest, up to --limit; there may be more)");
         }
         text
     };
@@ -101,7 +93,9 @@ pub async fn show(js: &jetstream::Context, stream: &str, sequence: u64) -> Resul
         })
         .collect();
     // The Idem-* context first, then the original's own headers.
-    names.sort_by_key(|(name, _)| !name.starts_with("Idem-"));
+    names.sort_by(|(a, _), (b, _)| {
+        (!a.starts_with("Idem-"), a).cmp(&(!b.starts_with("Idem-"), b))
+    });
     for (name, value) in names {
         table.add_row([name, value]);
     }
@@ -247,10 +241,10 @@ async fn select(
     target: &Target,
 ) -> Result<(Vec<DeadLetter>, Vec<Value>), CliError> {
     if !target.sequences.is_empty() {
-        if target.filter.is_set() {
+        if target.filter.is_set() || target.filter.limit.is_some() {
             return Err(CliError::usage(
                 "sequences and filters cannot be combined",
-                "name the dead letters by sequence, or select them with filters (--handler, --failure, --since, --until, --subject)",
+                "name the dead letters by sequence, or select them with filters (--handler, --failure, --since, --until, --subject, --limit)",
             ));
         }
         let mut letters = Vec::new();
@@ -301,7 +295,8 @@ fn progress(len: usize, verb: &str, dry_run: bool) -> ProgressBar {
 /// incomplete (exit 1) unless every selected dead letter was done.
 fn bulk_report(outcomes: Vec<Value>, done: usize, did: &str, verb: &str, dry_run: bool) -> Report {
     let total = outcomes.len();
-    let mut table = output::table(["SEQ", "HANDLER", "MESSAGE ID", "OUTCOME", "REASON"]);
+    let mut table = output::table(["SEQ", "HANDLER", "MESSAGE ID", "OUTCOME"]);
+    let mut reasons = Vec::new();
     for outcome in &outcomes {
         let cell = |key: &str| {
             outcome
@@ -318,8 +313,10 @@ fn bulk_report(outcomes: Vec<Value>, done: usize, did: &str, verb: &str, dry_run
             cell("handler"),
             shorten(&cell("message_id"), 40),
             cell("outcome"),
-            shorten(&cell("reason"), 80),
         ]);
+        if outcome.get("reason").is_some() {
+            reasons.push(format!("{}: {}", cell("sequence"), cell("reason")));
+        }
     }
     let summary = format!(
         "{done} of {total} {did}{}",
@@ -332,7 +329,12 @@ fn bulk_report(outcomes: Vec<Value>, done: usize, did: &str, verb: &str, dry_run
     let text = if total == 0 {
         format!("no dead letters selected: nothing to {verb}")
     } else {
-        format!("{}\n\n{summary}", output::render(&table))
+        let mut text = output::render(&table);
+        if !reasons.is_empty() {
+            text.push_str("\n\n");
+            text.push_str(&reasons.join("\n"));
+        }
+        format!("{text}\n\n{summary}")
     };
     let incomplete = (done < total).then(|| {
         CliError::new(

@@ -82,9 +82,7 @@ async fn run(cli: Cli) -> Result<Report, CliError> {
             let js = connect::nats(nats_url).await?;
             let stream = dead.stream.as_str();
             match dead.action {
-                DeadLetterAction::List { filter, limit } => {
-                    dead_letters::list(&js, stream, &filter, limit).await
-                }
+                DeadLetterAction::List { filter } => dead_letters::list(&js, stream, &filter).await,
                 DeadLetterAction::Show { sequence } => {
                     dead_letters::show(&js, stream, sequence).await
                 }

@@ -167,6 +167,7 @@ pub struct Filter {
     failure: Option<Failure>,
     since: Option<OffsetDateTime>,
     until: Option<OffsetDateTime>,
+    limit: Option<usize>,
 }
 
 impl Filter {
@@ -207,8 +208,14 @@ impl Filter {
         self
     }
 
+    /// At most `n` of them, the oldest: [`list`] stops reading there.
+    pub fn limit(mut self, n: usize) -> Filter {
+        self.limit = Some(n);
+        self
+    }
+
     /// Whether `letter` passes every condition but the subject (which the
-    /// server applies).
+    /// server applies) and the limit.
     pub fn matches(&self, letter: &DeadLetter) -> bool {
         self.handler
             .as_deref()
@@ -300,7 +307,8 @@ pub async fn list(
     let subject = filter.subject.clone().unwrap_or_else(|| ">".to_owned());
     let mut letters = Vec::new();
     let mut next = first.max(1);
-    while next <= last {
+    let limit = filter.limit.unwrap_or(usize::MAX);
+    while next <= last && letters.len() < limit {
         let found = stream
             .raw_message_builder()
             .sequence(next)
