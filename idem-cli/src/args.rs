@@ -287,7 +287,11 @@ mod tests {
         let hour_ago = parse_time("1h").unwrap();
         let expected = OffsetDateTime::now_utc() - time::Duration::hours(1);
         assert!((hour_ago - expected).abs() < time::Duration::seconds(5));
-        assert!(parse_time("yesterday-ish").unwrap_err().contains("RFC 3339"));
+        assert!(
+            parse_time("yesterday-ish")
+                .unwrap_err()
+                .contains("RFC 3339")
+        );
     }
 
     #[test]

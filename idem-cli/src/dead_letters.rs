@@ -59,7 +59,11 @@ pub async fn list(
 }
 
 /// `idem dead-letters show <seq>`.
-pub async fn show(js: &jetstream::Context, stream: &str, sequence: u64) -> Result<Report, CliError> {
+pub async fn show(
+    js: &jetstream::Context,
+    stream: &str,
+    sequence: u64,
+) -> Result<Report, CliError> {
     let letter = dead_letter::get(js, stream, sequence)
         .await
         .map_err(read_error)?;
@@ -93,9 +97,7 @@ pub async fn show(js: &jetstream::Context, stream: &str, sequence: u64) -> Resul
         })
         .collect();
     // The Idem-* context first, then the original's own headers.
-    names.sort_by(|(a, _), (b, _)| {
-        (!a.starts_with("Idem-"), a).cmp(&(!b.starts_with("Idem-"), b))
-    });
+    names.sort_by(|(a, _), (b, _)| (!a.starts_with("Idem-"), a).cmp(&(!b.starts_with("Idem-"), b)));
     for (name, value) in names {
         table.add_row([name, value]);
     }
@@ -156,10 +158,14 @@ pub async fn replay(
                     "replayed"
                 });
                 if let Some(ack) = ack {
-                    outcome["replayed_to"] = json!({ "stream": ack.stream, "sequence": ack.sequence });
+                    outcome["replayed_to"] =
+                        json!({ "stream": ack.stream, "sequence": ack.sequence });
                     if settings.discard {
-                        outcome["discarded"] =
-                            Value::from(dead_letter::discard(js, stream, letter.sequence).await.is_ok());
+                        outcome["discarded"] = Value::from(
+                            dead_letter::discard(js, stream, letter.sequence)
+                                .await
+                                .is_ok(),
+                        );
                     }
                 }
             }
@@ -353,7 +359,11 @@ fn bulk_report(outcomes: Vec<Value>, done: usize, did: &str, verb: &str, dry_run
         "dead_letters": outcomes,
     });
     // `replayed` or `discarded`, as well as `done`, for readable scripts.
-    json[if verb == "replay" { "replayed" } else { "discarded" }] = Value::from(done);
+    json[if verb == "replay" {
+        "replayed"
+    } else {
+        "discarded"
+    }] = Value::from(done);
     Report {
         json,
         text,
@@ -396,12 +406,10 @@ fn summary(letter: &DeadLetter) -> Value {
 
 fn read_error(error: DeadLetterError) -> CliError {
     match error {
-        DeadLetterError::NotFound { .. } | DeadLetterError::NotADeadLetter { .. } => {
-            CliError::new(
-                error.to_string(),
-                "`idem dead-letters list` shows the dead letters and their sequences",
-            )
-        }
+        DeadLetterError::NotFound { .. } | DeadLetterError::NotADeadLetter { .. } => CliError::new(
+            error.to_string(),
+            "`idem dead-letters list` shows the dead letters and their sequences",
+        ),
         other => CliError::plain(other.to_string()),
     }
 }

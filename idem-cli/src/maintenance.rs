@@ -45,9 +45,7 @@ pub async fn purge(pool: &PgPool) -> Result<Report, CliError> {
             retention(report.retention)
         )];
         if report.retention.is_none() {
-            lines.push(
-                "no handler lets its claims expire: nothing rotates or expires".to_owned(),
-            );
+            lines.push("no handler lets its claims expire: nothing rotates or expires".to_owned());
         }
         lines.push(format!(
             "transition ended        {}",

@@ -127,7 +127,8 @@ pub async fn check(pool: &PgPool, handler: &str, message_id: &str) -> Result<Rep
         return Err(CliError::new(
             format!("no handler named `{handler}` has ever run against this database"),
             if names.is_empty() {
-                "no handler is registered yet: check that DATABASE_URL names the services' database".to_owned()
+                "no handler is registered yet: check that DATABASE_URL names the services' database"
+                    .to_owned()
             } else {
                 format!("the handlers are: {}", names.join(", "))
             },

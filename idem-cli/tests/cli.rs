@@ -295,7 +295,9 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     assert!(text.text().contains(&format!("{STREAM}/{DURABLE}")));
 
     // `idem dead-letters list`: the three, with their reasons.
-    let listed = idem(&env, &["dead-letters", "list", "--json"]).await.json(0);
+    let listed = idem(&env, &["dead-letters", "list", "--json"])
+        .await
+        .json(0);
     assert_eq!(strings(&listed, "message_id"), dead);
     for letter in listed.as_array().unwrap() {
         assert_eq!(letter["handler"], HANDLER);
@@ -326,7 +328,10 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
         (vec!["--failure", "exhausted"], 0),
         (vec!["--since", "10m"], 3),
         (vec!["--until", "10m"], 0),
-        (vec!["--subject", &format!("idem.dead.{STREAM}.{DURABLE}")], 3),
+        (
+            vec!["--subject", &format!("idem.dead.{STREAM}.{DURABLE}")],
+            3,
+        ),
         (vec!["--subject", "idem.dead.ELSEWHERE.>"], 0),
         (vec!["--limit", "1"], 1),
     ] {
@@ -346,9 +351,7 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     );
     assert_eq!(shown["headers"]["Idem-Failure"][0], "permanent");
     assert_eq!(shown["headers"]["Idem-Message-Id-Source"][0], "key");
-    idem(&env, &["dead-letters", "show", &t03])
-        .await
-        .text();
+    idem(&env, &["dead-letters", "show", &t03]).await.text();
 
     // Dry runs change nothing: no publish, no delete.
     let before = last_sequence(&js, STREAM).await;
@@ -358,7 +361,10 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     )
     .await
     .json(0);
-    assert_eq!((dry["selected"].as_u64(), dry["replayed"].as_u64()), (Some(3), Some(3)));
+    assert_eq!(
+        (dry["selected"].as_u64(), dry["replayed"].as_u64()),
+        (Some(3), Some(3))
+    );
     for letter in dry["dead_letters"].as_array().unwrap() {
         assert_eq!(letter["outcome"], "would-replay");
     }
@@ -368,7 +374,11 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
             .contains("3 of 3 would be discarded (dry run: nothing changed)"),
         "{dry:#?}"
     );
-    assert_eq!(last_sequence(&js, STREAM).await, before, "nothing published");
+    assert_eq!(
+        last_sequence(&js, STREAM).await,
+        before,
+        "nothing published"
+    );
     assert_eq!(
         count(idem(&env, &["dead-letters", "list", "--json"]).await),
         3,
@@ -395,7 +405,9 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     // of the first replay, so nothing is published or applied again.
     let again = idem(&env, &["dead-letters", "replay", "--all", "--json"]).await;
     assert!(
-        again.stderr.contains("3 of 3 dead letters were not replayed"),
+        again
+            .stderr
+            .contains("3 of 3 dead letters were not replayed"),
         "{again:#?}"
     );
     let again = again.json(1);
@@ -423,7 +435,9 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
         .json(0);
     assert_eq!(checked["processed"], true);
     assert!(checked["claimed_at"].is_string());
-    idem(&env, &["dedup", "check", HANDLER, "t-03"]).await.text();
+    idem(&env, &["dedup", "check", HANDLER, "t-03"])
+        .await
+        .text();
     let unseen = idem(&env, &["dedup", "check", HANDLER, "t-404", "--json"])
         .await
         .json(0);
@@ -516,9 +530,16 @@ async fn bad_arguments_exit_non_zero_with_a_clear_message() {
     let (path, query) = url.split_once('?').unwrap_or((url, ""));
     let (server, _) = path.rsplit_once('/').unwrap();
     let empty = format!("{server}/{name}?{query}");
-    for args in [["verify"].as_slice(), &["status"], &["dedup", "check", "h", "m"]] {
+    for args in [
+        ["verify"].as_slice(),
+        &["status"],
+        &["dedup", "check", "h", "m"],
+    ] {
         let run = idem_with(Some(env.nats_url()), &empty, args).await;
         assert_eq!(run.code, 1, "{args:?}: {run:#?}");
-        assert!(run.stderr.contains("run `idem migrate`"), "{args:?}: {run:#?}");
+        assert!(
+            run.stderr.contains("run `idem migrate`"),
+            "{args:?}: {run:#?}"
+        );
     }
 }

@@ -122,9 +122,10 @@ pub async fn consumers(js: &jetstream::Context) -> Result<Vec<ConsumerStatus>, S
             let Some(retention) = metadata.get(RETENTION_KEY) else {
                 continue;
             };
-            let dead_letter_subject = metadata.get(DEAD_LETTERS_KEY).cloned().unwrap_or_else(|| {
-                crate::dead_letter::default_subject(&info.stream_name, &info.name)
-            });
+            let dead_letter_subject =
+                metadata.get(DEAD_LETTERS_KEY).cloned().unwrap_or_else(|| {
+                    crate::dead_letter::default_subject(&info.stream_name, &info.name)
+                });
             found.push(ConsumerStatus {
                 stream: info.stream_name.clone(),
                 durable: info.name.clone(),
@@ -169,11 +170,15 @@ pub struct HandlerStatus {
     pub oldest_age: Option<Duration>,
 }
 
+/// A row of [`handlers`]' query: name, retention, claims, and the oldest
+/// claim's time and age (in seconds).
+type HandlerRow = (String, Option<f64>, i64, Option<f64>, Option<f64>);
+
 /// Every handler registered in the dedup schema, by name, with its claims.
 /// Counts every claim (a scan of the claims table), so it takes a while on a
 /// table of many millions.
 pub async fn handlers(pool: &PgPool) -> Result<Vec<HandlerStatus>, sqlx::Error> {
-    let rows: Vec<(String, Option<f64>, i64, Option<f64>, Option<f64>)> = sqlx::query_as(
+    let rows: Vec<HandlerRow> = sqlx::query_as(
         "SELECT h.name,
                 extract(epoch FROM h.retention)::float8,
                 count(p.key),
@@ -233,12 +238,14 @@ pub async fn processed(
     .bind(&key)
     .fetch_optional(pool)
     .await?;
-    Ok(row.map(|(claimed_at, age, generation, has_result)| Processed {
-        claimed_at: timestamp(claimed_at).unwrap_or(OffsetDateTime::UNIX_EPOCH),
-        age: seconds(age),
-        generation,
-        has_result,
-    }))
+    Ok(
+        row.map(|(claimed_at, age, generation, has_result)| Processed {
+            claimed_at: timestamp(claimed_at).unwrap_or(OffsetDateTime::UNIX_EPOCH),
+            age: seconds(age),
+            generation,
+            has_result,
+        }),
+    )
 }
 
 fn seconds(value: f64) -> Duration {
