@@ -150,22 +150,28 @@ pub async fn replay(
                 .map(Some)
         };
         match result {
-            Ok(ack) => {
+            Ok(None) => {
                 replayed += 1;
-                outcome["outcome"] = Value::from(if settings.dry_run {
-                    "would-replay"
+                outcome["outcome"] = Value::from("would-replay");
+            }
+            Ok(Some(ack)) => {
+                outcome["outcome"] = Value::from("replayed");
+                outcome["replayed_to"] = json!({ "stream": ack.stream, "sequence": ack.sequence });
+                if !settings.discard {
+                    replayed += 1;
                 } else {
-                    "replayed"
-                });
-                if let Some(ack) = ack {
-                    outcome["replayed_to"] =
-                        json!({ "stream": ack.stream, "sequence": ack.sequence });
-                    if settings.discard {
-                        outcome["discarded"] = Value::from(
-                            dead_letter::discard(js, stream, letter.sequence)
-                                .await
-                                .is_ok(),
-                        );
+                    match dead_letter::discard(js, stream, letter.sequence).await {
+                        Ok(()) => {
+                            replayed += 1;
+                            outcome["discarded"] = Value::from(true);
+                        }
+                        // Replayed all the same: a later replay of it is
+                        // refused in the window, or skipped by its claim.
+                        Err(error) => {
+                            outcome["discarded"] = Value::from(false);
+                            outcome["reason"] =
+                                Value::from(format!("replayed, but not discarded: {error}"));
+                        }
                     }
                 }
             }

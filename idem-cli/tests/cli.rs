@@ -426,8 +426,46 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
         "the refused replays were not stored"
     );
     wait_settled(&env, &js).await;
-    stop_router(handle, task).await;
     assert_eq!(entries(&pool).await, all_once, "still applied once each");
+
+    // `replay --discard`: one more credit to an unknown account, fixed,
+    // replayed, and its dead letter deleted once the replay is stored.
+    publish(&js, "t-13", 77).await;
+    wait_settled(&env, &js).await;
+    let listed = idem(&env, &["dead-letters", "list", "--json"])
+        .await
+        .json(0);
+    let t13 = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|letter| letter["message_id"] == "t-13")
+        .map(|letter| letter["sequence"].to_string())
+        .expect("t-13 is dead-lettered");
+    sqlx::query("INSERT INTO accounts VALUES (77)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let replayed = idem(
+        &env,
+        &["dead-letters", "replay", &t13, "--discard", "--json"],
+    )
+    .await
+    .json(0);
+    assert_eq!(replayed["dead_letters"][0]["outcome"], "replayed");
+    assert_eq!(replayed["dead_letters"][0]["discarded"], true);
+    wait_settled(&env, &js).await;
+    stop_router(handle, task).await;
+    let listed = idem(&env, &["dead-letters", "list", "--json"])
+        .await
+        .json(0);
+    assert_eq!(
+        strings(&listed, "message_id"),
+        dead,
+        "t-13's dead letter is gone"
+    );
+    let all_once: Vec<(String, i64)> = transfers(1..=13).into_iter().map(|t| (t, 1)).collect();
+    assert_eq!(entries(&pool).await, all_once, "t-13 applied once");
 
     // `idem dedup check`: processed, and when; or not.
     let checked = idem(&env, &["dedup", "check", HANDLER, "t-03", "--json"])
@@ -463,7 +501,7 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     let status = idem(&env, &["status", "--json"]).await.json(0);
     assert_eq!(status["consumers"][0]["dead_letters"], 0);
     assert_eq!(status["consumers"][0]["pending"], 0);
-    assert_eq!(status["consumers"][0]["claims"], 12);
+    assert_eq!(status["consumers"][0]["claims"], 13);
     let gone = idem(&env, &["dead-letters", "show", &t03]).await;
     assert_eq!(gone.code, 1);
     assert!(gone.stderr.contains("discarded or aged out"), "{gone:#?}");
