@@ -17,8 +17,6 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 const HANDLER: &str = "cli.credit.v1";
-const STREAM: &str = "CLI_CREDITS";
-const SUBJECT: &str = "cli.credit";
 const DURABLE: &str = "ledger";
 /// The account the first run does not know: its credits are dead-lettered.
 const UNKNOWN_ACCOUNT: i64 = 99;
@@ -116,17 +114,20 @@ async fn idem_with(nats_url: Option<&str>, database_url: &str, args: &[&str]) ->
     run
 }
 
-async fn publish(js: &jetstream::Context, transfer: &str, account: i64) {
+async fn publish(js: &jetstream::Context, subject: &str, transfer: &str, account: i64) {
     let credit = Credit {
         transfer: transfer.to_owned(),
         account,
         amount: 100,
     };
-    js.publish(SUBJECT, serde_json::to_vec(&credit).unwrap().into())
-        .await
-        .expect("publish is sent")
-        .await
-        .expect("publish is acknowledged");
+    js.publish(
+        subject.to_owned(),
+        serde_json::to_vec(&credit).unwrap().into(),
+    )
+    .await
+    .expect("publish is sent")
+    .await
+    .expect("publish is acknowledged");
 }
 
 async fn last_sequence(js: &jetstream::Context, stream: &str) -> u64 {
@@ -141,11 +142,11 @@ async fn last_sequence(js: &jetstream::Context, stream: &str) -> u64 {
 }
 
 /// Waits until the consumer has acked every message of its stream.
-async fn wait_settled(env: &TestEnv, js: &jetstream::Context) {
+async fn wait_settled(js: &jetstream::Context, stream: &str) {
     wait_until(Duration::from_secs(60), async || {
-        let last = last_sequence(js, STREAM).await;
+        let last = last_sequence(js, stream).await;
         let Ok(info) = js
-            .get_stream_no_info(STREAM)
+            .get_stream_no_info(stream)
             .await
             .expect("stream exists")
             .consumer_info(DURABLE)
@@ -156,7 +157,6 @@ async fn wait_settled(env: &TestEnv, js: &jetstream::Context) {
         info.num_pending == 0 && info.num_ack_pending == 0 && info.ack_floor.stream_sequence >= last
     })
     .await;
-    let _ = env;
 }
 
 /// Every credit booked: (transfer, times booked), by transfer.
@@ -172,15 +172,15 @@ fn transfers(range: impl IntoIterator<Item = u32>) -> Vec<String> {
 }
 
 fn start_router(
-    env: &TestEnv,
+    stream: &str,
+    subject: &str,
     nats: async_nats::Client,
     pool: PgPool,
 ) -> (
     idem_runtime::RouterHandle,
     tokio::task::JoinHandle<Result<(), idem_runtime::Error>>,
 ) {
-    let _ = env;
-    let router = Router::new().route(Route::new(STREAM, DURABLE).filter_subject(SUBJECT), credit);
+    let router = Router::new().route(Route::new(stream, DURABLE).filter_subject(subject), credit);
     let handle = router.handle();
     let task = tokio::spawn(router.run_until(nats, pool, std::future::pending()));
     (handle, task)
@@ -215,6 +215,13 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     let pool = env.pool().await;
     let nats = env.nats().await;
     let js = jetstream::new(nats.clone());
+    // Names of its own, and every dead-letter command scoped to its route's
+    // dead-letter subject, so that the test holds on a shared NATS_URL too
+    // (the dead-letter stream is shared there).
+    let stream = idem_tests::unique_name("CLI_CREDITS");
+    let subject = format!("{stream}.credit");
+    let dead_subject = format!("idem.dead.{stream}.{DURABLE}");
+    let scope = ["--subject", dead_subject.as_str()];
 
     // `idem migrate` installs the schema the router needs.
     let migrated = idem(&env, &["migrate", "--json"]).await.json(0);
@@ -232,8 +239,8 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     .await
     .unwrap();
     js.create_stream(stream::Config {
-        name: STREAM.to_owned(),
-        subjects: vec![SUBJECT.to_owned()],
+        name: stream.clone(),
+        subjects: vec![subject.clone()],
         ..Default::default()
     })
     .await
@@ -247,10 +254,10 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
         } else {
             1 + (n as i64 % 2)
         };
-        publish(&js, transfer, account).await;
+        publish(&js, &subject, transfer, account).await;
     }
-    let (handle, task) = start_router(&env, nats.clone(), pool.clone());
-    wait_settled(&env, &js).await;
+    let (handle, task) = start_router(&stream, &subject, nats.clone(), pool.clone());
+    wait_settled(&js, &stream).await;
     stop_router(handle.clone(), task).await;
     let stats = handle.stats(DURABLE).expect("the route's stats");
     assert_eq!(
@@ -259,19 +266,24 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
         "the run did what the test expects"
     );
     // Two more while no worker runs: they are pending.
-    publish(&js, "t-11", 1).await;
-    publish(&js, "t-12", 2).await;
+    publish(&js, &subject, "t-11", 1).await;
+    publish(&js, &subject, "t-12", 2).await;
 
     // `idem status`: the numbers of the run.
     let status = idem(&env, &["status", "--json"]).await.json(0);
     let consumers = status["consumers"].as_array().unwrap();
-    assert_eq!(
-        consumers.len(),
-        1,
-        "only the route's consumer is an idem consumer: {status:#}"
-    );
-    let consumer = &consumers[0];
-    assert_eq!(consumer["stream"], STREAM);
+    // Only routes' consumers are idem consumers: not the advisory consumer
+    // each route also binds.
+    for consumer in consumers {
+        assert_ne!(consumer["stream"], idem_runtime::ADVISORY_STREAM);
+        assert!(consumer["handler"].is_string(), "{consumer:#}");
+    }
+    let ours: Vec<&Value> = consumers
+        .iter()
+        .filter(|consumer| consumer["stream"] == stream.as_str())
+        .collect();
+    assert_eq!(ours.len(), 1, "{status:#}");
+    let consumer = ours[0];
     assert_eq!(consumer["durable"], DURABLE);
     assert_eq!(consumer["handler"], HANDLER);
     assert_eq!(consumer["pending"], 2);
@@ -279,10 +291,7 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     assert_eq!(consumer["redelivered"], 0);
     assert_eq!(consumer["dead_letters"], 3);
     assert_eq!(consumer["claims"], 7);
-    assert_eq!(
-        consumer["dead_letter_subject"],
-        format!("idem.dead.{STREAM}.{DURABLE}")
-    );
+    assert_eq!(consumer["dead_letter_subject"], dead_subject.as_str());
     let handlers = status["handlers"].as_array().unwrap();
     assert_eq!(handlers.len(), 1);
     assert_eq!(handlers[0]["name"], HANDLER);
@@ -292,24 +301,29 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     assert!((0.0..600.0).contains(&oldest), "oldest claim age {oldest}");
     assert_eq!(status["outbox"]["pending"], 0);
     let text = idem(&env, &["status"]).await;
-    assert!(text.text().contains(&format!("{STREAM}/{DURABLE}")));
+    assert!(text.text().contains(&format!("{stream}/{DURABLE}")));
 
     // `idem dead-letters list`: the three, with their reasons.
-    let listed = idem(&env, &["dead-letters", "list", "--json"])
-        .await
-        .json(0);
+    let listed = idem(
+        &env,
+        &["dead-letters", "list", "--json", scope[0], scope[1]],
+    )
+    .await
+    .json(0);
     assert_eq!(strings(&listed, "message_id"), dead);
     for letter in listed.as_array().unwrap() {
         assert_eq!(letter["handler"], HANDLER);
         assert_eq!(letter["failure"], "permanent");
-        assert_eq!(letter["original_subject"], SUBJECT);
+        assert_eq!(letter["original_subject"], subject.as_str());
         assert_eq!(letter["delivered"], 1);
         assert_eq!(
             letter["error"],
             format!("the handler failed: account {UNKNOWN_ACCOUNT} does not exist")
         );
     }
-    idem(&env, &["dead-letters", "list"]).await.text();
+    idem(&env, &["dead-letters", "list", scope[0], scope[1]])
+        .await
+        .text();
     // Dead-lettered in whatever order the route's concurrent slots finished.
     let t03 = listed
         .as_array()
@@ -328,17 +342,25 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
         (vec!["--failure", "exhausted"], 0),
         (vec!["--since", "10m"], 3),
         (vec!["--until", "10m"], 0),
-        (
-            vec!["--subject", &format!("idem.dead.{STREAM}.{DURABLE}")],
-            3,
-        ),
-        (vec!["--subject", "idem.dead.ELSEWHERE.>"], 0),
         (vec!["--limit", "1"], 1),
+        (vec![], 3),
     ] {
         let mut command = vec!["dead-letters", "list", "--json"];
         command.extend(&args);
+        command.extend(scope);
         assert_eq!(count(idem(&env, &command).await), expected, "{args:?}");
     }
+    let elsewhere = format!("idem.dead.{stream}_ELSEWHERE.>");
+    assert_eq!(
+        count(
+            idem(
+                &env,
+                &["dead-letters", "list", "--json", "--subject", &elsewhere]
+            )
+            .await
+        ),
+        0
+    );
 
     // `idem dead-letters show`: the payload and every header.
     let shown = idem(&env, &["dead-letters", "show", &t03, "--json"])
@@ -354,10 +376,18 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     idem(&env, &["dead-letters", "show", &t03]).await.text();
 
     // Dry runs change nothing: no publish, no delete.
-    let before = last_sequence(&js, STREAM).await;
+    let before = last_sequence(&js, &stream).await;
     let dry = idem(
         &env,
-        &["dead-letters", "replay", "--all", "--dry-run", "--json"],
+        &[
+            "dead-letters",
+            "replay",
+            "--all",
+            scope[0],
+            scope[1],
+            "--dry-run",
+            "--json",
+        ],
     )
     .await
     .json(0);
@@ -368,19 +398,36 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     for letter in dry["dead_letters"].as_array().unwrap() {
         assert_eq!(letter["outcome"], "would-replay");
     }
-    let dry = idem(&env, &["dead-letters", "discard", "--all", "--dry-run"]).await;
+    let dry = idem(
+        &env,
+        &[
+            "dead-letters",
+            "discard",
+            "--all",
+            scope[0],
+            scope[1],
+            "--dry-run",
+        ],
+    )
+    .await;
     assert!(
         dry.text()
             .contains("3 of 3 would be discarded (dry run: nothing changed)"),
         "{dry:#?}"
     );
     assert_eq!(
-        last_sequence(&js, STREAM).await,
+        last_sequence(&js, &stream).await,
         before,
         "nothing published"
     );
     assert_eq!(
-        count(idem(&env, &["dead-letters", "list", "--json"]).await),
+        count(
+            idem(
+                &env,
+                &["dead-letters", "list", "--json", scope[0], scope[1]]
+            )
+            .await
+        ),
         3,
         "nothing discarded"
     );
@@ -391,19 +438,41 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
         .execute(&pool)
         .await
         .unwrap();
-    let (handle, task) = start_router(&env, nats.clone(), pool.clone());
+    let (handle, task) = start_router(&stream, &subject, nats.clone(), pool.clone());
     // In text, as an operator runs it; what it did is checked on the
     // servers: three messages stored, each credit applied once.
-    let replay = idem(&env, &["dead-letters", "replay", "--handler", HANDLER]).await;
+    let replay = idem(
+        &env,
+        &[
+            "dead-letters",
+            "replay",
+            "--handler",
+            HANDLER,
+            scope[0],
+            scope[1],
+        ],
+    )
+    .await;
     assert!(replay.text().contains("3 of 3 replayed"), "{replay:#?}");
-    assert_eq!(last_sequence(&js, STREAM).await, before + 3);
-    wait_settled(&env, &js).await;
+    assert_eq!(last_sequence(&js, &stream).await, before + 3);
+    wait_settled(&js, &stream).await;
     let all_once: Vec<(String, i64)> = transfers(1..=12).into_iter().map(|t| (t, 1)).collect();
     assert_eq!(entries(&pool).await, all_once, "every credit applied once");
 
     // A second bulk replay is refused: JetStream drops each as a duplicate
     // of the first replay, so nothing is published or applied again.
-    let again = idem(&env, &["dead-letters", "replay", "--all", "--json"]).await;
+    let again = idem(
+        &env,
+        &[
+            "dead-letters",
+            "replay",
+            "--all",
+            scope[0],
+            scope[1],
+            "--json",
+        ],
+    )
+    .await;
     assert!(
         again
             .stderr
@@ -421,20 +490,23 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     assert_eq!(again.code, 1, "{again:#?}");
     assert!(again.stdout.contains("refused-duplicate"), "{again:#?}");
     assert_eq!(
-        last_sequence(&js, STREAM).await,
+        last_sequence(&js, &stream).await,
         before + 3,
         "the refused replays were not stored"
     );
-    wait_settled(&env, &js).await;
+    wait_settled(&js, &stream).await;
     assert_eq!(entries(&pool).await, all_once, "still applied once each");
 
     // `replay --discard`: one more credit to an unknown account, fixed,
     // replayed, and its dead letter deleted once the replay is stored.
-    publish(&js, "t-13", 77).await;
-    wait_settled(&env, &js).await;
-    let listed = idem(&env, &["dead-letters", "list", "--json"])
-        .await
-        .json(0);
+    publish(&js, &subject, "t-13", 77).await;
+    wait_settled(&js, &stream).await;
+    let listed = idem(
+        &env,
+        &["dead-letters", "list", "--json", scope[0], scope[1]],
+    )
+    .await
+    .json(0);
     let t13 = listed
         .as_array()
         .unwrap()
@@ -454,11 +526,14 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     .json(0);
     assert_eq!(replayed["dead_letters"][0]["outcome"], "replayed");
     assert_eq!(replayed["dead_letters"][0]["discarded"], true);
-    wait_settled(&env, &js).await;
+    wait_settled(&js, &stream).await;
     stop_router(handle, task).await;
-    let listed = idem(&env, &["dead-letters", "list", "--json"])
-        .await
-        .json(0);
+    let listed = idem(
+        &env,
+        &["dead-letters", "list", "--json", scope[0], scope[1]],
+    )
+    .await
+    .json(0);
     assert_eq!(
         strings(&listed, "message_id"),
         dead,
@@ -489,19 +564,41 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     );
 
     // `idem dead-letters discard`: gone; status agrees.
-    let discarded = idem(&env, &["dead-letters", "discard", "--all", "--json"])
-        .await
-        .json(0);
+    let discarded = idem(
+        &env,
+        &[
+            "dead-letters",
+            "discard",
+            "--all",
+            scope[0],
+            scope[1],
+            "--json",
+        ],
+    )
+    .await
+    .json(0);
     assert_eq!(discarded["discarded"], 3);
     assert_eq!(strings(&discarded["dead_letters"], "message_id"), dead);
     assert_eq!(
-        count(idem(&env, &["dead-letters", "list", "--json"]).await),
+        count(
+            idem(
+                &env,
+                &["dead-letters", "list", "--json", scope[0], scope[1]]
+            )
+            .await
+        ),
         0
     );
     let status = idem(&env, &["status", "--json"]).await.json(0);
-    assert_eq!(status["consumers"][0]["dead_letters"], 0);
-    assert_eq!(status["consumers"][0]["pending"], 0);
-    assert_eq!(status["consumers"][0]["claims"], 13);
+    let consumer = status["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|consumer| consumer["stream"] == stream.as_str())
+        .expect("the route's consumer");
+    assert_eq!(consumer["dead_letters"], 0);
+    assert_eq!(consumer["pending"], 0);
+    assert_eq!(consumer["claims"], 13);
     let gone = idem(&env, &["dead-letters", "show", &t03]).await;
     assert_eq!(gone.code, 1);
     assert!(gone.stderr.contains("discarded or aged out"), "{gone:#?}");
