@@ -444,3 +444,77 @@ pub async fn subject_counts(
         .await
         .map_err(|e| stream_error(e.into()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn letter(handler: &str, failure: Failure, message_id: &str, at: OffsetDateTime) -> DeadLetter {
+        let mut headers = HeaderMap::new();
+        headers.insert(ORIGINAL_SUBJECT, "orders.placed");
+        headers.insert("Idem-Handler", handler);
+        headers.insert("Idem-Failure", failure.as_str());
+        headers.insert(MESSAGE_ID, message_id);
+        DeadLetter {
+            stream: super::super::DEFAULT_STREAM.to_owned(),
+            sequence: 7,
+            subject: "idem.dead.ORDERS.placed".to_owned(),
+            stored_at: at,
+            headers,
+            payload: Bytes::new(),
+        }
+    }
+
+    #[test]
+    fn a_filter_passes_only_what_meets_every_condition() {
+        let at = OffsetDateTime::UNIX_EPOCH + time::Duration::days(1);
+        let letter = letter("orders.v1", Failure::Exhausted, "o-1", at);
+        assert!(Filter::new().matches(&letter));
+        assert!(
+            Filter::new()
+                .handler("orders.v1")
+                .failure(Failure::Exhausted)
+                .since(at)
+                .until(at + time::Duration::SECOND)
+                .matches(&letter)
+        );
+        assert!(!Filter::new().handler("orders.v2").matches(&letter));
+        assert!(!Filter::new().failure(Failure::Permanent).matches(&letter));
+        assert!(
+            !Filter::new()
+                .since(at + time::Duration::SECOND)
+                .matches(&letter)
+        );
+        assert!(!Filter::new().until(at).matches(&letter), "until excludes");
+    }
+
+    #[test]
+    fn a_dry_run_applies_the_replay_rules() {
+        let now = OffsetDateTime::now_utc();
+        let fine = letter("orders.v1", Failure::Permanent, "o-1", now);
+        check_replay(&fine, &ReplayOptions::default()).unwrap();
+
+        let no_id = letter("orders.v1", Failure::Permanent, "", now);
+        assert!(matches!(
+            check_replay(&no_id, &ReplayOptions::default()),
+            Err(ReplayError::NoMessageId(7))
+        ));
+        check_replay(&no_id, &ReplayOptions::default().allow_new_message_id()).unwrap();
+
+        let mut old = letter("orders.v1", Failure::Permanent, "o-1", now);
+        old.headers.insert("Idem-Retention", "3600s");
+        old.headers.insert(STORED_AT, "2020-01-01T00:00:00Z");
+        assert!(matches!(
+            check_replay(&old, &ReplayOptions::default()),
+            Err(ReplayError::OutsideRetention { .. })
+        ));
+        check_replay(&old, &ReplayOptions::default().allow_outside_retention()).unwrap();
+
+        let mut stranger = letter("orders.v1", Failure::Permanent, "o-1", now);
+        stranger.headers = HeaderMap::new();
+        assert!(matches!(
+            check_replay(&stranger, &ReplayOptions::default()),
+            Err(ReplayError::NotADeadLetter(7))
+        ));
+    }
+}
