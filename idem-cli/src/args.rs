@@ -15,7 +15,13 @@ use time::OffsetDateTime;
 #[command(name = "idem", version, max_term_width = 100)]
 pub struct Cli {
     /// The NATS server, e.g. nats://127.0.0.1:4222.
-    #[arg(long, env = "NATS_URL", global = true, value_name = "URL")]
+    #[arg(
+        long,
+        env = "NATS_URL",
+        global = true,
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub nats_url: Option<String>,
 
     /// The PostgreSQL database with idem's dedup schema, e.g.
