@@ -55,10 +55,20 @@ use crate::message_id::MessageId;
 use crate::retention_floor::{self, COPY_SPREAD_KEY, Human, RETENTION_KEY};
 use crate::route::Route;
 
+mod browse;
+
+pub use browse::{
+    DeadLetter, DeadLetterError, Filter, check_replay, discard, get, list, subject_counts,
+};
+
 /// The header that records when the stream stored the original.
 pub(crate) const STORED_AT: &str = "Idem-Original-Stored-At";
 /// The header a replayed message carries: `<dead-letter stream>:<sequence>`.
 pub(crate) const REPLAYED_FROM: &str = "Idem-Replayed-From";
+/// The header that names the subject the original was published to.
+const ORIGINAL_SUBJECT: &str = "Idem-Original-Subject";
+/// The header that records the id the original was deduplicated by.
+const MESSAGE_ID: &str = "Idem-Message-Id";
 /// The header that records how long the original's route keeps claims.
 const RETENTION: &str = "Idem-Retention";
 /// The header that records how far apart copies of the original may be
@@ -193,7 +203,7 @@ pub(crate) async fn publish_letter(
     failure: Failure,
     error: &str,
 ) -> Result<(), async_nats::Error> {
-    headers.insert("Idem-Original-Subject", origin.subject);
+    headers.insert(ORIGINAL_SUBJECT, origin.subject);
     if let Some((stream, sequence)) = origin.position {
         headers.insert("Idem-Original-Stream", stream);
         headers.insert("Idem-Original-Sequence", sequence.to_string().as_str());
@@ -201,7 +211,7 @@ pub(crate) async fn publish_letter(
     let (id, source) = origin
         .message_id
         .map_or(("", "unknown"), |id| (id.as_str(), id.source().as_str()));
-    headers.insert("Idem-Message-Id", id);
+    headers.insert(MESSAGE_ID, id);
     headers.insert("Idem-Message-Id-Source", source);
     headers.insert("Idem-Handler", origin.handler);
     if let Some(delivered) = origin.delivered {
@@ -528,31 +538,26 @@ pub async fn replay_with(
         .get_raw_message(sequence)
         .await
         .map_err(|e| read_error(e.into()))?;
+    replay_checks(
+        &stored.headers,
+        sequence,
+        &options,
+        time::OffsetDateTime::now_utc(),
+    )?;
     let original_subject = stored
         .headers
-        .get("Idem-Original-Subject")
+        .get(ORIGINAL_SUBJECT)
         .map(|v| v.as_str().to_owned())
         .ok_or(ReplayError::NotADeadLetter(sequence))?;
     let message_id = stored
         .headers
-        .get("Idem-Message-Id")
+        .get(MESSAGE_ID)
         .map(|v| v.as_str().to_owned())
         .unwrap_or_default();
-    if message_id.is_empty() && !options.allow_new_message_id {
-        return Err(ReplayError::NoMessageId(sequence));
-    }
     let stored_at = stored
         .headers
         .get(STORED_AT)
         .and_then(|value| parse_time(value.as_str()));
-    if !options.allow_outside_retention {
-        check_retention(
-            &stored.headers,
-            stored_at,
-            sequence,
-            time::OffsetDateTime::now_utc(),
-        )?;
-    }
 
     let mut headers = HeaderMap::new();
     for (name, values) in stored.headers.iter() {
@@ -586,6 +591,35 @@ pub async fn replay_with(
         return Err(ReplayError::InsideDuplicateWindow);
     }
     Ok(ack)
+}
+
+/// The safety rules of a replay at `now` of dead letter `sequence`, whose
+/// headers are `headers`: it must be an idem dead letter, record the id it
+/// was deduplicated by, and be young enough for its original's claim to be
+/// kept, unless `options` allow otherwise. [`replay_with`] applies them before
+/// it publishes, and [`check_replay`] without publishing.
+fn replay_checks(
+    headers: &HeaderMap,
+    sequence: u64,
+    options: &ReplayOptions,
+    now: time::OffsetDateTime,
+) -> Result<(), ReplayError> {
+    if headers.get(ORIGINAL_SUBJECT).is_none() {
+        return Err(ReplayError::NotADeadLetter(sequence));
+    }
+    let has_message_id = headers
+        .get(MESSAGE_ID)
+        .is_some_and(|value| !value.as_str().is_empty());
+    if !has_message_id && !options.allow_new_message_id {
+        return Err(ReplayError::NoMessageId(sequence));
+    }
+    if !options.allow_outside_retention {
+        let stored_at = headers
+            .get(STORED_AT)
+            .and_then(|value| parse_time(value.as_str()));
+        check_retention(headers, stored_at, sequence, now)?;
+    }
+    Ok(())
 }
 
 /// Refuses a replay at `now` of a dead letter with `headers` whose original

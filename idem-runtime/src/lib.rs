@@ -68,6 +68,7 @@ pub mod schema;
 mod shutdown;
 mod state;
 mod stats;
+pub mod status;
 #[cfg(feature = "otel")]
 pub mod trace;
 mod transaction;

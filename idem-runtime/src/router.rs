@@ -352,7 +352,8 @@ impl<S: Send + Sync + 'static> Router<S> {
             // Before the route pulls, so that nothing it gives up on from
             // now on is missed.
             let advisories = undeliverable::bind(&js, route.route()).await?;
-            let (consumer, copy_spread) = bind_consumer(&js, route.route()).await?;
+            let (consumer, copy_spread) =
+                bind_consumer(&js, route.route(), route.handler_name()).await?;
             bound.push((route, consumer, advisories, copy_spread));
         }
         // Registered only once every route is bound, which checks its
@@ -547,6 +548,7 @@ const FLUSH_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
 async fn bind_consumer(
     js: &jetstream::Context,
     route: &Route,
+    handler: &str,
 ) -> Result<(PullConsumer, Option<Duration>), Error> {
     let jetstream_error = |source: async_nats::Error| Error::JetStream {
         route: route.durable.clone(),
@@ -577,6 +579,10 @@ async fn bind_consumer(
     wanted
         .metadata
         .extend(crate::retention_floor::consumer_metadata(route, &floor));
+    // And its handler and dead letters, for operators (see status.rs).
+    wanted
+        .metadata
+        .extend(crate::status::consumer_metadata(route, handler));
     if !route.update_consumer
         && let Ok(existing) = stream.consumer_info(&route.durable).await
     {

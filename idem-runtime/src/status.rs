@@ -1,0 +1,266 @@
+//! What idem's consumers and dedup tables hold now: for operators,
+//! dashboards and the `idem` command (`idem status`, `idem dedup check`).
+//!
+//! A route records on its consumer, besides its retention (see
+//! [`dead_letter`](crate::dead_letter)), the handler it runs
+//! (`idem.handler`) and its dead-letter subject (`idem.dead_letters`), so
+//! that [`consumers`] finds every idem consumer on a server and ties it to
+//! its handler and its dead letters without knowing the application's
+//! routes.
+//!
+//! ```no_run
+//! # async fn f(js: async_nats::jetstream::Context, pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! for consumer in idem_runtime::status::consumers(&js).await? {
+//!     println!("{}/{}: {} pending, {:?} dead letters", consumer.stream, consumer.durable,
+//!         consumer.pending, consumer.dead_letters);
+//! }
+//! if let Some(claim) = idem_runtime::status::processed(&pool, "ledger.credit.v1", "t-42").await? {
+//!     println!("processed {:?} ago", claim.age);
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer};
+use futures_util::TryStreamExt;
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use crate::retention_floor::{RETENTION_KEY, decode_duration};
+use crate::route::Route;
+
+/// The consumer metadata key under which a route records its handler's name.
+const HANDLER_KEY: &str = "idem.handler";
+
+/// The consumer metadata key under which a route records its dead-letter
+/// subject.
+const DEAD_LETTERS_KEY: &str = "idem.dead_letters";
+
+/// What a route records on its consumer for [`consumers`] to read: its
+/// handler and its dead-letter subject.
+pub(crate) fn consumer_metadata(route: &Route, handler: &str) -> [(String, String); 2] {
+    [
+        (HANDLER_KEY.to_owned(), handler.to_owned()),
+        (DEAD_LETTERS_KEY.to_owned(), route.dead_letter_target()),
+    ]
+}
+
+/// One idem consumer as JetStream sees it now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerStatus {
+    /// Its stream.
+    pub stream: String,
+    /// Its durable name (the route's).
+    pub durable: String,
+    /// The handler its route runs; `None` for a consumer set up by an idem
+    /// that did not record it.
+    pub handler: Option<String>,
+    /// Messages not yet delivered.
+    pub pending: u64,
+    /// Messages delivered and not yet acked (in flight, or waiting for a
+    /// redelivery).
+    pub ack_pending: u64,
+    /// Messages delivered more than once and not yet acked.
+    pub redelivered: u64,
+    /// Pull requests waiting (about one per running worker).
+    pub waiting: u64,
+    /// How long its route keeps claims; `None`: forever.
+    pub retention: Option<Duration>,
+    /// Where its dead letters go.
+    pub dead_letter_subject: String,
+    /// Dead letters stored under that subject; `None` if no stream stores
+    /// it (no router started since it was set), or it could not be read.
+    pub dead_letters: Option<u64>,
+}
+
+/// Why [`consumers`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StatusError {
+    /// Listing the streams failed.
+    #[error("listing JetStream streams failed: {0}; check that NATS is reachable")]
+    Streams(async_nats::Error),
+    /// Listing a stream's consumers failed.
+    #[error("listing the consumers of stream `{stream}` failed: {source}")]
+    Consumers {
+        /// The stream.
+        stream: String,
+        /// The server's answer.
+        source: async_nats::Error,
+    },
+}
+
+/// Every idem consumer on the server (those whose metadata records a
+/// retention, which every route writes), sorted by stream and durable, with
+/// its counts and its dead letters.
+pub async fn consumers(js: &jetstream::Context) -> Result<Vec<ConsumerStatus>, StatusError> {
+    let streams: Vec<String> = js
+        .stream_names()
+        .try_collect()
+        .await
+        .map_err(|e| StatusError::Streams(e.into()))?;
+    let mut found = Vec::new();
+    for stream in streams {
+        let consumers_error = |source: async_nats::Error| StatusError::Consumers {
+            stream: stream.clone(),
+            source,
+        };
+        let handle = js
+            .get_stream_no_info(&stream)
+            .await
+            .map_err(|e| consumers_error(e.into()))?;
+        let infos: Vec<consumer::Info> = handle
+            .consumers()
+            .try_collect()
+            .await
+            .map_err(|e| consumers_error(e.into()))?;
+        for info in infos {
+            let metadata = &info.config.metadata;
+            let Some(retention) = metadata.get(RETENTION_KEY) else {
+                continue;
+            };
+            let dead_letter_subject =
+                metadata.get(DEAD_LETTERS_KEY).cloned().unwrap_or_else(|| {
+                    crate::dead_letter::default_subject(&info.stream_name, &info.name)
+                });
+            found.push(ConsumerStatus {
+                stream: info.stream_name.clone(),
+                durable: info.name.clone(),
+                handler: metadata.get(HANDLER_KEY).cloned(),
+                pending: info.num_pending,
+                ack_pending: info.num_ack_pending as u64,
+                redelivered: info.num_redelivered as u64,
+                waiting: info.num_waiting as u64,
+                retention: decode_duration(retention),
+                dead_letters: dead_letter_count(js, &dead_letter_subject).await,
+                dead_letter_subject,
+            });
+        }
+    }
+    found.sort_by(|a, b| (&a.stream, &a.durable).cmp(&(&b.stream, &b.durable)));
+    Ok(found)
+}
+
+/// How many messages are stored under `subject`, in whichever stream
+/// captures it.
+async fn dead_letter_count(js: &jetstream::Context, subject: &str) -> Option<u64> {
+    let stream = js.stream_by_subject(subject).await.ok()?;
+    let counts = crate::dead_letter::subject_counts(js, &stream, subject)
+        .await
+        .ok()?;
+    Some(counts.values().sum())
+}
+
+/// The claims of one handler, as the dedup table holds them now.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct HandlerStatus {
+    /// The handler's name.
+    pub name: String,
+    /// How long it keeps claims; `None`: forever.
+    pub retention: Option<Duration>,
+    /// Its claims (messages processed and not yet expired).
+    pub claims: u64,
+    /// When its oldest claim was made.
+    pub oldest_claim: Option<OffsetDateTime>,
+    /// How old that claim is, by the database's clock.
+    pub oldest_age: Option<Duration>,
+}
+
+/// A row of [`handlers`]' query: name, retention, claims, and the oldest
+/// claim's time and age (in seconds).
+type HandlerRow = (String, Option<f64>, i64, Option<f64>, Option<f64>);
+
+/// Every handler registered in the dedup schema, by name, with its claims.
+/// Counts every claim (a scan of the claims table), so it takes a while on a
+/// table of many millions.
+pub async fn handlers(pool: &PgPool) -> Result<Vec<HandlerStatus>, sqlx::Error> {
+    let rows: Vec<HandlerRow> = sqlx::query_as(
+        "SELECT h.name,
+                extract(epoch FROM h.retention)::float8,
+                count(p.key),
+                extract(epoch FROM min(p.claimed_at))::float8,
+                extract(epoch FROM now() - min(p.claimed_at))::float8
+           FROM idem_handlers h LEFT JOIN idem_processed p ON p.handler = h.name
+          GROUP BY h.name, h.retention
+          ORDER BY h.name",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, retention, claims, oldest, age)| HandlerStatus {
+            name,
+            retention: retention.map(seconds),
+            claims: claims as u64,
+            oldest_claim: oldest.and_then(timestamp),
+            oldest_age: age.map(seconds),
+        })
+        .collect())
+}
+
+/// A committed claim: the message was processed.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Processed {
+    /// When it was claimed (the start of the transaction that processed it).
+    pub claimed_at: OffsetDateTime,
+    /// How long ago, by the database's clock.
+    pub age: Duration,
+    /// The generation of the claims table it is in (0: kept forever).
+    pub generation: i32,
+    /// Whether a result is stored with it
+    /// ([`results::stored`](crate::results::stored) reads it).
+    pub has_result: bool,
+}
+
+/// Whether the handler named `handler` processed `message_id`, and when:
+/// `None` if it did not (or its claim has expired). It reads committed
+/// claims only, so a message being processed now reads as not processed.
+pub async fn processed(
+    pool: &PgPool,
+    handler: &str,
+    message_id: &str,
+) -> Result<Option<Processed>, sqlx::Error> {
+    let key = crate::claim::key(handler, message_id);
+    // A claim made during a generation transition is in two generations:
+    // the first row is the one it was made with.
+    let row: Option<(f64, f64, i32, bool)> = sqlx::query_as(
+        "SELECT extract(epoch FROM claimed_at)::float8,
+                extract(epoch FROM now() - claimed_at)::float8,
+                gen, result IS NOT NULL
+           FROM idem_claims WHERE key = $1::uuid
+          ORDER BY claimed_at, gen LIMIT 1",
+    )
+    .bind(&key)
+    .fetch_optional(pool)
+    .await?;
+    Ok(
+        row.map(|(claimed_at, age, generation, has_result)| Processed {
+            claimed_at: timestamp(claimed_at).unwrap_or(OffsetDateTime::UNIX_EPOCH),
+            age: seconds(age),
+            generation,
+            has_result,
+        }),
+    )
+}
+
+fn seconds(value: f64) -> Duration {
+    Duration::try_from_secs_f64(value.max(0.0)).unwrap_or(Duration::MAX)
+}
+
+fn timestamp(epoch: f64) -> Option<OffsetDateTime> {
+    OffsetDateTime::from_unix_timestamp_nanos((epoch * 1e9) as i128).ok()
+}
+
+/// The names of the handlers registered in the dedup schema (every handler
+/// a router has started), sorted: one cheap query, to tell an unknown name
+/// from a message not processed.
+pub async fn handler_names(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT name FROM idem_handlers ORDER BY name")
+        .fetch_all(pool)
+        .await
+}
