@@ -116,6 +116,27 @@ struct ClusterRun {
     published: Arc<AtomicU64>,
     faults: Vec<FaultRecord>,
     started: Instant,
+    /// Per slot: since when the worker's `received` has not moved.
+    received: Vec<Spell>,
+    /// Spells of a worker taking no message for more than [`IDLE`] s while
+    /// the others applied messages: from, to (epoch seconds), the worker.
+    idle: Vec<(f64, f64, usize)>,
+}
+
+/// A worker that takes no message for this long (seconds) while the
+/// others apply [`IDLE_ROWS`] has a stalled pull.
+const IDLE: f64 = 2.0;
+const IDLE_ROWS: i64 = 20;
+
+/// Since when a worker has taken no message.
+#[derive(Debug, Clone, Copy, Default)]
+struct Spell {
+    ordinal: usize,
+    received: u64,
+    /// Epoch seconds.
+    since: f64,
+    /// The ledger's rows then.
+    rows: i64,
 }
 
 fn epoch_now() -> f64 {
@@ -203,6 +224,8 @@ impl ClusterRun {
             published: Arc::new(AtomicU64::new(0)),
             faults: Vec::new(),
             started: Instant::now(),
+            received: vec![Spell::default(); WORKERS],
+            idle: Vec::new(),
         }
     }
 
@@ -217,6 +240,38 @@ impl ClusterRun {
             self.fail(&format!("{e}\n{}", worker.log_tail(40))).await;
         }
         self.workers[slot] = Some(worker);
+    }
+
+    /// Samples each worker's `received` against the ledger's `rows`: a
+    /// worker whose count does not move while the others apply messages
+    /// has work it does not take. Called on every poll of the ledger.
+    fn sample_idle(&mut self, rows: i64) {
+        let now = epoch_now();
+        for slot in 0..WORKERS {
+            let Some(worker) = &self.workers[slot] else {
+                continue;
+            };
+            let (ordinal, received) = (worker.ordinal, worker.last().received);
+            let spell = self.received[slot];
+            if ordinal != spell.ordinal || received != spell.received {
+                self.close_idle(slot, now, rows);
+                self.received[slot] = Spell {
+                    ordinal,
+                    received,
+                    since: now,
+                    rows,
+                };
+            }
+        }
+    }
+
+    /// Ends slot `slot`'s spell, recording it if it lasted more than
+    /// [`IDLE`] s while the others applied at least [`IDLE_ROWS`] messages.
+    fn close_idle(&mut self, slot: usize, now: f64, rows: i64) {
+        let spell = self.received[slot];
+        if spell.ordinal != 0 && now - spell.since > IDLE && rows - spell.rows >= IDLE_ROWS {
+            self.idle.push((spell.since, now, spell.ordinal));
+        }
     }
 
     fn live(&self) -> impl Iterator<Item = &Worker> {
@@ -286,6 +341,7 @@ impl ClusterRun {
             if let Some(what) = self.worker_ended() {
                 self.fail(&format!("{what} while rows were due")).await;
             }
+            self.sample_idle(now);
             if now != last.0 {
                 last = (now, Instant::now());
             } else if last.1.elapsed() > STALL_TIMEOUT {
@@ -334,17 +390,29 @@ impl ClusterRun {
     /// SIGKILLs a worker chosen at random as soon as its journal shows a
     /// transaction open, and starts another in its place.
     async fn kill_worker(&mut self) -> String {
-        let slot = self.rng.between(0, WORKERS as u64 - 1) as usize;
+        // A worker at random, or, if it takes no work (its pull can stall
+        // for a while after its node died: see `idle`), the next one.
+        let first = self.rng.between(0, WORKERS as u64 - 1) as usize;
         self.let_more_through(32);
-        let worker = self.workers[slot]
-            .as_mut()
-            .expect("every slot has a worker");
-        let open = worker
-            .wait_for_open_transaction(Duration::from_secs(20))
-            .await;
-        if let Err(e) = open {
-            self.fail(&e).await;
-        }
+        let tried_since = Instant::now();
+        let (slot, open) = 'found: loop {
+            for k in 0..WORKERS {
+                let slot = (first + k) % WORKERS;
+                let worker = self.workers[slot]
+                    .as_mut()
+                    .expect("every slot has a worker");
+                if let Ok(id) = worker
+                    .wait_for_open_transaction(Duration::from_secs(2))
+                    .await
+                {
+                    break 'found (slot, id);
+                }
+                self.let_more_through(32);
+            }
+            if tried_since.elapsed() > Duration::from_secs(30) {
+                self.fail("no worker began a transaction within 30 s").await;
+            }
+        };
         let worker = self.workers[slot].take().expect("every slot has a worker");
         let ended = worker.sigkill();
         assert!(
@@ -353,18 +421,30 @@ impl ClusterRun {
             ended.ordinal,
             ended.status
         );
+        // The message we waited for is still begun and not committed in
+        // the journal of the dead worker (its last stats line can be 10 ms
+        // old, the journal is not).
+        let caught_open = ended.journal.open().any(|id| *id == open);
         assert!(
-            ended.last.in_flight > 0,
-            "worker #{} had work in flight when it was killed: {:?}",
+            caught_open || ended.last.in_flight > 0,
+            "worker #{} had work in flight when it was killed: {open} committed before the kill, \
+             and its last report shows nothing in flight: {:?}",
             ended.ordinal,
             ended.last
         );
         let detail = format!(
-            "worker #{} (pid {}) SIGKILLed with {} messages in flight, {} transactions open",
+            "worker #{} (pid {}) SIGKILLed with {} in flight ({} open in its journal, {}; its last \
+             report: {} in flight)",
             ended.ordinal,
             ended.pid,
+            open,
+            ended.journal.open().count(),
+            if caught_open {
+                "it among them"
+            } else {
+                "committed just before"
+            },
             ended.last.in_flight,
-            ended.journal.open().count()
         );
         self.ended.push(ended);
         // Now and then, leave the durable to two workers for a moment.
@@ -495,6 +575,8 @@ impl ClusterRun {
         let mut last_note = Instant::now();
         loop {
             let state = consumer_state(&self.js, &self.stream).await;
+            let rows = ledger_rows(&self.pool).await;
+            self.sample_idle(rows);
             if let Ok(state) = &state
                 && state.messages >= messages
                 && state.is_drained()
@@ -518,7 +600,9 @@ impl ClusterRun {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        let rows = ledger_rows(&self.pool).await;
         for slot in 0..WORKERS {
+            self.close_idle(slot, epoch_now(), rows);
             let worker = self.workers[slot].take().expect("every slot has a worker");
             let (ended, _) = worker.sigterm(SIGTERM_GRACE).await.unwrap_or_else(|e| {
                 panic!("{e}");
@@ -553,7 +637,20 @@ struct Cost {
     at: Option<Duration>,
     stall: f64,
     absorbed: u64,
+    /// The longest spell a worker took nothing while the others worked,
+    /// begun in this window: seconds, and which worker.
+    idle: Option<(f64, usize)>,
     detail: String,
+}
+
+/// The longest idle spell (see [`ClusterRun::sample_idle`]) that became
+/// one (passed [`IDLE`] s) in `from..to`: a worker briefly without a
+/// message when a fault strikes is stalled by that fault.
+fn longest_idle(idle: &[(f64, f64, usize)], from: f64, to: f64) -> Option<(f64, usize)> {
+    idle.iter()
+        .filter(|(since, _, _)| (from..to).contains(&(since + IDLE)))
+        .map(|&(since, until, worker)| (until - since, worker))
+        .max_by(|a, b| a.0.total_cmp(&b.0))
 }
 
 async fn cluster_chaos(test: &str) {
@@ -604,6 +701,11 @@ async fn cluster_chaos(test: &str) {
             run.faults.first().map_or(drained_at, |f| f.at_epoch),
         ),
         absorbed: run.faults.first().map_or(0, |f| f.duplicates_before),
+        idle: longest_idle(
+            &run.idle,
+            first_commit,
+            run.faults.first().map_or(drained_at, |f| f.at_epoch),
+        ),
         detail: String::new(),
     }];
     for (k, fault) in run.faults.iter().enumerate() {
@@ -618,6 +720,11 @@ async fn cluster_chaos(test: &str) {
             ),
             absorbed: next.map_or(final_duplicates, |n| n.duplicates_before)
                 - fault.duplicates_before,
+            idle: longest_idle(
+                &run.idle,
+                fault.at_epoch,
+                next.map_or(drained_at, |n| n.at_epoch),
+            ),
             detail: fault.detail.clone(),
         });
     }
@@ -647,17 +754,22 @@ async fn cluster_chaos(test: &str) {
     };
     let mut table = String::from(
         "chaos-cluster: what each fault cost (stall: longest gap between two commits from the \
-         fault to the next; absorbed: redeliveries the claims skipped meanwhile)\n\
-         | # | at | fault | stall | absorbed | what happened |\n|---|---|---|---|---|---|\n",
+         fault to the next; absorbed: redeliveries the claims skipped meanwhile; worker idle: \
+         the longest a worker took no message while the others applied some)\n\
+         | # | at | fault | stall | absorbed | worker idle | what happened |\n\
+         |---|---|---|---|---|---|---|\n",
     );
     for (k, cost) in costs.iter().enumerate() {
         table.push_str(&format!(
-            "| {k} | {} | {} | {:.2} s | {} | {} |\n",
+            "| {k} | {} | {} | {:.2} s | {} | {} | {} |\n",
             cost.at
                 .map_or("-".to_owned(), |at| format!("{:.1} s", at.as_secs_f64())),
             cost.label,
             cost.stall,
             cost.absorbed,
+            cost.idle.map_or("-".to_owned(), |(secs, worker)| format!(
+                "{secs:.1} s (#{worker})"
+            )),
             cost.detail
         ));
     }
