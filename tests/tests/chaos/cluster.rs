@@ -124,9 +124,10 @@ struct ClusterRun {
 }
 
 /// A worker that takes no message for this long (seconds) while the
-/// others apply [`IDLE_ROWS`] has a stalled pull.
+/// others apply [`IDLE_ROWS_PER_SECOND`] messages a second on average has a
+/// stalled pull: messages were flowing, and none came to it.
 const IDLE: f64 = 2.0;
-const IDLE_ROWS: i64 = 20;
+const IDLE_ROWS_PER_SECOND: f64 = 20.0;
 
 /// Since when a worker has taken no message.
 #[derive(Debug, Clone, Copy, Default)]
@@ -266,10 +267,14 @@ impl ClusterRun {
     }
 
     /// Ends slot `slot`'s spell, recording it if it lasted more than
-    /// [`IDLE`] s while the others applied at least [`IDLE_ROWS`] messages.
+    /// [`IDLE`] s while the others kept applying messages.
     fn close_idle(&mut self, slot: usize, now: f64, rows: i64) {
         let spell = self.received[slot];
-        if spell.ordinal != 0 && now - spell.since > IDLE && rows - spell.rows >= IDLE_ROWS {
+        let lasted = now - spell.since;
+        if spell.ordinal != 0
+            && lasted > IDLE
+            && (rows - spell.rows) as f64 >= IDLE_ROWS_PER_SECOND * lasted
+        {
             self.idle.push((spell.since, now, spell.ordinal));
         }
     }
