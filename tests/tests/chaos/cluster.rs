@@ -148,13 +148,15 @@ fn epoch_now() -> f64 {
 }
 
 /// The longest gap between two consecutive commits (`commits` sorted, in
-/// epoch seconds) that falls in `from..to`: a gap that began before `from`
-/// counts from `from`; one that ends after `to` counts whole.
+/// epoch seconds) within `from..to`: the part of a gap before `from` went
+/// to the fault before, the part after `to` to the next one. (The next
+/// fault strikes only once the ledger has grown past its mark, so a fault's
+/// stall is over by then.)
 fn longest_gap(commits: &[f64], from: f64, to: f64) -> f64 {
     commits
         .windows(2)
         .filter(|w| w[1] > from && w[0] < to)
-        .map(|w| w[1] - w[0].max(from))
+        .map(|w| w[1].min(to) - w[0].max(from))
         .fold(0.0, f64::max)
 }
 
