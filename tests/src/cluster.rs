@@ -365,6 +365,49 @@ impl NatsCluster {
         }
     }
 
+    /// Waits until every replica of consumer `consumer` of `stream` is
+    /// online and current, e.g. after a restarted node caught up, so that
+    /// the next node lost leaves a quorum that has every ack.
+    ///
+    /// # Panics
+    ///
+    /// If that takes more than 30 s.
+    pub async fn wait_consumer_replicas_current(
+        &self,
+        js: &jetstream::Context,
+        stream: &str,
+        consumer: &str,
+    ) {
+        let js = &quick(js);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let caught_up = async {
+                let stream = js.get_stream_no_info(stream).await.ok()?;
+                let cluster = stream.consumer_info(consumer).await.ok()?.cluster.clone()?;
+                Some(
+                    cluster.leader.is_some()
+                        && cluster.replicas.len() + 1 == self.nodes.len()
+                        && cluster.replicas.iter().all(|r| r.current && !r.offline),
+                )
+            }
+            .await;
+            if caught_up == Some(true) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the replicas of consumer {consumer} of {stream} were not all current within 30 s\n{}",
+                self.log_tails()
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Whether node `node` is running (not killed).
+    pub fn is_running(&self, node: usize) -> bool {
+        self.nodes[node].process.is_some()
+    }
+
     /// SIGKILLs node `node` (a crash: no shutdown, no final fsync) and waits
     /// until it is gone. Clients on it reconnect to another node.
     pub fn kill(&mut self, node: usize) {
@@ -486,8 +529,45 @@ impl ClusterEnv {
         &self.postgres
     }
 
+    /// The PostgreSQL server, to stop and restart it.
+    pub fn postgres_mut(&mut self) -> &mut crate::Postgres {
+        &mut self.postgres
+    }
+
     /// A new connection pool on this test's database.
     pub async fn pool(&self) -> sqlx::PgPool {
         self.postgres.pool().await
+    }
+}
+
+/// Creates idem's own streams, dead letters and advisories, with three
+/// replicas, as a deployment on a cluster should before its workers start:
+/// the runtime creates a missing one with one replica (which a lost node
+/// would take with it), and workers starting at once would all try.
+///
+/// # Panics
+///
+/// If a stream cannot be created.
+pub async fn create_idem_streams_r3(js: &jetstream::Context) {
+    for config in [
+        stream::Config {
+            name: idem_runtime::dead_letter::DEFAULT_STREAM.to_owned(),
+            subjects: vec![idem_runtime::dead_letter::DEFAULT_SUBJECTS.to_owned()],
+            ..Default::default()
+        },
+        stream::Config {
+            name: idem_runtime::ADVISORY_STREAM.to_owned(),
+            subjects: vec!["$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>".to_owned()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            max_age: Duration::from_secs(7 * 24 * 3600),
+            ..Default::default()
+        },
+    ] {
+        js.create_stream(stream::Config {
+            num_replicas: 3,
+            ..config
+        })
+        .await
+        .expect("idem's stream is created with three replicas");
     }
 }

@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use tokio::sync::OnceCell;
 
-pub use crate::cluster::{ClusterEnv, NatsCluster};
+pub use crate::cluster::{ClusterEnv, NatsCluster, create_idem_streams_r3};
 pub use crate::fault_proxy::FaultProxy;
 pub use crate::nats::NatsServer;
 pub use crate::postgres::Postgres;

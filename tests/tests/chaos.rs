@@ -12,7 +12,15 @@
 //! connections (FIN) or reset them (RST), each kind on each server, in an
 //! order drawn from the seed.
 //!
-//! Both run the worker in per-message mode and in batch mode. At the end:
+//! **Cluster mode** (`cluster::cluster_*`, see `chaos/cluster.rs`): three
+//! workers share an R3 durable on a 3-node JetStream cluster while the
+//! stream's leader, and later the consumer's, is SIGKILLed and restarted on
+//! its store, workers are SIGKILLed at random, and PostgreSQL restarts once;
+//! it prints what each fault cost (how long processing stalled, how many
+//! redeliveries the claim absorbed).
+//!
+//! Kill and network modes run the worker in per-message mode and in batch
+//! mode. At the end:
 //!
 //! - the ledger holds exactly one row per message, with the expected sum and
 //!   balances, and one dedup row per message;
@@ -98,6 +106,8 @@
 
 #[path = "chaos/acks.rs"]
 mod acks;
+#[path = "chaos/cluster.rs"]
+mod cluster;
 #[path = "chaos/network.rs"]
 mod network;
 #[path = "chaos/worker.rs"]
@@ -363,51 +373,13 @@ impl Setup {
     }
 
     async fn ledger_rows(&self) -> i64 {
-        // The pool reconnects after a PostgreSQL restart; retry meanwhile.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            match sqlx::query_scalar("SELECT count(*) FROM chaos_ledger")
-                .fetch_one(&self.pool)
-                .await
-            {
-                Ok(rows) => return rows,
-                // Before the first worker made the table.
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => return 0,
-                Err(e) if Instant::now() < deadline => {
-                    eprintln!("chaos: counting ledger rows failed ({e}); retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(e) => panic!("cannot count ledger rows for a minute: {e}"),
-            }
-        }
+        ledger_rows(&self.pool).await
     }
 
     /// The consumer's (num_pending, num_ack_pending, ack floor) and the
     /// stream's (last sequence, messages), or why they could not be read.
     async fn consumer_state(&self) -> Result<ConsumerState, String> {
-        let mut stream = self
-            .js
-            .get_stream(&self.stream)
-            .await
-            .map_err(|e| format!("get stream: {e}"))?;
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| format!("stream info: {e}"))?;
-        let (last_sequence, messages) = (info.state.last_sequence, info.state.messages);
-        let consumer = stream
-            .consumer_info(DURABLE)
-            .await
-            .map_err(|e| format!("consumer info: {e}"))?;
-        Ok(ConsumerState {
-            delivered_consumer_seq: consumer.delivered.consumer_sequence,
-            num_pending: consumer.num_pending,
-            num_ack_pending: consumer.num_ack_pending as u64,
-            num_redelivered: consumer.num_redelivered as u64,
-            ack_floor: consumer.ack_floor.stream_sequence,
-            last_sequence,
-            messages,
-        })
+        consumer_state(&self.js, &self.stream).await
     }
 
     /// Waits until the consumer has acked every message in the stream, and
@@ -455,129 +427,187 @@ impl Setup {
     /// Every ledger row by message id (the last, if a message has more than
     /// one: `check_ledger` reports those).
     async fn ledger(&self) -> HashMap<String, LedgerRow> {
-        sqlx::query_as::<_, (String, i64, i64, i32)>(
-            "SELECT message_id, stream_seq, delivered, worker_pid FROM chaos_ledger",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .expect("the ledger is read")
-        .into_iter()
-        .map(|(id, seq, delivered, pid)| {
-            let row = LedgerRow {
-                stream_seq: seq as u64,
-                delivered: delivered as u64,
-                worker_pid: pid as u32,
-            };
-            (id, row)
-        })
-        .collect()
-    }
-
-    /// How many messages the runtime's default dead-letter stream holds (0 if
-    /// it does not exist).
-    async fn dead_letters(&self) -> u64 {
-        match self
-            .js
-            .get_stream(idem_runtime::dead_letter::DEFAULT_STREAM)
-            .await
-        {
-            Ok(mut stream) => {
-                stream
-                    .info()
-                    .await
-                    .expect("dead-letter stream info")
-                    .state
-                    .messages
-            }
-            Err(_) => 0,
-        }
+        read_ledger(&self.pool).await
     }
 
     /// Checks the end state against `expected`; returns every violation.
     async fn check_ledger(&self, expected: &Expected) -> Vec<String> {
-        let mut violations = Vec::new();
-        let (rows, distinct, sum): (i64, i64, Option<i64>) = sqlx::query_as(
-            "SELECT count(*), count(DISTINCT message_id), sum(amount)::bigint FROM chaos_ledger",
-        )
-        .fetch_one(&self.pool)
-        .await
-        .expect("the ledger is summed");
-        let n = expected.messages as i64;
-        if rows != n || distinct != n || sum != Some(expected.sum) {
-            violations.push(format!(
-                "ledger: {rows} rows, {distinct} distinct message ids, sum {sum:?}; \
-                 expected {n}, {n}, Some({})",
-                expected.sum
-            ));
-        }
-        let doubled: Vec<(String, i64, Vec<i32>, Vec<i64>)> = sqlx::query_as(
-            "SELECT message_id, count(*), array_agg(worker_pid), array_agg(delivered) \
-             FROM chaos_ledger GROUP BY message_id HAVING count(*) > 1 ORDER BY 1 LIMIT 20",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .expect("duplicates are listed");
-        if !doubled.is_empty() {
-            violations.push(format!(
-                "applied more than once (message id, times, worker pids, delivery counts): {doubled:?}"
-            ));
-        }
-        let missing: Vec<String> = sqlx::query_scalar(
-            "SELECT 'chaos-' || i FROM generate_series(0, $1 - 1) AS i \
-             WHERE NOT EXISTS (SELECT 1 FROM chaos_ledger WHERE message_id = 'chaos-' || i) \
-             ORDER BY i LIMIT 20",
-        )
-        .bind(n)
-        .fetch_all(&self.pool)
-        .await
-        .expect("missing messages are listed");
-        if !missing.is_empty() {
-            violations.push(format!("never applied (first 20): {missing:?}"));
-        }
-        let foreign: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM chaos_ledger WHERE message_id NOT LIKE 'chaos-%'",
-        )
-        .fetch_one(&self.pool)
-        .await
-        .expect("foreign rows are counted");
-        if foreign != 0 {
-            violations.push(format!(
-                "{foreign} ledger rows have a message id that was never published"
-            ));
-        }
-        let dedup_rows: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idem_processed WHERE handler = $1")
-                .bind(HANDLER)
-                .fetch_one(&self.pool)
-                .await
-                .expect("dedup rows are counted");
-        if dedup_rows != n {
-            violations.push(format!(
-                "{dedup_rows} dedup rows for {HANDLER}, expected {n}"
-            ));
-        }
-        let balances: BTreeMap<i64, i64> =
-            sqlx::query_as::<_, (i32, i64)>("SELECT id, balance FROM chaos_accounts ORDER BY id")
-                .fetch_all(&self.pool)
-                .await
-                .expect("balances are read")
-                .into_iter()
-                .map(|(id, balance)| (id as i64, balance))
-                .collect();
-        if balances != expected.balances {
-            violations.push(format!(
-                "balances {balances:?}, expected {:?}",
-                expected.balances
-            ));
-        }
-        let dead_letters = self.dead_letters().await;
-        if dead_letters != 0 {
-            violations.push(format!(
-                "{dead_letters} messages were dead-lettered instead of applied"
-            ));
-        }
-        violations
+        check_ledger(&self.pool, &self.js, expected).await
     }
+}
+
+/// How many rows the ledger holds (0 before a worker created it), waiting
+/// out a PostgreSQL restart.
+async fn ledger_rows(pool: &PgPool) -> i64 {
+    // The pool reconnects after a PostgreSQL restart; retry meanwhile.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match sqlx::query_scalar("SELECT count(*) FROM chaos_ledger")
+            .fetch_one(pool)
+            .await
+        {
+            Ok(rows) => return rows,
+            // Before the first worker made the table.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => return 0,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("chaos: counting ledger rows failed ({e}); retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("cannot count ledger rows for a minute: {e}"),
+        }
+    }
+}
+
+/// The consumer's (num_pending, num_ack_pending, ack floor) and the
+/// stream's (last sequence, messages), or why they could not be read.
+async fn consumer_state(js: &jetstream::Context, stream: &str) -> Result<ConsumerState, String> {
+    let mut stream = js
+        .get_stream(stream)
+        .await
+        .map_err(|e| format!("get stream: {e}"))?;
+    let info = stream
+        .info()
+        .await
+        .map_err(|e| format!("stream info: {e}"))?;
+    let (last_sequence, messages) = (info.state.last_sequence, info.state.messages);
+    let consumer = stream
+        .consumer_info(DURABLE)
+        .await
+        .map_err(|e| format!("consumer info: {e}"))?;
+    Ok(ConsumerState {
+        delivered_consumer_seq: consumer.delivered.consumer_sequence,
+        num_pending: consumer.num_pending,
+        num_ack_pending: consumer.num_ack_pending as u64,
+        num_redelivered: consumer.num_redelivered as u64,
+        ack_floor: consumer.ack_floor.stream_sequence,
+        last_sequence,
+        messages,
+    })
+}
+
+/// Every ledger row by message id (the last, if a message has more than
+/// one: `check_ledger` reports those).
+async fn read_ledger(pool: &PgPool) -> HashMap<String, LedgerRow> {
+    sqlx::query_as::<_, (String, i64, i64, i32)>(
+        "SELECT message_id, stream_seq, delivered, worker_pid FROM chaos_ledger",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("the ledger is read")
+    .into_iter()
+    .map(|(id, seq, delivered, pid)| {
+        let row = LedgerRow {
+            stream_seq: seq as u64,
+            delivered: delivered as u64,
+            worker_pid: pid as u32,
+        };
+        (id, row)
+    })
+    .collect()
+}
+
+/// How many messages the runtime's default dead-letter stream holds (0 if
+/// it does not exist).
+async fn dead_letters(js: &jetstream::Context) -> u64 {
+    match js
+        .get_stream(idem_runtime::dead_letter::DEFAULT_STREAM)
+        .await
+    {
+        Ok(mut stream) => {
+            stream
+                .info()
+                .await
+                .expect("dead-letter stream info")
+                .state
+                .messages
+        }
+        Err(_) => 0,
+    }
+}
+
+/// Checks the end state against `expected`; returns every violation.
+async fn check_ledger(pool: &PgPool, js: &jetstream::Context, expected: &Expected) -> Vec<String> {
+    let mut violations = Vec::new();
+    let (rows, distinct, sum): (i64, i64, Option<i64>) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT message_id), sum(amount)::bigint FROM chaos_ledger",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("the ledger is summed");
+    let n = expected.messages as i64;
+    if rows != n || distinct != n || sum != Some(expected.sum) {
+        violations.push(format!(
+            "ledger: {rows} rows, {distinct} distinct message ids, sum {sum:?}; \
+             expected {n}, {n}, Some({})",
+            expected.sum
+        ));
+    }
+    let doubled: Vec<(String, i64, Vec<i32>, Vec<i64>)> = sqlx::query_as(
+        "SELECT message_id, count(*), array_agg(worker_pid), array_agg(delivered) \
+         FROM chaos_ledger GROUP BY message_id HAVING count(*) > 1 ORDER BY 1 LIMIT 20",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("duplicates are listed");
+    if !doubled.is_empty() {
+        violations.push(format!(
+            "applied more than once (message id, times, worker pids, delivery counts): {doubled:?}"
+        ));
+    }
+    let missing: Vec<String> = sqlx::query_scalar(
+        "SELECT 'chaos-' || i FROM generate_series(0, $1 - 1) AS i \
+         WHERE NOT EXISTS (SELECT 1 FROM chaos_ledger WHERE message_id = 'chaos-' || i) \
+         ORDER BY i LIMIT 20",
+    )
+    .bind(n)
+    .fetch_all(pool)
+    .await
+    .expect("missing messages are listed");
+    if !missing.is_empty() {
+        violations.push(format!("never applied (first 20): {missing:?}"));
+    }
+    let foreign: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM chaos_ledger WHERE message_id NOT LIKE 'chaos-%'")
+            .fetch_one(pool)
+            .await
+            .expect("foreign rows are counted");
+    if foreign != 0 {
+        violations.push(format!(
+            "{foreign} ledger rows have a message id that was never published"
+        ));
+    }
+    let dedup_rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idem_processed WHERE handler = $1")
+            .bind(HANDLER)
+            .fetch_one(pool)
+            .await
+            .expect("dedup rows are counted");
+    if dedup_rows != n {
+        violations.push(format!(
+            "{dedup_rows} dedup rows for {HANDLER}, expected {n}"
+        ));
+    }
+    let balances: BTreeMap<i64, i64> =
+        sqlx::query_as::<_, (i32, i64)>("SELECT id, balance FROM chaos_accounts ORDER BY id")
+            .fetch_all(pool)
+            .await
+            .expect("balances are read")
+            .into_iter()
+            .map(|(id, balance)| (id as i64, balance))
+            .collect();
+    if balances != expected.balances {
+        violations.push(format!(
+            "balances {balances:?}, expected {:?}",
+            expected.balances
+        ));
+    }
+    let dead_letters = dead_letters(js).await;
+    if dead_letters != 0 {
+        violations.push(format!(
+            "{dead_letters} messages were dead-lettered instead of applied"
+        ));
+    }
+    violations
 }
 
 /// Which delivery of a message committed its effect, in which worker.
@@ -725,7 +755,7 @@ enum Fault {
 /// Spreads `faults` over the run: each is due once the ledger holds that
 /// many rows, evenly spaced, ±20 % of the spacing at random. Returns the
 /// spacing too.
-fn place(messages: u64, faults: Vec<Fault>, rng: &mut Rng) -> (Vec<(u64, Fault)>, u64) {
+fn place<F>(messages: u64, faults: Vec<F>, rng: &mut Rng) -> (Vec<(u64, F)>, u64) {
     let spacing = messages / (faults.len() as u64 + 1);
     let faults = faults
         .into_iter()

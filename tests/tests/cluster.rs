@@ -17,7 +17,7 @@ use async_nats::jetstream::{self, stream};
 use common::*;
 use idem_runtime::partition::Partitions;
 use idem_runtime::{Delivery, Route, Router, RouterHandle, State, idempotent};
-use idem_tests::ClusterEnv;
+use idem_tests::{ClusterEnv, create_idem_streams_r3};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::task::JoinHandle;
@@ -43,34 +43,6 @@ async fn worker_pool(env: &ClusterEnv, name: &str) -> PgPool {
         .connect_with(options)
         .await
         .expect("the worker's pool connects")
-}
-
-/// Creates idem's own streams, dead letters and advisories, with three
-/// replicas, as a deployment on a cluster should before its workers start:
-/// the runtime creates a missing one with one replica, and three workers
-/// starting at once would all try.
-async fn create_idem_streams_r3(js: &jetstream::Context) {
-    for config in [
-        stream::Config {
-            name: idem_runtime::dead_letter::DEFAULT_STREAM.to_owned(),
-            subjects: vec![idem_runtime::dead_letter::DEFAULT_SUBJECTS.to_owned()],
-            ..Default::default()
-        },
-        stream::Config {
-            name: idem_runtime::ADVISORY_STREAM.to_owned(),
-            subjects: vec!["$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>".to_owned()],
-            retention: stream::RetentionPolicy::WorkQueue,
-            max_age: Duration::from_secs(7 * 24 * 3600),
-            ..Default::default()
-        },
-    ] {
-        js.create_stream(stream::Config {
-            num_replicas: 3,
-            ..config
-        })
-        .await
-        .expect("idem's stream is created with three replicas");
-    }
 }
 
 /// Starts `WORKERS` workers; `router(name)` builds each one's router.

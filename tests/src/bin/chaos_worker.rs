@@ -36,7 +36,7 @@
 //!
 //! | variable | default | |
 //! |---|---|---|
-//! | `NATS_URL`, `DATABASE_URL` | required | |
+//! | `NATS_URL`, `DATABASE_URL` | required | `NATS_URL` may list a cluster's nodes, comma-separated |
 //! | `CHAOS_STREAM` | `CHAOS` | the stream; it must exist |
 //! | `CHAOS_DURABLE` | `chaos-credit` | the durable consumer, created or updated at start |
 //! | `CHAOS_ACK_WAIT_MS` | 2000 | short, so a killed worker's messages come back fast |
@@ -229,6 +229,19 @@ impl Config {
             pg_probe_timeout: Duration::from_millis(env_or("CHAOS_PG_PROBE_TIMEOUT_MS", 1000)?),
             pg_deadlock_timeout_ms: env_or("CHAOS_PG_DEADLOCK_TIMEOUT_MS", 50)?,
         })
+    }
+
+    /// `NATS_URL` as a list: a cluster's nodes, comma-separated, so that
+    /// the client reconnects to a live node when its own dies.
+    fn nats_urls(&self) -> Result<Vec<async_nats::ServerAddr>, String> {
+        self.nats_url
+            .split(',')
+            .map(|url| {
+                url.trim()
+                    .parse()
+                    .map_err(|e| format!("NATS_URL {url:?}: {e}"))
+            })
+            .collect()
     }
 
     fn route(&self) -> Route {
@@ -570,7 +583,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             events.on_nats_event(&event);
             std::future::ready(())
         })
-        .connect(&config.nats_url)
+        .connect(config.nats_urls()?)
         .await?;
     let connect: PgConnectOptions = config.database_url.parse()?;
     let connect = connect.options([(
