@@ -17,6 +17,7 @@ mod probe;
 mod report;
 mod retention;
 mod run;
+mod scale;
 mod servers;
 
 use std::fmt;
@@ -118,6 +119,12 @@ enum Command {
     /// The outbox Relay vs raw publishes; COMMIT -> stored p50/p99, outbox vs publish-after-commit
     #[command(after_help = OUTBOX)]
     Outbox(OutboxArgs),
+    /// idem with 1, 2, 4 worker processes on a 3-node cluster (R3) and one server (R1)
+    #[command(after_help = scale::HELP)]
+    Scale(scale::ScaleArgs),
+    /// One worker process of `scale`, which starts it
+    #[command(hide = true)]
+    ScaleWorker(scale::WorkerArgs),
     /// Every mode and scenario, small, with duplicates: checks correctness only (CI)
     #[command(after_help = SMOKE)]
     Smoke(SmokeArgs),
@@ -490,6 +497,7 @@ enum Job {
     Purge,
     Storage,
     Outbox,
+    Scale,
     Smoke,
 }
 
@@ -522,6 +530,8 @@ struct Options {
     data_dir: Option<PathBuf>,
     /// `--pg-setting`s.
     pg_settings: Vec<String>,
+    /// `scale`'s options.
+    scale: Option<scale::ScaleArgs>,
 }
 
 impl Options {
@@ -544,6 +554,16 @@ impl Options {
             key_expression: false,
             data_dir: None,
             pg_settings: Vec::new(),
+            scale: None,
+        }
+    }
+}
+
+impl Options {
+    fn with_scale(self, args: scale::ScaleArgs) -> Options {
+        Options {
+            scale: Some(args),
+            ..self
         }
     }
 }
@@ -660,6 +680,19 @@ impl From<Command> for Options {
                     },
                 )
             },
+            Command::Scale(a) => Options {
+                batch: a.batch,
+                ..Options::new(
+                    Job::Scale,
+                    a.messages,
+                    Load {
+                        concurrency: a.concurrency,
+                        duplicates: 0,
+                    },
+                )
+                .with_scale(a)
+            },
+            Command::ScaleWorker(_) => unreachable!("main runs a scale worker before it reads options"),
             Command::Smoke(a) => Options {
                 duplicates: a.duplicates,
                 concurrency: a.concurrency,
@@ -691,7 +724,7 @@ fn main() -> ExitCode {
     since_start();
     // On a bad argument clap prints the error and the usage and exits with
     // 2; on --help it prints the help and exits with 0.
-    let options = Options::from(Cli::parse());
+    let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -701,6 +734,11 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn,sqlx::query=error".into()),
         )
         .init();
+    let cli = match cli.command {
+        Command::ScaleWorker(args) => return scale::worker(args),
+        command => Cli { command, ..cli },
+    };
+    let options = Options::from(cli);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -806,6 +844,10 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
                 &scenario,
             )
             .await?;
+        }
+        Job::Scale => {
+            let args = options.scale.as_ref().expect("set with Job::Scale");
+            scale::scale(&ctx, servers, args, options.data_dir.as_deref()).await?;
         }
         Job::Smoke => smoke(&ctx, options).await?,
     }
