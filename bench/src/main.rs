@@ -557,9 +557,7 @@ impl Options {
             scale: None,
         }
     }
-}
 
-impl Options {
     fn with_scale(self, args: scale::ScaleArgs) -> Options {
         Options {
             scale: Some(args),
@@ -692,7 +690,9 @@ impl From<Command> for Options {
                 )
                 .with_scale(a)
             },
-            Command::ScaleWorker(_) => unreachable!("main runs a scale worker before it reads options"),
+            Command::ScaleWorker(_) => {
+                unreachable!("main runs a scale worker before it reads options")
+            }
             Command::Smoke(a) => Options {
                 duplicates: a.duplicates,
                 concurrency: a.concurrency,
@@ -1252,6 +1252,27 @@ mod tests {
         assert_eq!(
             (o.job, o.out, o.concurrency, o.pull),
             (Job::Chart, PathBuf::from("/tmp/t.svg"), 4, Pull::Slots)
+        );
+    }
+
+    #[test]
+    fn parses_scale() {
+        use clap::error::ErrorKind;
+        let o = parse("scale --workers 1,3 --batch 16 --messages 500").unwrap();
+        let scale = o.scale.unwrap();
+        assert_eq!(o.job, Job::Scale);
+        assert_eq!(
+            (scale.workers, scale.batch, scale.messages),
+            (vec![1, 3], 16, 500)
+        );
+        let scale = parse("scale").unwrap().scale.unwrap();
+        assert_eq!(
+            (scale.workers, scale.messages, scale.batch_messages),
+            (vec![1, 2, 4], 20_000, 100_000)
+        );
+        assert_eq!(
+            parse("scale --workers 1,0").unwrap_err().kind(),
+            ErrorKind::ValueValidation
         );
     }
 

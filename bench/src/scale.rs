@@ -106,8 +106,11 @@ struct ScaleRun {
     workers: usize,
     messages: usize,
     msgs_per_sec: f64,
+    /// CPU µs per message: the workers, the run's nats-server(s), and
+    /// PostgreSQL with its children.
     client_us: f64,
-    servers_us: f64,
+    nats_us: f64,
+    postgres_us: f64,
     transactions: u64,
 }
 
@@ -119,8 +122,12 @@ impl ScaleRun {
         }
     }
 
+    fn servers_us(&self) -> f64 {
+        self.nats_us + self.postgres_us
+    }
+
     fn cpu_us(&self) -> f64 {
-        self.client_us + self.servers_us
+        self.client_us + self.servers_us()
     }
 
     /// Messages per second that one core of client and server CPU carries.
@@ -145,8 +152,9 @@ struct System {
     urls: Vec<String>,
     js: jetstream::Context,
     observer: async_nats::Client,
-    /// The nats-server(s) and PostgreSQL, for their CPU time.
-    server_pids: Vec<u32>,
+    /// The nats-server(s), and PostgreSQL's postmaster, for their CPU time.
+    nats_pids: Vec<u32>,
+    postgres_pid: u32,
 }
 
 impl System {
@@ -154,7 +162,7 @@ impl System {
         name: &'static str,
         replicas: usize,
         urls: Vec<String>,
-        server_pids: Vec<u32>,
+        (nats_pids, postgres_pid): (Vec<u32>, u32),
     ) -> Result<System, BenchError> {
         let publisher = connect(&urls, "scale publisher").await?;
         let observer = connect(&urls, "scale ack observer").await?;
@@ -164,7 +172,8 @@ impl System {
             urls,
             js: jetstream::new(publisher),
             observer,
-            server_pids,
+            nats_pids,
+            postgres_pid,
         };
         system.create_idem_streams().await?;
         Ok(system)
@@ -218,8 +227,7 @@ pub async fn scale(
     args: &ScaleArgs,
     data_dir: Option<&Path>,
 ) -> Result<(), BenchError> {
-    let (Some(pids), Some(admin_url)) = (servers.owned_pids(), ctx.database_url.as_deref())
-    else {
+    let (Some(pids), Some(admin_url)) = (servers.owned_pids(), ctx.database_url.as_deref()) else {
         return Err(BenchError::setup(
             "scale measures its servers' CPU and starts its own cluster: unset NATS_URL and \
              DATABASE_URL",
@@ -229,21 +237,19 @@ pub async fn scale(
     let load_before = load_average();
     eprintln!("idem-bench: scale: load average before: {load_before}");
     let cluster = Cluster::start(data_dir).await?;
-    let mut cluster_pids = cluster.pids();
-    cluster_pids.push(postgres);
     let systems = [
         System::connect(
             "one server, R1",
             1,
             vec![servers.nats_url.clone()],
-            vec![single_nats, postgres],
+            (vec![single_nats], postgres),
         )
         .await?,
         System::connect(
             "3-node cluster, R3",
             CLUSTER_SIZE,
             cluster.urls.clone(),
-            cluster_pids,
+            (cluster.pids(), postgres),
         )
         .await?,
     ];
@@ -255,15 +261,17 @@ pub async fn scale(
         };
         for &workers in &args.workers {
             for system in &systems {
-                let measured = run_once(ctx, admin_url, system, batch, workers, messages, args).await?;
+                let measured =
+                    run_once(ctx, admin_url, system, batch, workers, messages, args).await?;
                 eprintln!(
-                    "idem-bench: [scale {} {} W={workers}] {:.0} msgs/s, client {:.0} µs, servers \
-                     {:.0} µs, {:.3} PostgreSQL transactions per message",
+                    "idem-bench: [scale {} {} W={workers}] {:.0} msgs/s, client {:.0} µs, NATS \
+                     {:.0} µs, PostgreSQL {:.0} µs, {:.3} PostgreSQL transactions per message",
                     system.name,
                     measured.mode(),
                     measured.msgs_per_sec,
                     measured.client_us,
-                    measured.servers_us,
+                    measured.nats_us,
+                    measured.postgres_us,
                     measured.transactions_per_msg()
                 );
                 println!("{}", json_line(&measured));
@@ -430,7 +438,9 @@ async fn measure(
     say(&format!("{workers} workers ready; consuming"));
     let observer = AckObserver::start(&system.observer, stream, n).await?;
     let transactions_before = transactions(&mut admin, db.name()).await?;
-    let servers_before = CpuSample::now(Some(&system.server_pids));
+    let postgres_pids = [system.postgres_pid];
+    let nats_before = CpuSample::now(Some(&system.nats_pids));
+    let postgres_before = CpuSample::now(Some(&postgres_pids));
     let workers_before = CpuSample::now(Some(&worker_pids));
     let started = Instant::now();
     for process in &mut processes {
@@ -443,14 +453,11 @@ async fn measure(
             || format!("{workers} worker processes"),
         )
         .await;
-    let servers_cpu = CpuSample::now(Some(&system.server_pids))
-        .since(servers_before)
-        .1
-        .unwrap_or(0.0);
-    let workers_cpu = CpuSample::now(Some(&worker_pids))
-        .since(workers_before)
-        .1
-        .unwrap_or(0.0);
+    let cpu_since =
+        |pids: &[u32], before| CpuSample::now(Some(pids)).since(before).1.unwrap_or(0.0);
+    let nats_cpu = cpu_since(&system.nats_pids, nats_before);
+    let postgres_cpu = cpu_since(&postgres_pids, postgres_before);
+    let workers_cpu = cpu_since(&worker_pids, workers_before);
     let acks = observer.finish().await?;
     waited?;
 
@@ -462,10 +469,7 @@ async fn measure(
     for process in &mut processes {
         let line = process.next_line("its report").await?;
         let counts: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
-            BenchError::failed(format!(
-                "worker {} reported {line:?}: {e}",
-                process.pid()
-            ))
+            BenchError::failed(format!("worker {} reported {line:?}: {e}", process.pid()))
         })?;
         let count = |name: &str| counts[name].as_u64().unwrap_or(u64::MAX);
         report.processed += count("processed");
@@ -490,7 +494,8 @@ async fn measure(
         messages: n,
         msgs_per_sec: n as f64 / elapsed.as_secs_f64(),
         client_us: workers_cpu * 1e6 / n as f64,
-        servers_us: servers_cpu * 1e6 / n as f64,
+        nats_us: nats_cpu * 1e6 / n as f64,
+        postgres_us: postgres_cpu * 1e6 / n as f64,
         transactions: transactions_after.saturating_sub(transactions_before),
     })
 }
@@ -509,10 +514,7 @@ async fn transactions(admin: &mut PgConnection, database: &str) -> Result<u64, B
 /// Committed transactions of `database` once the workers' backends have
 /// exited: a backend reports its last counts as it exits, just after it
 /// leaves `pg_stat_activity`, so the count is read until it holds still.
-async fn settled_transactions(
-    admin: &mut PgConnection,
-    database: &str,
-) -> Result<u64, BenchError> {
+async fn settled_transactions(admin: &mut PgConnection, database: &str) -> Result<u64, BenchError> {
     let deadline = Instant::now() + WORKER_TIMEOUT;
     loop {
         let backends: i64 = sqlx::query_scalar(
@@ -695,8 +697,7 @@ async fn run_worker(args: WorkerArgs) -> Result<(), BenchError> {
         .database_url
         .parse()
         .map_err(|e| BenchError::setup(format!("bad --database-url: {e}")))?;
-    let options =
-        options.application_name(&format!("{WORKER_APPLICATION}-{}", std::process::id()));
+    let options = options.application_name(&format!("{WORKER_APPLICATION}-{}", std::process::id()));
     let connections = args.concurrency as u32;
     let pool = PgPoolOptions::new()
         .max_connections(connections)
@@ -906,7 +907,12 @@ impl Drop for Cluster {
 /// /proc/loadavg's three averages.
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
-        .map(|text| text.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
         .unwrap_or_else(|_| "unknown".into())
 }
 
@@ -919,7 +925,8 @@ fn json_line(run: &ScaleRun) -> String {
         "messages": run.messages,
         "msgs_per_sec": run.msgs_per_sec.round(),
         "client_cpu_us_per_msg": (run.client_us * 10.0).round() / 10.0,
-        "servers_cpu_us_per_msg": (run.servers_us * 10.0).round() / 10.0,
+        "nats_cpu_us_per_msg": (run.nats_us * 10.0).round() / 10.0,
+        "postgres_cpu_us_per_msg": (run.postgres_us * 10.0).round() / 10.0,
         "msgs_per_sec_per_core": run.per_core().round(),
         "cores_busy": (run.cores_busy() * 100.0).round() / 100.0,
         "pg_transactions": run.transactions,
@@ -931,7 +938,8 @@ fn json_line(run: &ScaleRun) -> String {
 /// The run a row is compared with: the same mode, on one server, with the
 /// first worker count.
 fn baseline<'a>(runs: &'a [ScaleRun], run: &ScaleRun) -> Option<&'a ScaleRun> {
-    runs.iter().find(|r| r.batch == run.batch && r.replicas_of_one())
+    runs.iter()
+        .find(|r| r.batch == run.batch && r.replicas_of_one())
 }
 
 impl ScaleRun {
@@ -943,19 +951,20 @@ impl ScaleRun {
 /// The markdown table of every run.
 fn table(runs: &[ScaleRun]) -> String {
     let mut out = String::from(
-        "| NATS | mode | workers | msgs/s | × base | client µs | servers µs | cores busy | \
-         msgs/s per core | PG tx per msg |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| NATS | mode | workers | msgs/s | × base | client µs | NATS µs | PostgreSQL µs | \
+         cores busy | msgs/s per core | PG tx per msg |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for run in runs {
         let ratio = baseline(runs, run).map_or(f64::NAN, |b| run.msgs_per_sec / b.msgs_per_sec);
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {ratio:.2} | {:.0} | {:.0} | {:.2} | {} | {:.3} |\n",
+            "| {} | {} | {} | {} | {ratio:.2} | {:.0} | {:.0} | {:.0} | {:.2} | {} | {:.3} |\n",
             run.system,
             run.mode(),
             run.workers,
             thousands(run.msgs_per_sec),
             run.client_us,
-            run.servers_us,
+            run.nats_us,
+            run.postgres_us,
             run.cores_busy(),
             thousands(run.per_core()),
             run.transactions_per_msg(),
@@ -993,11 +1002,13 @@ fn model(runs: &[ScaleRun]) -> String {
         };
         let (core, core_min, core_max) = stat(ScaleRun::per_core);
         let (client, _, _) = stat(|r| r.client_us);
-        let (servers, _, _) = stat(|r| r.servers_us);
+        let (nats, _, _) = stat(|r| r.nats_us);
+        let (postgres, _, _) = stat(|r| r.postgres_us);
         let (tx, _, _) = stat(ScaleRun::transactions_per_msg);
         out.push_str(&format!(
-            "- {system}, {}: {} msgs/s per core ({}–{}): {client:.0} µs client + {servers:.0} \
-             µs servers per message; {:.1} messages per PostgreSQL transaction\n",
+            "- {system}, {}: {} msgs/s per core ({}–{}): {client:.0} µs client + {nats:.0} µs \
+             NATS + {postgres:.0} µs PostgreSQL per message; {:.1} messages per PostgreSQL \
+             transaction\n",
             group[0].mode(),
             thousands(core),
             thousands(core_min),
@@ -1036,7 +1047,8 @@ mod tests {
             messages: 1000,
             msgs_per_sec: rate,
             client_us: 100.0,
-            servers_us: 150.0,
+            nats_us: 50.0,
+            postgres_us: 100.0,
             transactions: 1010,
         }
     }

@@ -248,10 +248,7 @@ impl OwnedProcess {
 
 /// Runs nats-server with JetStream in `dir`, `extra` appended to its
 /// config (a cluster's settings); returns it and its port.
-pub(crate) async fn start_nats(
-    dir: &Path,
-    extra: &str,
-) -> Result<(OwnedProcess, u16), BenchError> {
+pub(crate) async fn start_nats(dir: &Path, extra: &str) -> Result<(OwnedProcess, u16), BenchError> {
     fs::create_dir_all(dir)
         .map_err(|e| BenchError::setup(format!("cannot create {}: {e}", dir.display())))?;
     let config = dir.join("nats-server.conf");
