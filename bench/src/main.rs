@@ -135,8 +135,10 @@ Every mode and scenario with small numbers, a tenth of the messages
 published twice (with the same Nats-Msg-Id, after the stream's duplicate
 window, so that JetStream stores both copies). It checks only correctness:
 effects = distinct messages and one skipped duplicate per second copy in the
-dedup modes, and a second effect per copy in naive, the control. The target
-lines mean little at this size.";
+dedup modes, and a second effect per copy in naive, the control. scale runs
+2 worker processes on a 3-node cluster and on one server, without
+duplicates (not with NATS_URL or DATABASE_URL set). The target lines mean
+little at this size.";
 
 const STEADY: &str = "\
 The claims are generated straight into the partitions (COPY, then the
@@ -849,7 +851,7 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
             let args = options.scale.as_ref().expect("set with Job::Scale");
             scale::scale(&ctx, servers, args, options.data_dir.as_deref()).await?;
         }
-        Job::Smoke => smoke(&ctx, options).await?,
+        Job::Smoke => smoke(&ctx, servers, options).await?,
     }
     Ok(())
 }
@@ -1073,7 +1075,7 @@ const SMOKE_ROWS: u64 = 3_000;
 /// a replay. The dedup modes must apply each message once and count each
 /// second copy as a duplicate; `naive` and `raw`, the control, must see
 /// every copy, which proves the duplicates reach the consumer.
-async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
+async fn smoke(ctx: &Context, servers: &Servers, options: &Options) -> Result<(), BenchError> {
     let started = Instant::now();
     let n = options.messages;
     let options = &Options {
@@ -1140,12 +1142,27 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
     let folder = tempfile::tempdir()
         .map_err(|e| BenchError::setup(format!("a folder for the chart: {e}")))?;
     runs.extend(chart(ctx, options, n, &folder.path().join("throughput.svg")).await?);
+    // The scale scenario, tiny: two worker processes on the cluster and on
+    // one server, per message and batched; it needs servers of its own.
+    let scale = scale::ScaleArgs {
+        messages: n.min(200),
+        batch_messages: n,
+        workers: vec![2],
+        concurrency: options.concurrency,
+        batch: options.batch,
+    };
+    let scale_runs = if servers.owned_pids().is_some() {
+        scale::scale(ctx, servers, &scale, options.data_dir.as_deref()).await?
+    } else {
+        eprintln!("idem-bench: smoke: scale skipped: NATS_URL or DATABASE_URL is set");
+        0
+    };
     let wall = started.elapsed().as_secs_f64();
     let duplicates: usize = runs.iter().map(|m| m.plan.duplicates).sum();
     eprintln!(
         "idem-bench: smoke passed: {} runs with {duplicates} duplicates stored in all, each \
          with the expected effects, in {wall:.1} s",
-        runs.len() + outbox_runs
+        runs.len() + outbox_runs + scale_runs
     );
     println!(
         "{}",
@@ -1155,7 +1172,7 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
             "duplicates_per_run": options.duplicates,
             "concurrency": options.concurrency,
             "batch": options.batch,
-            "runs_correct": runs.len() + outbox_runs,
+            "runs_correct": runs.len() + outbox_runs + scale_runs,
             "wall_s": (wall * 10.0).round() / 10.0,
         })
     );

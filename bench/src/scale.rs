@@ -199,8 +199,10 @@ impl System {
             },
         ] {
             let name = config.name.clone();
+            // An existing one (an earlier scenario's, in smoke) is used as it
+            // is, as the runtime does.
             self.js
-                .create_stream(stream::Config {
+                .get_or_create_stream(stream::Config {
                     num_replicas: self.replicas,
                     ..config
                 })
@@ -220,13 +222,13 @@ async fn connect(urls: &[String], name: &str) -> Result<async_nats::Client, Benc
 }
 
 /// Runs every combination of mode, worker count and system, then prints
-/// the table and the planning model.
+/// the table and the planning model; returns the number of runs.
 pub async fn scale(
     ctx: &Context,
     servers: &Servers,
     args: &ScaleArgs,
     data_dir: Option<&Path>,
-) -> Result<(), BenchError> {
+) -> Result<usize, BenchError> {
     let (Some(pids), Some(admin_url)) = (servers.owned_pids(), ctx.database_url.as_deref()) else {
         return Err(BenchError::setup(
             "scale measures its servers' CPU and starts its own cluster: unset NATS_URL and \
@@ -296,7 +298,7 @@ pub async fn scale(
             "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
         })
     );
-    Ok(())
+    Ok(runs.len())
 }
 
 /// One run: a fresh stream and database, the backlog, `workers` worker
@@ -471,10 +473,17 @@ async fn measure(
         let counts: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
             BenchError::failed(format!("worker {} reported {line:?}: {e}", process.pid()))
         })?;
-        let count = |name: &str| counts[name].as_u64().unwrap_or(u64::MAX);
-        report.processed += count("processed");
-        report.duplicates += count("duplicates");
-        report.errors += count("errors");
+        let count = |name: &str| {
+            counts[name].as_u64().ok_or_else(|| {
+                BenchError::failed(format!(
+                    "worker {} reported no {name}: {line:?}",
+                    process.pid()
+                ))
+            })
+        };
+        report.processed += count("processed")?;
+        report.duplicates += count("duplicates")?;
+        report.errors += count("errors")?;
         process.wait_success().await?;
     }
     let transactions_after = settled_transactions(&mut admin, db.name()).await?;
@@ -849,6 +858,9 @@ impl Cluster {
             cluster.nodes.push(process);
             cluster.urls.push(format!("nats://127.0.0.1:{client_port}"));
         }
+        // A start takes about 10 s here: before it takes a stream, the
+        // cluster elects JetStream's meta leader (NATS draws the election
+        // timeout between 4 and 9 s).
         cluster.wait_until_ready().await?;
         eprintln!(
             "idem-bench: scale: 3-node cluster on {} (JetStream file store, sync_interval: \
