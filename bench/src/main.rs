@@ -17,6 +17,7 @@ mod probe;
 mod report;
 mod retention;
 mod run;
+mod scale;
 mod servers;
 
 use std::fmt;
@@ -118,6 +119,12 @@ enum Command {
     /// The outbox Relay vs raw publishes; COMMIT -> stored p50/p99, outbox vs publish-after-commit
     #[command(after_help = OUTBOX)]
     Outbox(OutboxArgs),
+    /// idem with 1, 2, 4 worker processes on a 3-node cluster (R3) and one server (R1)
+    #[command(after_help = scale::HELP)]
+    Scale(scale::ScaleArgs),
+    /// One worker process of `scale`, which starts it
+    #[command(hide = true)]
+    ScaleWorker(scale::WorkerArgs),
     /// Every mode and scenario, small, with duplicates: checks correctness only (CI)
     #[command(after_help = SMOKE)]
     Smoke(SmokeArgs),
@@ -128,8 +135,10 @@ Every mode and scenario with small numbers, a tenth of the messages
 published twice (with the same Nats-Msg-Id, after the stream's duplicate
 window, so that JetStream stores both copies). It checks only correctness:
 effects = distinct messages and one skipped duplicate per second copy in the
-dedup modes, and a second effect per copy in naive, the control. The target
-lines mean little at this size.";
+dedup modes, and a second effect per copy in naive, the control. scale runs
+2 worker processes on a 3-node cluster and on one server, without
+duplicates (not with NATS_URL or DATABASE_URL set). The target lines mean
+little at this size.";
 
 const STEADY: &str = "\
 The claims are generated straight into the partitions (COPY, then the
@@ -490,6 +499,7 @@ enum Job {
     Purge,
     Storage,
     Outbox,
+    Scale,
     Smoke,
 }
 
@@ -522,6 +532,8 @@ struct Options {
     data_dir: Option<PathBuf>,
     /// `--pg-setting`s.
     pg_settings: Vec<String>,
+    /// `scale`'s options.
+    scale: Option<scale::ScaleArgs>,
 }
 
 impl Options {
@@ -544,6 +556,14 @@ impl Options {
             key_expression: false,
             data_dir: None,
             pg_settings: Vec::new(),
+            scale: None,
+        }
+    }
+
+    fn with_scale(self, args: scale::ScaleArgs) -> Options {
+        Options {
+            scale: Some(args),
+            ..self
         }
     }
 }
@@ -660,6 +680,21 @@ impl From<Command> for Options {
                     },
                 )
             },
+            Command::Scale(a) => Options {
+                batch: a.batch,
+                ..Options::new(
+                    Job::Scale,
+                    a.messages,
+                    Load {
+                        concurrency: a.concurrency,
+                        duplicates: 0,
+                    },
+                )
+                .with_scale(a)
+            },
+            Command::ScaleWorker(_) => {
+                unreachable!("main runs a scale worker before it reads options")
+            }
             Command::Smoke(a) => Options {
                 duplicates: a.duplicates,
                 concurrency: a.concurrency,
@@ -691,7 +726,7 @@ fn main() -> ExitCode {
     since_start();
     // On a bad argument clap prints the error and the usage and exits with
     // 2; on --help it prints the help and exits with 0.
-    let options = Options::from(Cli::parse());
+    let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -701,6 +736,11 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn,sqlx::query=error".into()),
         )
         .init();
+    let cli = match cli.command {
+        Command::ScaleWorker(args) => return scale::worker(args),
+        command => Cli { command, ..cli },
+    };
+    let options = Options::from(cli);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -807,7 +847,11 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
             )
             .await?;
         }
-        Job::Smoke => smoke(&ctx, options).await?,
+        Job::Scale => {
+            let args = options.scale.as_ref().expect("set with Job::Scale");
+            scale::scale(&ctx, servers, args, options.data_dir.as_deref()).await?;
+        }
+        Job::Smoke => smoke(&ctx, servers, options).await?,
     }
     Ok(())
 }
@@ -1031,7 +1075,7 @@ const SMOKE_ROWS: u64 = 3_000;
 /// a replay. The dedup modes must apply each message once and count each
 /// second copy as a duplicate; `naive` and `raw`, the control, must see
 /// every copy, which proves the duplicates reach the consumer.
-async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
+async fn smoke(ctx: &Context, servers: &Servers, options: &Options) -> Result<(), BenchError> {
     let started = Instant::now();
     let n = options.messages;
     let options = &Options {
@@ -1098,12 +1142,27 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
     let folder = tempfile::tempdir()
         .map_err(|e| BenchError::setup(format!("a folder for the chart: {e}")))?;
     runs.extend(chart(ctx, options, n, &folder.path().join("throughput.svg")).await?);
+    // The scale scenario, tiny: two worker processes on the cluster and on
+    // one server, per message and batched; it needs servers of its own.
+    let scale = scale::ScaleArgs {
+        messages: n.min(200),
+        batch_messages: n,
+        workers: vec![2],
+        concurrency: options.concurrency,
+        batch: options.batch,
+    };
+    let scale_runs = if servers.owned_pids().is_some() {
+        scale::scale(ctx, servers, &scale, options.data_dir.as_deref()).await?
+    } else {
+        eprintln!("idem-bench: smoke: scale skipped: NATS_URL or DATABASE_URL is set");
+        0
+    };
     let wall = started.elapsed().as_secs_f64();
     let duplicates: usize = runs.iter().map(|m| m.plan.duplicates).sum();
     eprintln!(
         "idem-bench: smoke passed: {} runs with {duplicates} duplicates stored in all, each \
          with the expected effects, in {wall:.1} s",
-        runs.len() + outbox_runs
+        runs.len() + outbox_runs + scale_runs
     );
     println!(
         "{}",
@@ -1113,7 +1172,7 @@ async fn smoke(ctx: &Context, options: &Options) -> Result<(), BenchError> {
             "duplicates_per_run": options.duplicates,
             "concurrency": options.concurrency,
             "batch": options.batch,
-            "runs_correct": runs.len() + outbox_runs,
+            "runs_correct": runs.len() + outbox_runs + scale_runs,
             "wall_s": (wall * 10.0).round() / 10.0,
         })
     );
@@ -1210,6 +1269,27 @@ mod tests {
         assert_eq!(
             (o.job, o.out, o.concurrency, o.pull),
             (Job::Chart, PathBuf::from("/tmp/t.svg"), 4, Pull::Slots)
+        );
+    }
+
+    #[test]
+    fn parses_scale() {
+        use clap::error::ErrorKind;
+        let o = parse("scale --workers 1,3 --batch 16 --messages 500").unwrap();
+        let scale = o.scale.unwrap();
+        assert_eq!(o.job, Job::Scale);
+        assert_eq!(
+            (scale.workers, scale.batch, scale.messages),
+            (vec![1, 3], 16, 500)
+        );
+        let scale = parse("scale").unwrap().scale.unwrap();
+        assert_eq!(
+            (scale.workers, scale.messages, scale.batch_messages),
+            (vec![1, 2, 4], 20_000, 100_000)
+        );
+        assert_eq!(
+            parse("scale --workers 1,0").unwrap_err().kind(),
+            ErrorKind::ValueValidation
         );
     }
 

@@ -247,6 +247,27 @@ impl AckObserver {
         expected: usize,
         consumer: &Consumer,
     ) -> Result<(), BenchError> {
+        self.wait_for(
+            expected,
+            || {
+                consumer
+                    .ended()
+                    .then(|| "the consumer stopped by itself".to_owned())
+            },
+            || format!("consumer counts: {:?}", consumer.progress()),
+        )
+        .await
+    }
+
+    /// Waits until `expected` distinct messages were acked. Fails when
+    /// `ended` says why the consumers stopped, or if no ack arrives for a
+    /// minute; `counts` describes the consumers for the error.
+    pub async fn wait_for(
+        &self,
+        expected: usize,
+        mut ended: impl FnMut() -> Option<String>,
+        counts: impl Fn() -> String,
+    ) -> Result<(), BenchError> {
         let mut last = 0;
         let mut last_change = Instant::now();
         loop {
@@ -258,15 +279,13 @@ impl AckObserver {
                 last = seen;
                 last_change = Instant::now();
             }
-            if consumer.ended() || last_change.elapsed() > STALL_TIMEOUT {
+            let why = ended().or_else(|| {
+                (last_change.elapsed() > STALL_TIMEOUT).then(|| "no progress for a minute".into())
+            });
+            if let Some(why) = why {
                 return Err(BenchError::failed(format!(
-                    "{} after {seen} of {expected} acks (consumer counts: {:?})",
-                    if consumer.ended() {
-                        "the consumer stopped by itself"
-                    } else {
-                        "no progress for a minute"
-                    },
-                    consumer.progress()
+                    "{why} after {seen} of {expected} acks ({})",
+                    counts()
                 )));
             }
             tokio::time::sleep(Duration::from_millis(5)).await;

@@ -418,7 +418,7 @@ async fn publish_twice(
 /// and no duplicate effect, one dedup row per message, and each second copy
 /// counted as a duplicate. The others (the control): one effect per copy
 /// stored, the second copies included. Returns the effects.
-async fn verify(
+pub(crate) async fn verify(
     plan: &Plan,
     db: Option<&Database>,
     report: &consumers::ConsumerReport,
@@ -515,7 +515,7 @@ pub fn percentile_ms(sorted: &[Duration], q: f64) -> f64 {
 
 /// `n` distinct dedup keys of 32 hex digits, spread like UUIDs so that the
 /// claims land all over the index, as real message ids do.
-fn message_keys(n: usize) -> Vec<String> {
+pub(crate) fn message_keys(n: usize) -> Vec<String> {
     let seed = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), n);
     (0..n as u64)
         .map(|i| {
@@ -690,6 +690,16 @@ impl Database {
             tracing::info!(%e, "CHECKPOINT before the run skipped");
         }
         Ok(())
+    }
+
+    /// The URL of this run's database, for other processes.
+    pub fn url(&self) -> String {
+        with_database(&self.admin_url, &self.name)
+    }
+
+    /// Its name, as `pg_stat_database` and `pg_stat_activity` show it.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     pub async fn drop(self) {

@@ -53,7 +53,7 @@ pub struct Servers {
     _dir: Option<TempDir>,
 }
 
-struct OwnedProcess {
+pub(crate) struct OwnedProcess {
     name: &'static str,
     child: Child,
     /// Signal name for `kill -s`: the server's quickest clean stop.
@@ -119,7 +119,7 @@ impl Servers {
             }
             None => {
                 let dir = dir.as_ref().expect("made above").join("nats");
-                let (process, port) = start_nats(&dir).await?;
+                let (process, port) = start_nats(&dir, "").await?;
                 servers.nats = Some(process);
                 servers.nats_url = format!("nats://127.0.0.1:{port}");
                 servers.description.push(format!(
@@ -220,8 +220,12 @@ impl OwnedProcess {
         matches!(self.child.try_wait(), Ok(Some(_)))
     }
 
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Sends the stop signal, waits up to 10 s, then SIGKILLs.
-    fn stop(mut self) {
+    pub(crate) fn stop(mut self) {
         if self.exited() {
             return;
         }
@@ -242,15 +246,16 @@ impl OwnedProcess {
     }
 }
 
-/// Runs nats-server with JetStream in `dir`; returns it and its port.
-async fn start_nats(dir: &Path) -> Result<(OwnedProcess, u16), BenchError> {
+/// Runs nats-server with JetStream in `dir`, `extra` appended to its
+/// config (a cluster's settings); returns it and its port.
+pub(crate) async fn start_nats(dir: &Path, extra: &str) -> Result<(OwnedProcess, u16), BenchError> {
     fs::create_dir_all(dir)
         .map_err(|e| BenchError::setup(format!("cannot create {}: {e}", dir.display())))?;
     let config = dir.join("nats-server.conf");
     let log = dir.join("nats-server.log");
     // port -1: the server picks a free port, read back from its log.
     let text = format!(
-        "host: 127.0.0.1\nport: -1\njetstream {{\n  store_dir: {:?}\n  sync_interval: always\n}}\n",
+        "host: 127.0.0.1\nport: -1\njetstream {{\n  store_dir: {:?}\n  sync_interval: always\n}}\n{extra}",
         dir.join("js").display().to_string()
     );
     fs::write(&config, text)
@@ -411,7 +416,7 @@ fn postgres_os_user() -> Result<Option<(u32, u32)>, BenchError> {
 }
 
 /// A loopback port that is free right now, drawn from 15000..32000.
-fn free_port() -> Result<u16, BenchError> {
+pub(crate) fn free_port() -> Result<u16, BenchError> {
     for _ in 0..1000 {
         let port = 15_000 + (RandomState::new().hash_one(Instant::now()) % 17_000) as u16;
         if TcpListener::bind(("127.0.0.1", port)).is_ok() {
