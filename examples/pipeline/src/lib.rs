@@ -23,11 +23,12 @@
 pub mod demo;
 pub mod orders;
 pub mod payments;
+pub mod report;
 
 use std::time::Duration;
 
-use idem_runtime::Router;
 use idem_runtime::outbox::Relay;
+use idem_runtime::{Route, Router};
 use serde::{Deserialize, Serialize};
 
 /// The stream that stores `orders.>`: `orders.placed` and `orders.paid`.
@@ -70,6 +71,19 @@ fn stream_config(name: &str, subjects: &str) -> async_nats::jetstream::stream::C
     }
 }
 
+/// A route of the pipeline with its ack wait from `PIPELINE_ACK_WAIT_MS`,
+/// if set (a test that SIGKILLs services shortens it, so that a killed
+/// service's messages come back sooner); JetStream's 30 s otherwise.
+fn tuned(route: Route) -> Route {
+    match std::env::var("PIPELINE_ACK_WAIT_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+    {
+        Some(ms) => route.ack_wait(Duration::from_millis(ms)),
+        None => route,
+    }
+}
+
 /// Reads an environment variable the services need.
 pub fn env(name: &str) -> Result<String, String> {
     std::env::var(name).map_err(|_| {
@@ -79,16 +93,24 @@ pub fn env(name: &str) -> Result<String, String> {
     })
 }
 
-/// Connects to `NATS_URL` and `DATABASE_URL`, with logs filtered by
-/// `RUST_LOG` (default: info for idem, warn for the rest).
+/// Connects to `NATS_URL` and `DATABASE_URL`, with logs on stderr filtered
+/// by `RUST_LOG` (default: info for idem, warn for the rest).
 pub async fn connect() -> Result<(async_nats::Client, sqlx::PgPool), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "warn,idem_runtime=info".into()),
         )
+        // Stdout carries the counters `report` prints, when asked to.
+        .with_writer(std::io::stderr)
         .init();
-    let nats = async_nats::connect(env("NATS_URL")?).await?;
+    let nats = async_nats::ConnectOptions::new()
+        .event_callback(|event| {
+            report::on_nats_event(&event);
+            std::future::ready(())
+        })
+        .connect(env("NATS_URL")?)
+        .await?;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(10)
         .connect(&env("DATABASE_URL")?)
@@ -106,7 +128,9 @@ pub async fn serve<S: Send + Sync + 'static>(
     pool: sqlx::PgPool,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let relay = tokio::spawn(Relay::new().run_until(nats.clone(), pool.clone(), async {
+    let relay = Relay::new();
+    report::start(router.handle(), relay.stats());
+    let relay = tokio::spawn(relay.run_until(nats.clone(), pool.clone(), async {
         let _ = stopped.await;
     }));
     let served = router.run(nats, pool).await;
