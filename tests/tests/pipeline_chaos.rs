@@ -853,7 +853,16 @@ async fn each_order_is_paid_once_while_services_die_and_servers_restart() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let settled = flow_start.elapsed();
-    // Stop the services gracefully: each must exit 0.
+    // Stop the services gracefully: each must exit 0. A service restarted
+    // late may still be starting, before it handles SIGTERM: wait until
+    // each one serves (reports).
+    wait_reports(
+        &mut services,
+        "every service serving",
+        Duration::from_secs(60),
+        |s| s.reports().len() == SLOTS.len(),
+    )
+    .await;
     for slot in 0..SLOTS.len() {
         let service = services.slots[slot].take().expect("running");
         let ended = service.sigterm(SIGTERM_GRACE).await.expect("graceful stop");
