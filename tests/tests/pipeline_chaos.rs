@@ -83,6 +83,8 @@ mod service;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
@@ -223,8 +225,16 @@ struct Published {
 /// once (within the window) and, after all, orders `5, 15, ..` again after
 /// the window. It publishes order `k` only once fewer than `ahead` orders
 /// before it are uncharged, so that every fault (placed by the charges)
-/// meets orders in flight, and more arrive after it.
-async fn publish(js: jetstream::Context, pool: PgPool, n: i64, rate: f64, ahead: i64) -> Published {
+/// meets orders in flight, and only up to `cap`, which the schedule moves:
+/// the flow may not outrun the faults.
+async fn publish(
+    js: jetstream::Context,
+    pool: PgPool,
+    n: i64,
+    rate: f64,
+    ahead: i64,
+    cap: Arc<AtomicI64>,
+) -> Published {
     let mut out = Published::default();
     let mut next = Instant::now();
     let send = async |order: i64, out: &mut Published| {
@@ -267,9 +277,10 @@ async fn publish(js: jetstream::Context, pool: PgPool, n: i64, rate: f64, ahead:
     for order in 1..=n {
         // While PostgreSQL is down the charges are unknown: publish on, so
         // that the outage meets work.
-        while charges(&pool)
-            .await
-            .is_some_and(|made| made + ahead < order)
+        while cap.load(Ordering::Relaxed) < order
+            || charges(&pool)
+                .await
+                .is_some_and(|made| made + ahead < order)
         {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -782,12 +793,22 @@ async fn each_order_is_paid_once_while_services_die_and_servers_restart() {
     // The faults fall within the first two thirds or so of the orders, so
     // that the last one still meets a good part of the flow.
     let spacing = n as u64 / (faults.len() as u64 + 4);
+    let dues: Vec<i64> = (0..faults.len() as u64)
+        .map(|i| (spacing * (i + 1) + rng.below(spacing / 2 + 1)) as i64)
+        .collect();
+    // While fault i is due or running, the flow may reach half a spacing
+    // past fault i + 1: it goes on while a fault is aimed and struck, and
+    // cannot run out before the last fault.
+    let half = (spacing as i64 / 2).max(10);
+    let cap_for = |i: usize| dues.get(i + 1).map_or(n, |due| due + half);
+    let cap = Arc::new(AtomicI64::new(cap_for(0)));
     let publisher = tokio::spawn(publish(
         env.jetstream().await,
         env.pool().await,
         n,
         rate,
-        (spacing as i64 / 2).max(10),
+        half,
+        cap.clone(),
     ));
     let flow_start = Instant::now();
 
@@ -799,12 +820,13 @@ async fn each_order_is_paid_once_while_services_die_and_servers_restart() {
     // then (one that starts cannot connect), and only then.
     let mut outages: Vec<(Instant, Instant)> = Vec::new();
     for (i, fault) in faults.iter().enumerate() {
-        let due = spacing * (i as u64 + 1) + rng.below(spacing / 2 + 1);
+        let due = dues[i];
+        cap.fetch_max(cap_for(i), Ordering::Relaxed);
         let mut last_progress = (charges(&pool).await.unwrap_or(0), Instant::now());
         loop {
             services.supervise();
             let now = charges(&pool).await.unwrap_or(0);
-            if now as u64 >= due {
+            if now >= due {
                 break;
             }
             if now > last_progress.0 {
@@ -841,6 +863,8 @@ async fn each_order_is_paid_once_while_services_die_and_servers_restart() {
                         break;
                     }
                     passed_over += 1;
+                    // More orders, for the next target to meet.
+                    cap.fetch_add(half, Ordering::Relaxed);
                 }
                 let record = record.unwrap_or_else(|| {
                     panic!(
@@ -868,6 +892,7 @@ async fn each_order_is_paid_once_while_services_die_and_servers_restart() {
         }
     }
     let faults_done = flow_start.elapsed();
+    cap.store(n, Ordering::Relaxed);
 
     // Settle: the publisher done, every order paid, the outbox empty, the
     // consumers idle.
