@@ -23,12 +23,13 @@
 pub mod demo;
 pub mod orders;
 pub mod payments;
+pub mod report;
 pub mod spans;
 
 use std::time::Duration;
 
-use idem_runtime::Router;
 use idem_runtime::outbox::Relay;
+use idem_runtime::{Route, Router};
 use serde::{Deserialize, Serialize};
 
 /// The stream that stores `orders.>`: `orders.placed` and `orders.paid`.
@@ -71,6 +72,19 @@ fn stream_config(name: &str, subjects: &str) -> async_nats::jetstream::stream::C
     }
 }
 
+/// A route of the pipeline with its ack wait from `PIPELINE_ACK_WAIT_MS`,
+/// if set (a test that SIGKILLs services shortens it, so that a killed
+/// service's messages come back sooner); JetStream's 30 s otherwise.
+fn tuned(route: Route) -> Route {
+    match std::env::var("PIPELINE_ACK_WAIT_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+    {
+        Some(ms) => route.ack_wait(Duration::from_millis(ms)),
+        None => route,
+    }
+}
+
 /// Reads an environment variable the services need.
 pub fn env(name: &str) -> Result<String, String> {
     std::env::var(name).map_err(|_| {
@@ -80,12 +94,18 @@ pub fn env(name: &str) -> Result<String, String> {
     })
 }
 
-/// Connects to `NATS_URL` and `DATABASE_URL`, with logs filtered by
-/// `RUST_LOG` (default: info for idem, warn for the rest) and spans traced
+/// Connects to `NATS_URL` and `DATABASE_URL`, with logs on stderr filtered
+/// by `RUST_LOG` (default: info for idem, warn for the rest) and spans traced
 /// across services (see [`spans`]).
 pub async fn connect() -> Result<(async_nats::Client, sqlx::PgPool), Box<dyn std::error::Error>> {
     spans::install();
-    let nats = async_nats::connect(env("NATS_URL")?).await?;
+    let nats = async_nats::ConnectOptions::new()
+        .event_callback(|event| {
+            report::on_nats_event(&event);
+            std::future::ready(())
+        })
+        .connect(env("NATS_URL")?)
+        .await?;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(10)
         .connect(&env("DATABASE_URL")?)
@@ -103,5 +123,7 @@ pub async fn serve<S: Send + Sync + 'static>(
     nats: async_nats::Client,
     pool: sqlx::PgPool,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    Ok(router.relay(Relay::new()).run(nats, pool).await?)
+    let relay = Relay::new();
+    report::start(router.handle(), relay.stats());
+    Ok(router.relay(relay).run(nats, pool).await?)
 }

@@ -4,7 +4,7 @@
 use idem_runtime::outbox::{Outbox, OutboxError};
 use idem_runtime::{Classify, ErrorClass, Route, Router, idempotent};
 
-use crate::{ORDERS_STREAM, OrderPaid, OrderPlaced, PaymentRequested, stream_config};
+use crate::{ORDERS_STREAM, OrderPaid, OrderPlaced, PaymentRequested, stream_config, tuned};
 
 /// Writes the order and queues its payment request, in one transaction with
 /// the claim: a redelivery, or a publisher's retry after JetStream's window,
@@ -71,10 +71,12 @@ pub async fn mark_paid(
 /// The service's routes; each creates the `ORDERS` stream if it is missing.
 pub fn router() -> Router {
     let route = |durable: &str, subject: &str| {
-        Route::new(ORDERS_STREAM, durable)
-            .filter_subject(subject)
-            .create_stream(stream_config(ORDERS_STREAM, "orders.>"))
-            .concurrency(8)
+        tuned(
+            Route::new(ORDERS_STREAM, durable)
+                .filter_subject(subject)
+                .create_stream(stream_config(ORDERS_STREAM, "orders.>"))
+                .concurrency(8),
+        )
     };
     Router::new()
         .route(route("orders-place", "orders.placed"), place)

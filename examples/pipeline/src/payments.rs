@@ -3,7 +3,7 @@
 use idem_runtime::outbox::{Outbox, OutboxError};
 use idem_runtime::{Route, Router, idempotent};
 
-use crate::{OrderPaid, PAYMENTS_STREAM, PaymentRequested, stream_config};
+use crate::{OrderPaid, PAYMENTS_STREAM, PaymentRequested, stream_config, tuned};
 
 /// Charges the order and queues its `orders.paid`, in one transaction with
 /// the claim. The dedup key is the order, not the message: however many
@@ -31,10 +31,12 @@ pub async fn charge(
 /// The service's route; it creates the `PAYMENTS` stream if it is missing.
 pub fn router() -> Router {
     Router::new().route(
-        Route::new(PAYMENTS_STREAM, "payments-charge")
-            .filter_subject("payments.requested")
-            .create_stream(stream_config(PAYMENTS_STREAM, "payments.>"))
-            .concurrency(8),
+        tuned(
+            Route::new(PAYMENTS_STREAM, "payments-charge")
+                .filter_subject("payments.requested")
+                .create_stream(stream_config(PAYMENTS_STREAM, "payments.>"))
+                .concurrency(8),
+        ),
         charge,
     )
 }

@@ -37,10 +37,13 @@ pub fn install() {
                 .with_target("idem_runtime", Level::INFO)
                 .with_target("pipeline_example", Level::INFO),
         );
-    let logs = tracing_subscriber::fmt::layer().with_filter(
-        tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| "warn,idem_runtime=info".into()),
-    );
+    // Stdout carries the counters `report` prints, when asked to.
+    let logs = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,idem_runtime=info".into()),
+        );
     tracing_subscriber::registry().with(spans).with(logs).init();
 }
 
