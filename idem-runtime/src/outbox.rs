@@ -744,6 +744,7 @@ impl Relay {
         }
         tx.commit().await?;
         let duplicates = cycle.published.iter().filter(|p| p.duplicate).count();
+        crate::metrics::outbox_cycle(cycle.published.len(), cycle.failed);
         let counters = &self.stats.0;
         counters.cycles.fetch_add(1, Ordering::Relaxed);
         counters
