@@ -21,6 +21,7 @@
 //! routers in-process.
 
 pub mod demo;
+pub mod metrics;
 pub mod orders;
 pub mod payments;
 
@@ -99,12 +100,14 @@ pub async fn connect() -> Result<(async_nats::Client, sqlx::PgPool), Box<dyn std
 /// Runs a service: its router, and an outbox relay beside it that publishes
 /// what the handlers queued, until SIGINT or SIGTERM. The relay stops after
 /// the router has settled its last message; what it leaves pending, the
-/// next start (or another replica's relay) publishes.
+/// next start (or another replica's relay) publishes. With
+/// `IDEM_METRICS_ADDR` set, it serves `/metrics` there (see [`metrics`]).
 pub async fn serve<S: Send + Sync + 'static>(
     router: Router<S>,
     nats: async_nats::Client,
     pool: sqlx::PgPool,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    metrics::install_exporter().map_err(|error| error.to_string())?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let relay = tokio::spawn(Relay::new().run_until(nats.clone(), pool.clone(), async {
         let _ = stopped.await;
@@ -113,4 +116,29 @@ pub async fn serve<S: Send + Sync + 'static>(
     let _ = stop.send(());
     relay.await??;
     Ok(served?)
+}
+
+/// One of the pipeline's services.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    /// `orders`: [`orders::router`].
+    Orders,
+    /// `payments`: [`payments::router`].
+    Payments,
+}
+
+/// What each service's binary does: connect, install its schema, and
+/// [`serve`] until SIGINT or SIGTERM.
+pub async fn run(service: Service) -> Result<(), Box<dyn std::error::Error>> {
+    let (nats, pool) = connect().await?;
+    match service {
+        Service::Orders => {
+            orders::migrate(&pool).await?;
+            serve(orders::router(), nats, pool).await
+        }
+        Service::Payments => {
+            payments::migrate(&pool).await?;
+            serve(payments::router(), nats, pool).await
+        }
+    }
 }
