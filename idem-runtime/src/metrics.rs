@@ -29,7 +29,7 @@
 //! | `idem_batch_size` | histogram | `route` | messages per committed batch (batch mode) |
 //! | `idem_handler_duration_seconds` | histogram | `route` | one handler call (a batch handler's call covers its batch), failed calls included |
 //! | `idem_end_to_end_duration_seconds` | histogram | `route` | from the message's JetStream timestamp (when it was stored) to its ack as processed, retries included |
-//! | `idem_messages_in_flight` | gauge | `route` | messages taken and not yet settled |
+//! | `idem_messages_in_flight` | gauge | `route` | messages taken and not yet settled (a batch's, until its last one settles) |
 //! | `idem_consumer_pending_messages` | gauge | `route` | the consumer's `num_pending`: stored, not yet delivered |
 //! | `idem_consumer_ack_pending_messages` | gauge | `route` | the consumer's `num_ack_pending`: delivered, not yet acked |
 //! | `idem_outbox_pending_rows` | gauge | | outbox rows committed and not yet published |

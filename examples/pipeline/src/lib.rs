@@ -20,6 +20,7 @@
 //! `src/bin/pipeline-demo.rs`; `tests/tests/pipeline.rs` runs the same
 //! routers in-process.
 
+pub mod dashboard;
 pub mod demo;
 pub mod metrics;
 pub mod orders;
