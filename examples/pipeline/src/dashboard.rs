@@ -38,11 +38,13 @@ pub enum Query {
         metric: &'static str,
         legend: &'static str,
     },
-    /// `sum by (<by>) (<metric>{route=~"$route"})`
+    /// `sum by (<by>) (<metric>{route=~"$route"})`, with ` > 0` if
+    /// `positive`: series that are 0 are left out.
     Sum {
         metric: &'static str,
         by: &'static [&'static str],
         legend: &'static str,
+        positive: bool,
     },
     /// `max(<metric>)`: a figure every instance reports alike (the outbox's).
     Max {
@@ -152,6 +154,7 @@ pub const PANELS: &[Panel] = &[
             metric: "idem_messages_in_flight",
             by: &["route"],
             legend: "{{route}}",
+            positive: false,
         }],
     },
     Panel {
@@ -162,11 +165,13 @@ pub const PANELS: &[Panel] = &[
                 metric: "idem_consumer_pending_messages",
                 by: &["route"],
                 legend: "{{route}} pending",
+                positive: false,
             },
             Query::Sum {
                 metric: "idem_consumer_ack_pending_messages",
                 by: &["route"],
                 legend: "{{route}} ack pending",
+                positive: false,
             },
         ],
     },
@@ -177,6 +182,7 @@ pub const PANELS: &[Panel] = &[
             metric: "idem_messages_dead_lettered_total",
             by: &["route", "reason"],
             legend: "{{route}} {{reason}}",
+            positive: true,
         }],
     },
     Panel {
@@ -212,7 +218,16 @@ impl Query {
             Query::Quantile { q, metric, .. } => format!(
                 "histogram_quantile({q}, sum by (le) (rate({metric}_bucket{ROUTE}[$__rate_interval])))"
             ),
-            Query::Sum { metric, by: b, .. } => format!("sum{} ({metric}{ROUTE})", by(b)),
+            Query::Sum {
+                metric,
+                by: b,
+                positive,
+                ..
+            } => format!(
+                "sum{} ({metric}{ROUTE}){}",
+                by(b),
+                if positive { " > 0" } else { "" }
+            ),
             Query::Max { metric, .. } => format!("max({metric})"),
         }
     }
@@ -232,7 +247,10 @@ impl Query {
     pub fn evaluate(&self, scrapes: &[(f64, Vec<Metrics>)]) -> Vec<(String, Vec<(f64, f64)>)> {
         let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
         match *self {
-            Query::Sum { metric, by, legend } | Query::Rate { metric, by, legend } => {
+            Query::Sum {
+                metric, by, legend, ..
+            }
+            | Query::Rate { metric, by, legend } => {
                 let totals: Vec<(f64, BTreeMap<String, f64>)> = scrapes
                     .iter()
                     .map(|(t, instances)| (*t, grouped(instances, metric, by, legend)))
@@ -248,6 +266,9 @@ impl Query {
                         } else {
                             *value
                         };
+                        if matches!(self, Query::Sum { positive: true, .. }) && point <= 0.0 {
+                            continue;
+                        }
                         series.entry(name.clone()).or_default().push((*t, point));
                     }
                 }
@@ -482,7 +503,8 @@ pub fn render_svg(
             .iter()
             .flat_map(|(_, points)| points.iter().map(|(_, v)| *v))
             .fold(0.0, f64::max);
-        let top = if top > 0.0 { top * 1.1 } else { 1.0 };
+        // Room above the lines for the legend.
+        let top = if top > 0.0 { top * 1.5 } else { 1.0 };
         let mut chart = ChartBuilder::on(&area)
             .caption(
                 format!("{} ({})", panel.title, panel.unit),
@@ -513,6 +535,7 @@ pub fn render_svg(
             chart
                 .configure_series_labels()
                 .position(SeriesLabelPosition::UpperRight)
+                .label_font(("sans-serif", 13))
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK.mix(0.3))
                 .draw()?;

@@ -124,10 +124,12 @@ async fn record(addrs: Vec<SocketAddr>, out: PathBuf, rate: u32) -> Result<(), E
                     );
                     extra.unknown += 1;
                 }
-                // A payload that does not decode: rejected.
+                // A payload that does not decode as an order (no amount):
+                // rejected. (Its order, -1, is one the tally skips.)
                 if n % 400 == 200 {
                     let id = format!("poison-{order}");
-                    acks.push(publish_raw(&js, "orders.placed", &id, b"{not json".to_vec()).await?);
+                    let payload = br#"{"order":-1}"#.to_vec();
+                    acks.push(publish_raw(&js, "orders.placed", &id, payload).await?);
                     extra.poison += 1;
                 }
             }
