@@ -23,8 +23,11 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 /// The window of `rate` in the image (Grafana uses `$__rate_interval`).
 pub const RATE_WINDOW_SECS: f64 = 10.0;
 
-/// One query of a panel.
+/// One query of a panel. `metric` is the metric's name, `by` the labels
+/// it is summed by (each a series), `legend` the series' name, with
+/// `{{label}}` standing for a label's value.
 #[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
 pub enum Query {
     /// `sum by (<by>) (rate(<metric>{route=~"$route"}[$__rate_interval]))`
     Rate {
@@ -56,8 +59,12 @@ pub enum Query {
 /// A panel: a title, a unit (Grafana's) and its queries.
 #[derive(Debug, Clone, Copy)]
 pub struct Panel {
+    /// Its title.
     pub title: &'static str,
+    /// What its values are in (`msgs/s` and `s` become Grafana's `ops`
+    /// and `s`).
     pub unit: &'static str,
+    /// Its queries, one or more series each.
     pub queries: &'static [Query],
 }
 
