@@ -63,6 +63,10 @@ pub struct Scenario {
 enum Emit {
     /// `#[idempotent]` + `Outbox` + a `Relay` beside the router.
     Outbox,
+    /// The same, with the NOTIFY trigger disabled and the relay polling
+    /// every [`POLL_WITHOUT_NOTIFY`]: what the NOTIFY costs the handlers'
+    /// commits, and what it saves in latency.
+    OutboxPolled,
     /// Hand-written: BEGIN, INSERT, COMMIT, publish, await the PubAck, ack.
     AfterCommit,
 }
@@ -71,10 +75,14 @@ impl Emit {
     fn name(self) -> &'static str {
         match self {
             Emit::Outbox => "outbox",
+            Emit::OutboxPolled => "outbox-polled",
             Emit::AfterCommit => "after-commit",
         }
     }
 }
+
+/// The relay's poll interval in [`Emit::OutboxPolled`].
+const POLL_WITHOUT_NOTIFY: Duration = Duration::from_millis(10);
 
 /// What each output message carries.
 #[derive(Debug, Serialize, Deserialize)]
@@ -157,10 +165,11 @@ pub async fn outbox(ctx: &Context, base: &Plan, scenario: &Scenario) -> Result<R
     let (raw_before, relay, raw_after) = relay_against_raw(ctx, base, scenario).await?;
     let raw = (raw_before + raw_after) / 2.0;
     let mut runs = Vec::new();
-    for emit in [Emit::AfterCommit, Emit::Outbox] {
+    let emits = [Emit::AfterCommit, Emit::Outbox, Emit::OutboxPolled];
+    for emit in emits {
         runs.push(emitting(ctx, base, scenario, emit, Some(scenario.rate)).await?);
     }
-    for emit in [Emit::AfterCommit, Emit::Outbox] {
+    for emit in emits {
         runs.push(emitting(ctx, base, scenario, emit, None).await?);
     }
     let report = Report {
@@ -461,7 +470,16 @@ async fn emitting(
         let started = Instant::now();
         let mut tasks = Vec::new();
         match emit {
-            Emit::Outbox => {
+            Emit::Outbox | Emit::OutboxPolled => {
+                let relay = if emit == Emit::OutboxPolled {
+                    sqlx::query("ALTER TABLE idem_outbox DISABLE TRIGGER idem_outbox_notify")
+                        .execute(&db.pool)
+                        .await
+                        .map_err(|e| BenchError::failed(format!("disable NOTIFY: {e}")))?;
+                    Relay::new().poll_interval(POLL_WITHOUT_NOTIFY)
+                } else {
+                    Relay::new()
+                };
                 let route = Route::new(in_stream.clone(), format!("bench_outbox_{tag}"))
                     .filter_subject(in_subject.clone())
                     .concurrency(scenario.concurrency);
@@ -478,7 +496,7 @@ async fn emitting(
                 let relay_stop = stopped_future(stopped.clone());
                 let (nats, pool) = (ctx.consumer.clone(), db.pool.clone());
                 tasks.push(tokio::spawn(async move {
-                    Relay::new()
+                    relay
                         .run_until(nats, pool, relay_stop)
                         .await
                         .map_err(|e| BenchError::failed(format!("relay: {e}")))

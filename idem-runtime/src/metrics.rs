@@ -39,7 +39,8 @@
 //!
 //! The consumer and outbox gauges are read by one task per router every
 //! [`POLL_INTERVAL`], not per message: one consumer-info request per route
-//! and one `count(*)` of the outbox. Every router on a database reports the
+//! and one `count(*)` of the outbox; a relay also sets the outbox gauges
+//! each time it reads the lag itself. Every router on a database reports the
 //! same outbox figures (take the `max` across instances).
 //!
 //! Histograms have no buckets of their own in the facade; give an exporter
@@ -433,6 +434,14 @@ pub(crate) fn outbox_cycle(published: usize, failed: usize) {
     metrics::counter!(OUTBOX_PUBLISH_FAILURES).increment(failed as u64);
 }
 
+/// The outbox's lag, into its gauges: from the poll below, and from each
+/// relay's own reading (about once per its poll interval), so a relay that
+/// runs without a router reports it too.
+pub(crate) fn outbox_lag(lag: &crate::outbox::Lag) {
+    metrics::gauge!(OUTBOX_PENDING).set(lag.pending as f64);
+    metrics::gauge!(OUTBOX_OLDEST_AGE).set(lag.oldest.as_secs_f64());
+}
+
 /// Reads each route's consumer info and the outbox's lag every
 /// [`POLL_INTERVAL`] until shutdown, into the gauges. A read that fails
 /// leaves its gauges as they were (and is logged at debug): the next poll
@@ -451,8 +460,6 @@ pub(crate) async fn poll(
             (consumer, pending, ack_pending)
         })
         .collect();
-    let outbox_pending = metrics::gauge!(OUTBOX_PENDING);
-    let outbox_oldest = metrics::gauge!(OUTBOX_OLDEST_AGE);
     loop {
         for (consumer, pending, ack_pending) in &consumers {
             match consumer.get_info().await {
@@ -464,10 +471,7 @@ pub(crate) async fn poll(
             }
         }
         match crate::outbox::lag(&pool).await {
-            Ok(lag) => {
-                outbox_pending.set(lag.pending as f64);
-                outbox_oldest.set(lag.oldest.as_secs_f64());
-            }
+            Ok(lag) => outbox_lag(&lag),
             Err(error) => tracing::debug!(%error, "outbox lag unreadable for metrics"),
         }
         tokio::select! {

@@ -51,18 +51,24 @@
 //! **several relays**, nothing is ordered: one may take a transaction's
 //! later rows while another holds its earlier ones.
 //!
+//! # Running a relay
+//!
+//! [`Router::relay`](crate::Router::relay) runs one beside the router's
+//! handlers, stopped only after they have settled their last message; its
+//! counters and the outbox's lag are in
+//! [`RouterHandle::relay`](crate::RouterHandle::relay). A relay can also run
+//! in a process of its own ([`Relay::run_until`]), as many as you like.
+//!
 //! # What is not done yet
 //!
-//! Batch handlers (`#[idempotent(batch)]`) cannot take an [`Outbox`]; the
-//! relay's lag is in [`lag`] and in tracing, not in the router's
-//! [`Stats`](crate::Stats).
+//! Batch handlers (`#[idempotent(batch)]`) cannot take an [`Outbox`].
 
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, message::PublishMessage};
@@ -461,6 +467,8 @@ struct Counters {
     duplicates: AtomicU64,
     failed: AtomicU64,
     cycles: AtomicU64,
+    /// The last [`lag`] the relay read, and when.
+    lag: Mutex<Option<(Lag, Instant)>>,
 }
 
 impl RelayStats {
@@ -482,6 +490,14 @@ impl RelayStats {
     /// Cycles that took at least one row.
     pub fn cycles(&self) -> u64 {
         self.0.cycles.load(Ordering::Relaxed)
+    }
+
+    /// The outbox's [`lag`] as the relay last read it (about once per poll
+    /// interval while it runs), and how long ago; `None` before the first
+    /// reading. The lag counts every relay's rows, not only this one's.
+    pub fn lag(&self) -> Option<(Lag, Duration)> {
+        let reading = *self.0.lag.lock().unwrap_or_else(|e| e.into_inner());
+        reading.map(|(lag, at)| (lag, at.elapsed()))
     }
 }
 
@@ -505,6 +521,10 @@ enum Wake {
 }
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The most cycles a relay runs after it is told to stop (see
+/// [`Relay::run_until`]): a stop is not held up by a long backlog.
+pub const FINAL_CYCLES: usize = 8;
 
 impl Relay {
     /// A relay with the defaults: batches of 1024 rows, a poll every second,
@@ -558,8 +578,13 @@ impl Relay {
     }
 
     /// Runs cycles until `shutdown` completes (checked between cycles and
-    /// while waiting, never during a cycle), or a cycle dies. Database errors are logged and retried
-    /// after a backoff.
+    /// while waiting, never during a cycle), or a cycle dies. Database
+    /// errors are logged and retried after a backoff.
+    ///
+    /// When `shutdown` completes, the relay first publishes what is pending
+    /// then, in up to [`FINAL_CYCLES`] more cycles, and stops early at the
+    /// first cycle that is not full or has a failed publish (NATS away):
+    /// those rows stay for the next relay.
     pub async fn run_until(
         self,
         nats: async_nats::Client,
@@ -570,14 +595,22 @@ impl Relay {
         let mut shutdown = pin!(shutdown);
         let mut listener = None;
         let mut backoff: Option<Duration> = None;
+        let mut lag_read: Option<Instant> = None;
         loop {
+            // About once per poll interval, whether woken by notifications
+            // or by the poll: a relay kept busy by notifications still
+            // reports how far behind it is.
+            if lag_read.is_none_or(|at| at.elapsed() >= self.poll_interval) {
+                self.read_lag(&pool).await;
+                lag_read = Some(Instant::now());
+            }
             if listener.is_none() {
                 listener = listen(&pool).await;
             }
             // Drain: full batches mean more may be waiting.
             loop {
                 if futures_util::FutureExt::now_or_never(shutdown.as_mut()).is_some() {
-                    return Ok(());
+                    return self.final_cycles(&js, &pool).await;
                 }
                 match self.relay_batch(&js, &pool).await {
                     // Nothing went out: NATS is down (or no stream stores
@@ -643,12 +676,11 @@ impl Relay {
                 }
             };
             let wake = tokio::select! {
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => return self.final_cycles(&js, &pool).await,
                 wake = waited => wake,
             };
             match wake {
-                Wake::Notified => {}
-                Wake::Polled => self.trace_lag(&pool).await,
+                Wake::Notified | Wake::Polled => {}
                 Wake::ListenFailed(error) => {
                     tracing::warn!(%error, "outbox LISTEN connection failed; polling");
                     listener = None;
@@ -657,14 +689,47 @@ impl Relay {
         }
     }
 
-    async fn trace_lag(&self, pool: &PgPool) {
+    /// The cycles a stopping relay runs, so that a router's relay publishes
+    /// what its last handlers queued (see [`Relay::run_until`]).
+    async fn final_cycles(&self, js: &jetstream::Context, pool: &PgPool) -> Result<(), RelayError> {
+        for _ in 0..FINAL_CYCLES {
+            match self.relay_batch(js, pool).await {
+                Ok(cycle) if cycle.failed == 0 && cycle.taken == self.batch_size => {}
+                Ok(cycle) => {
+                    if cycle.failed > 0 {
+                        tracing::warn!(
+                            failed = cycle.failed,
+                            "outbox publishes failed while stopping; they stay pending for the next relay"
+                        );
+                    }
+                    return Ok(());
+                }
+                Err(RelayError::Database(error)) => {
+                    tracing::warn!(%error, "outbox relay cycle failed while stopping; its rows stay pending for the next relay");
+                    return Ok(());
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the outbox's lag into the stats, and traces it: at info when
+    /// a row has waited longer than a poll interval (the relays are behind,
+    /// or cannot publish), at debug otherwise.
+    async fn read_lag(&self, pool: &PgPool) {
         match lag(pool).await {
-            Ok(lag) if lag.pending > 0 => tracing::info!(
-                pending = lag.pending,
-                oldest_ms = lag.oldest.as_millis() as u64,
-                "outbox lag"
-            ),
-            Ok(_) => {}
+            Ok(lag) => {
+                *self.stats.0.lag.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some((lag, Instant::now()));
+                crate::metrics::outbox_lag(&lag);
+                let oldest_ms = lag.oldest.as_millis() as u64;
+                if lag.oldest >= self.poll_interval {
+                    tracing::info!(pending = lag.pending, oldest_ms, "outbox lag");
+                } else {
+                    tracing::debug!(pending = lag.pending, oldest_ms, "outbox lag");
+                }
+            }
             Err(error) => tracing::debug!(%error, "outbox lag unreadable"),
         }
     }

@@ -14,6 +14,7 @@ use crate::error::Error;
 use crate::handler::{Handler, IntoHandler};
 use crate::health::Health;
 use crate::heartbeat::Heartbeats;
+use crate::outbox::{Relay, RelayStats};
 use crate::pipeline::Pipeline;
 use crate::reply::{BindReply, BoundReply, ReplyRoute, Serve};
 use crate::route::Route;
@@ -50,6 +51,8 @@ pub struct Router<S = ()> {
     trigger: Trigger,
     signal: Signal,
     grace: Duration,
+    /// The outbox relay run beside the handlers, if any.
+    relay: Option<Relay>,
     #[cfg(feature = "fault-injection")]
     faults: crate::fault::FaultHooks,
 }
@@ -58,6 +61,7 @@ pub struct Router<S = ()> {
 #[derive(Debug, Clone)]
 pub struct RouterHandle {
     stats: Arc<HashMap<String, Arc<Stats>>>,
+    relay: Option<RelayStats>,
     trigger: Trigger,
 }
 
@@ -66,6 +70,13 @@ impl RouterHandle {
     /// the request route ([`ReplyRoute`]) on subject `durable`.
     pub fn stats(&self, durable: &str) -> Option<Arc<Stats>> {
         self.stats.get(durable).cloned()
+    }
+
+    /// The counters of the outbox relay run beside the router
+    /// ([`Router::relay`]), with the outbox's lag: rows pending and the age
+    /// of the oldest ([`RelayStats::lag`]). `None` without a relay.
+    pub fn relay(&self) -> Option<RelayStats> {
+        self.relay.clone()
     }
 
     /// Starts a graceful shutdown: stop pulling, finish and ack in-flight
@@ -133,6 +144,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             trigger,
             signal,
             grace: Duration::from_secs(30),
+            relay: None,
             #[cfg(feature = "fault-injection")]
             faults: Default::default(),
         }
@@ -206,6 +218,19 @@ impl<S: Send + Sync + 'static> Router<S> {
         self
     }
 
+    /// Runs `relay` beside the handlers, so that the messages they queue in
+    /// the [outbox](crate::outbox) are published. It starts once the routes
+    /// are bound and stops after they have settled their last message at
+    /// shutdown (finishing the cycle it is in), so what the last handlers
+    /// queued goes out before `run` returns, unless NATS is away: then the
+    /// rows stay in the outbox for the next start or another relay.
+    ///
+    /// Its counters and the outbox's lag are in [`RouterHandle::relay`].
+    pub fn relay(mut self, relay: Relay) -> Self {
+        self.relay = Some(relay);
+        self
+    }
+
     /// Installs fault-injection hooks (tests only).
     #[cfg(feature = "fault-injection")]
     pub fn fault_hooks(mut self, faults: crate::fault::FaultHooks) -> Self {
@@ -218,6 +243,7 @@ impl<S: Send + Sync + 'static> Router<S> {
     pub fn handle(&self) -> RouterHandle {
         RouterHandle {
             stats: Arc::new(self.stats.clone()),
+            relay: self.relay.as_ref().map(Relay::stats),
             trigger: self.trigger.clone(),
         }
     }
@@ -430,6 +456,16 @@ impl<S: Send + Sync + 'static> Router<S> {
             ));
         }
 
+        // Stopped only after the routes have settled (below), so that it
+        // publishes what their last messages queued.
+        let (stop_relay, relay_stopped) = tokio::sync::oneshot::channel::<()>();
+        let relaying = self.relay.map(|relay| {
+            tracing::info!("outbox relay started");
+            tokio::spawn(relay.run_until(nats.clone(), pool.clone(), async {
+                let _ = relay_stopped.await;
+            }))
+        });
+
         let mut stopped = self.signal.clone();
         let client_gone = tokio::select! {
             _ = shutdown => {
@@ -462,6 +498,19 @@ impl<S: Send + Sync + 'static> Router<S> {
                 abandoned,
                 "messages were abandoned at shutdown; their connections were closed, and JetStream redelivers them after ack_wait"
             );
+        }
+        let _ = stop_relay.send(());
+        if let Some(relaying) = relaying {
+            // The relay checks for the stop between cycles; a cycle in
+            // progress runs to its COMMIT (never cut short: sqlx#4393), and
+            // its publishes are bounded by the client's request timeout.
+            match relaying.await {
+                Ok(Ok(())) => tracing::info!("outbox relay stopped"),
+                Ok(Err(error)) => {
+                    tracing::error!(%error, "the outbox relay stopped; its rows stay pending for the next relay")
+                }
+                Err(error) => tracing::error!(%error, "the outbox relay task failed"),
+            }
         }
         // The final acks, and the NAKs of messages handed back, must reach the
         // server before `run` returns and the process exits. Not a database

@@ -505,6 +505,121 @@ async fn a_relay_keeps_its_rows_and_backs_off_while_nats_is_down() {
     assert_eq!(stored_ids, ids, "each stored once, in order");
 }
 
+/// The messages of `count` deposits handled by `queue_then_fail`, all
+/// succeeding, published to `subject` with ids `<prefix>-<n>`.
+async fn publish_deposits(
+    js: &jetstream::Context,
+    subject: &str,
+    out: &str,
+    prefix: &str,
+    count: i64,
+) {
+    for amount in 0..count {
+        let deposit = Deposit {
+            account: out.to_owned(),
+            amount,
+        };
+        publish(js, subject, &deposit, Some(&format!("{prefix}-{amount}"))).await;
+    }
+}
+
+#[tokio::test]
+async fn a_router_s_relay_publishes_what_its_last_messages_queued_before_run_returns() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("OBLAST", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBLAST_OUT", Duration::from_secs(120)).await;
+    // No notifications, and a poll too rare to come: once idle, the relay
+    // publishes nothing until the router stops it.
+    sqlx::query("ALTER TABLE idem_outbox DISABLE TRIGGER idem_outbox_notify")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let relay = Relay::new().poll_interval(Duration::from_secs(3600));
+    let router = Router::with_state(Queued::default())
+        .route(Route::new(&stream, "queue"), queue_then_fail)
+        .relay(relay);
+    let (handle, task) = spawn(router, nats, pool.clone());
+    let relay_stats = handle.relay().expect("the router runs a relay");
+
+    publish_deposits(&js, &subject, &out, "last", 20).await;
+    wait_all_acked(&js, &stream, "queue").await;
+    // The relay really was idle: it may have taken rows in its first cycle,
+    // at start-up, but then waited, so rows of handled messages still wait.
+    let waiting = pending_rows(&pool).await;
+    assert!(waiting > 0, "rows left for the stopping relay");
+    assert_eq!(relay_stats.published() as i64 + waiting, 20);
+    assert_eq!(stored_count(&js, &out).await, relay_stats.published());
+
+    stop(handle, task).await;
+    assert_eq!(
+        pending_rows(&pool).await,
+        0,
+        "the stopping router's relay published what its handlers queued"
+    );
+    assert_eq!(relay_stats.published(), 20);
+    let ids: HashSet<String> = stored(&js, &out)
+        .await
+        .iter()
+        .map(|m| header(m, "Nats-Msg-Id"))
+        .collect();
+    assert_eq!(ids.len(), 20, "each stored once");
+}
+
+#[tokio::test]
+async fn a_router_s_relay_reports_the_outbox_lag_in_its_handle() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject: _,
+    } = scenario("OBLAG", Duration::from_secs(120)).await;
+    let relay = Relay::new()
+        .poll_interval(Duration::from_millis(100))
+        .max_backoff(Duration::from_millis(200));
+    let router = Router::with_state(Queued::default())
+        .route(Route::new(&stream, "queue"), queue_then_fail)
+        .relay(relay);
+    let (handle, task) = spawn(router, nats, pool.clone());
+    let relay_stats = handle.relay().expect("the router runs a relay");
+
+    // No stream stores this subject yet: the rows stay pending.
+    let later = unique("OBLAG_LATER");
+    queue(&pool, "lagging", &format!("{later}.paid"), 3).await;
+    eventually(
+        "the handle shows 3 rows pending, the oldest older than 300 ms",
+        Duration::from_secs(30),
+        || async {
+            relay_stats.lag().is_some_and(|(lag, read)| {
+                lag.pending == 3
+                    && lag.oldest >= Duration::from_millis(300)
+                    && read < Duration::from_secs(1)
+            })
+        },
+    )
+    .await;
+    // The fault happened: the relay tried and failed to publish them.
+    assert!(relay_stats.failed() >= 3, "{} failed", relay_stats.failed());
+
+    create_stream(&js, &later, &format!("{later}.>"), Duration::from_secs(120)).await;
+    eventually(
+        "the handle shows the lag gone once a stream stores the subject",
+        Duration::from_secs(30),
+        || async { relay_stats.lag().is_some_and(|(lag, _)| lag.pending == 0) },
+    )
+    .await;
+    assert_eq!(relay_stats.published(), 3);
+    assert_eq!(stored_count(&js, &later).await, 3);
+    stop(handle, task).await;
+}
+
 /// A measurement, not a check: the relay's rate against pipelined raw
 /// publishes of the same messages on the same servers. Run it with
 /// `cargo test -p idem-tests --test outbox -- --ignored --nocapture relay_rate`

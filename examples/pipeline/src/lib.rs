@@ -98,25 +98,19 @@ pub async fn connect() -> Result<(async_nats::Client, sqlx::PgPool), Box<dyn std
     Ok((nats, pool))
 }
 
-/// Runs a service: its router, and an outbox relay beside it that publishes
-/// what the handlers queued, until SIGINT or SIGTERM. The relay stops after
-/// the router has settled its last message; what it leaves pending, the
-/// next start (or another replica's relay) publishes. With
-/// `IDEM_METRICS_ADDR` set, it serves `/metrics` there (see [`metrics`]).
+/// Runs a service: its router, with an outbox relay beside it that
+/// publishes what the handlers queued ([`Router::relay`]), until SIGINT or
+/// SIGTERM. The relay stops after the router has settled its last message;
+/// what it leaves pending, the next start (or another replica's relay)
+/// publishes. With `IDEM_METRICS_ADDR` set, it serves `/metrics` there (see
+/// [`metrics`]).
 pub async fn serve<S: Send + Sync + 'static>(
     router: Router<S>,
     nats: async_nats::Client,
     pool: sqlx::PgPool,
 ) -> Result<(), Box<dyn std::error::Error>> {
     metrics::install_exporter().map_err(|error| error.to_string())?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let relay = tokio::spawn(Relay::new().run_until(nats.clone(), pool.clone(), async {
-        let _ = stopped.await;
-    }));
-    let served = router.run(nats, pool).await;
-    let _ = stop.send(());
-    relay.await??;
-    Ok(served?)
+    Ok(router.relay(Relay::new()).run(nats, pool).await?)
 }
 
 /// One of the pipeline's services.
