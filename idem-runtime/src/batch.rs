@@ -77,9 +77,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     async fn run_batch(self: &Arc<Self>, messages: Vec<Message>) {
+        let _in_flight = self.metrics.in_flight(messages.len());
         let mut ready = Vec::with_capacity(messages.len());
         for message in messages {
             Stats::bump(&self.stats.received);
+            self.metrics.received();
             let Some(mut delivery) = self.delivery_of(&message).await else {
                 continue;
             };
@@ -141,6 +143,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             match result {
                 Ok(fresh) => {
                     self.stats.record_batch(ready.len());
+                    self.metrics.batch_committed(ready.len());
                     for (item, fresh) in ready.into_iter().zip(fresh) {
                         let verdict = if fresh {
                             Verdict::Processed(None)
@@ -172,6 +175,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         };
 
         Stats::bump(&self.stats.batch_fallbacks);
+        self.metrics.batch_fallback();
         tracing::warn!(%failure, size = ready.len(), "batch rolled back; running its messages one per transaction");
         for item in ready {
             // Each message settles, and its heartbeats stop, as soon as it is

@@ -54,6 +54,7 @@ mod handler;
 mod health;
 mod heartbeat;
 mod message_id;
+pub mod metrics;
 pub mod outbox;
 pub mod partition;
 mod pipeline;

@@ -810,6 +810,7 @@ impl Relay {
             Ok(lag) => {
                 *self.stats.0.lag.lock().unwrap_or_else(|e| e.into_inner()) =
                     Some((lag, Instant::now()));
+                crate::metrics::outbox_lag(&lag);
                 let oldest_ms = lag.oldest.as_millis() as u64;
                 if lag.oldest >= self.poll_interval {
                     tracing::info!(pending = lag.pending, oldest_ms, "outbox lag");
@@ -896,6 +897,7 @@ impl Relay {
         }
         tx.commit().await?;
         let duplicates = cycle.published.iter().filter(|p| p.duplicate).count();
+        crate::metrics::outbox_cycle(cycle.published.len(), cycle.failed);
         let counters = &self.stats.0;
         counters.cycles.fetch_add(1, Ordering::Relaxed);
         counters

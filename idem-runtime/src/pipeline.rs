@@ -32,6 +32,7 @@ use crate::handler::Handler;
 use crate::health::Health;
 use crate::heartbeat::{Heartbeats, Lease};
 use crate::message_id::MessageId;
+use crate::metrics::RouteMetrics;
 use crate::route::Route;
 use crate::shutdown::Signal;
 use crate::stats::Stats;
@@ -50,6 +51,8 @@ pub(crate) struct Pipeline<H, S> {
     pub(crate) handler_id: i32,
     pub(crate) health: Health,
     pub(crate) stats: Arc<Stats>,
+    /// The same events as `stats`, through the `metrics` facade.
+    pub(crate) metrics: RouteMetrics,
     pub(crate) shutdown: Signal,
     /// Whether a caller waits for each message's outcome (a request route,
     /// see `reply.rs`): a duplicate then reads the stored result, and while
@@ -143,6 +146,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// the message is settled.
     pub(crate) async fn process(self: Arc<Self>, message: Message, _slot: OwnedSemaphorePermit) {
         Stats::bump(&self.stats.received);
+        self.metrics.received();
+        let _in_flight = self.metrics.in_flight(1);
         let Some(mut delivery) = self.delivery_of(&message).await else {
             return;
         };
@@ -181,6 +186,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             Ok(delivery) => Some(delivery),
             Err(error) => {
                 Stats::bump(&self.stats.rejected);
+                self.metrics.rejected();
                 let text = format!(
                     "not a JetStream delivery ({error}): it cannot be deduplicated or redelivered"
                 );
@@ -344,6 +350,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     "the database has not answered a transaction for longer than its bounds allow; no longer waiting for it (it finishes on its own), and the message is settled as of unknown outcome"
                 );
                 Stats::bump(&self.stats.abandoned_transactions);
+                self.metrics.abandoned_transaction();
                 tokio::spawn(async move {
                     let _ = work.await;
                 });
@@ -407,6 +414,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 return verdict;
             }
             Stats::bump(&self.stats.retried_in_process);
+            self.metrics.retried();
             tracing::info!(%error, attempt = tries, "retrying at once");
             tokio::time::sleep(policy.in_process_backoff * tries).await;
             tries += 1;
@@ -568,6 +576,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         &self,
         handled: impl Future<Output = Result<T, HandlerError>>,
     ) -> Result<T, HandlerError> {
+        let _timer = self.metrics.handler_call();
         let guarded = AssertUnwindSafe(handled).catch_unwind();
         let caught = match self.route.handler_timeout {
             Some(limit) => match tokio::time::timeout(limit, guarded).await {
@@ -590,6 +599,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         outage: &mut Outage,
     ) -> bool {
         Stats::bump(&self.stats.infrastructure_errors);
+        self.metrics.infrastructure_error();
         outage.failures += 1;
         if outage.failures == 1 {
             tracing::warn!(%error, "the database could not be used; retrying at once on a checked connection");
@@ -629,6 +639,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         match verdict {
             Verdict::Processed(_) => {
                 Stats::bump(&stats.processed);
+                self.metrics.processed();
                 #[cfg(feature = "fault-injection")]
                 if self.faults.decide_after_commit(delivery)
                     == crate::fault::AfterCommit::DropWithoutAck
@@ -639,16 +650,19 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 }
                 lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
+                self.metrics.acked_processed(delivery.stored_at());
                 tracing::debug!("processed");
             }
             Verdict::Duplicate | Verdict::Replayed(_) => {
                 lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
                 Stats::bump(&stats.duplicates);
+                self.metrics.duplicate();
                 tracing::info!("already processed; acked without running the handler");
             }
             Verdict::Failed(error) => {
                 Stats::bump(&stats.failed);
+                self.metrics.failed();
                 let class = error.class();
                 let text = error.to_string();
                 if matches!(
@@ -669,6 +683,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
             Verdict::CommitUnknown(error) => {
                 Stats::bump(&stats.commit_failed);
+                self.metrics.commit_unknown();
                 let delay = retry.nak_delay(delivery.delivered());
                 lease.end().await;
                 ack::nak(message, delay).await;
@@ -676,6 +691,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
             Verdict::Rejected(error) => {
                 Stats::bump(&stats.rejected);
+                self.metrics.rejected();
                 let failure = match error {
                     RejectedMessage::Decode(_) => Failure::Undecodable,
                     RejectedMessage::MessageId(_) => Failure::BadMessageId,
@@ -741,6 +757,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 Err(publish_error) => publish_error,
             };
             Stats::bump(&self.stats.dead_letter_failed);
+            self.metrics.dead_letter_publish_failed();
             attempt += 1;
             let delay = self.route.retry.hold_delay(attempt);
             tracing::error!(
@@ -767,6 +784,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             ack::term(message).await;
         }
         Stats::bump(&self.stats.dead_lettered);
+        self.metrics.dead_lettered(failure);
         tracing::error!(
             failure = failure.as_str(),
             error,

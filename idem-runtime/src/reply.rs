@@ -343,6 +343,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> BindReply for BoundReply<H, S> {
             handler_id: serve.handler_id,
             health: Health::new(),
             stats: self.stats,
+            metrics: crate::metrics::RouteMetrics::new(&self.route.subject),
             shutdown: serve.shutdown.clone(),
             answers: true,
             copy_spread: None,
@@ -476,8 +477,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// Answers one request. `_slot` is the concurrency permit.
     async fn answer(self: Arc<Self>, request: async_nats::Message, _slot: OwnedSemaphorePermit) {
         Stats::bump(&self.stats.received);
+        self.metrics.received();
+        let _in_flight = self.metrics.in_flight(1);
         let Some(reply) = request.reply.clone() else {
             Stats::bump(&self.stats.rejected);
+            self.metrics.rejected();
             tracing::warn!(
                 subject = %request.subject,
                 "a message without a reply subject is not a request; dropped"
@@ -496,6 +500,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             let answer = match self.prepare_request(&request) {
                 Err(rejected) => {
                     Stats::bump(&self.stats.rejected);
+                    self.metrics.rejected();
                     tracing::warn!(error = %rejected, "request rejected");
                     Answer::error(ErrorClass::Permanent, rejected.to_string())
                 }
@@ -510,6 +515,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     {
                         tracing::warn!("fault injection: committed but not replying");
                         Stats::bump(&self.stats.processed);
+                        self.metrics.processed();
                         Stats::bump(&self.stats.dropped_by_fault);
                         return;
                     }
@@ -555,16 +561,19 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         match verdict {
             Verdict::Processed(result) => {
                 Stats::bump(&stats.processed);
+                self.metrics.processed();
                 tracing::debug!("processed; replying");
                 Answer::Value(result.unwrap_or_default())
             }
             Verdict::Replayed(Some(result)) => {
                 Stats::bump(&stats.duplicates);
+                self.metrics.duplicate();
                 tracing::info!("processed before; replying with the stored result");
                 Answer::Value(result.unwrap_or_default())
             }
             Verdict::Replayed(None) => {
                 Stats::bump(&stats.duplicates);
+                self.metrics.duplicate();
                 tracing::warn!("processed before, but its claim has expired since");
                 Answer::error(
                     ErrorClass::Permanent,
@@ -573,12 +582,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
             Verdict::Failed(error) => {
                 Stats::bump(&stats.failed);
+                self.metrics.failed();
                 let class = error.class();
                 tracing::warn!(%error, ?class, "request failed; rolled back");
                 Answer::error(class, error.to_string())
             }
             Verdict::CommitUnknown(error) => {
                 Stats::bump(&stats.commit_failed);
+                self.metrics.commit_unknown();
                 tracing::warn!(%error, "COMMIT failed with an unknown outcome");
                 Answer::error(
                     ErrorClass::Transient,
@@ -590,12 +601,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
             Verdict::Rejected(error) => {
                 Stats::bump(&stats.rejected);
+                self.metrics.rejected();
                 Answer::error(ErrorClass::Permanent, error.to_string())
             }
             // A request is delivered once (never past a limit), and is
             // answered, not held, while the database is away.
             Verdict::Duplicate | Verdict::Exhausted | Verdict::Interrupted => {
                 Stats::bump(&stats.failed);
+                self.metrics.failed();
                 Answer::error(
                     ErrorClass::Transient,
                     "the request could not be processed now; send it again",

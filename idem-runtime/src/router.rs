@@ -402,6 +402,17 @@ impl<S: Send + Sync + 'static> Router<S> {
         // between messages (see connections.rs).
         let routes = bound.len() + serving.len();
         let share = (pool.options().get_max_connections() as usize / routes.max(1)).max(1);
+        // The consumers' and the outbox's gauges, polled beside the routes;
+        // the task ends by itself at shutdown.
+        crate::metrics::describe();
+        let polled = bound
+            .iter()
+            .map(|(route, consumer, ..)| (route.route().durable.clone(), consumer.clone()));
+        tokio::spawn(crate::metrics::poll(
+            polled.collect(),
+            pool.clone(),
+            self.signal.clone(),
+        ));
         let mut running = JoinSet::new();
         for (route, consumer, advisories, copy_spread) in bound {
             tracing::info!(
@@ -717,6 +728,7 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
     start: Start,
 ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
     let begin = Begin::new(route.handler_timeout, start.check_client_connection);
+    let metrics = crate::metrics::RouteMetrics::new(&route.durable);
     let heartbeats = Heartbeats::start(start.nats.clone(), route.heartbeat_interval());
     let pipeline = Arc::new(Pipeline {
         route,
@@ -729,6 +741,7 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
         handler_id: start.handler_id,
         health: Health::new(),
         stats,
+        metrics,
         shutdown: start.shutdown.clone(),
         answers: false,
         copy_spread: start.copy_spread,

@@ -162,7 +162,8 @@ pub(crate) async fn watch<S: Send + Sync + 'static, H: Handler<S>>(
                     .await
                     .unwrap_or_else(|panic| {
                         Err(format!("it panicked: {}", crate::pipeline::panic_text(&*panic)).into())
-                    }),
+                    })
+                    .inspect(|()| pipeline.metrics.dead_lettered(Failure::Undeliverable)),
                 Err(error) => {
                     tracing::error!(%error, route = route.durable, "unreadable MAX_DELIVERIES advisory; dropped");
                     Ok(())

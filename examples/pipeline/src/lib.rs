@@ -20,7 +20,9 @@
 //! `src/bin/pipeline-demo.rs`; `tests/tests/pipeline.rs` runs the same
 //! routers in-process.
 
+pub mod dashboard;
 pub mod demo;
+pub mod metrics;
 pub mod orders;
 pub mod payments;
 pub mod report;
@@ -117,13 +119,40 @@ pub async fn connect() -> Result<(async_nats::Client, sqlx::PgPool), Box<dyn std
 /// publishes what the handlers queued ([`Router::relay`]), until SIGINT or
 /// SIGTERM. The relay stops after the router has settled its last message;
 /// what it leaves pending, the next start (or another replica's relay)
-/// publishes.
+/// publishes. With `IDEM_METRICS_ADDR` set, it serves `/metrics` there (see
+/// [`metrics`]).
 pub async fn serve<S: Send + Sync + 'static>(
     router: Router<S>,
     nats: async_nats::Client,
     pool: sqlx::PgPool,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    metrics::install_exporter().map_err(|error| error.to_string())?;
     let relay = Relay::new();
     report::start(router.handle(), relay.stats());
     Ok(router.relay(relay).run(nats, pool).await?)
+}
+
+/// One of the pipeline's services.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    /// `orders`: [`orders::router`].
+    Orders,
+    /// `payments`: [`payments::router`].
+    Payments,
+}
+
+/// What each service's binary does: connect, install its schema, and
+/// [`serve`] until SIGINT or SIGTERM.
+pub async fn run(service: Service) -> Result<(), Box<dyn std::error::Error>> {
+    let (nats, pool) = connect().await?;
+    match service {
+        Service::Orders => {
+            orders::migrate(&pool).await?;
+            serve(orders::router(), nats, pool).await
+        }
+        Service::Payments => {
+            payments::migrate(&pool).await?;
+            serve(payments::router(), nats, pool).await
+        }
+    }
 }

@@ -1,11 +1,8 @@
 //! The orders service: `NATS_URL=.. DATABASE_URL=.. orders`, until SIGINT or
-//! SIGTERM. See the library docs for the pipeline it belongs to.
-
-use pipeline_example::{connect, orders, serve};
+//! SIGTERM; `IDEM_METRICS_ADDR=host:port` serves `/metrics`. See the library
+//! docs for the pipeline it belongs to.
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (nats, pool) = connect().await?;
-    orders::migrate(&pool).await?;
-    serve(orders::router(), nats, pool).await
+    pipeline_example::run(pipeline_example::Service::Orders).await
 }

@@ -1,11 +1,8 @@
 //! The payments service: `NATS_URL=.. DATABASE_URL=.. payments`, until SIGINT
-//! or SIGTERM. See the library docs for the pipeline it belongs to.
-
-use pipeline_example::{connect, payments, serve};
+//! or SIGTERM; `IDEM_METRICS_ADDR=host:port` serves `/metrics`. See the
+//! library docs for the pipeline it belongs to.
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (nats, pool) = connect().await?;
-    payments::migrate(&pool).await?;
-    serve(payments::router(), nats, pool).await
+    pipeline_example::run(pipeline_example::Service::Payments).await
 }
