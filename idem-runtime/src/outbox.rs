@@ -581,7 +581,7 @@ impl RelayStats {
     }
 
     /// The outbox's [`lag`] as the relay last read it (about once per poll
-    /// interval while it runs), and how long ago; `None` before the first
+    /// interval, at most once a second, while it runs), and how long ago; `None` before the first
     /// reading. The lag counts every relay's rows, not only this one's.
     pub fn lag(&self) -> Option<(Lag, Duration)> {
         let reading = *self.0.lag.lock().unwrap_or_else(|e| e.into_inner());
@@ -609,6 +609,10 @@ enum Wake {
 }
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The shortest time between two readings of the [`lag`] by a relay (a
+/// `count(*)` of the outbox), however short its poll interval.
+const LAG_READ_EVERY: Duration = Duration::from_secs(1);
 
 /// The most cycles a relay runs after it is told to stop (see
 /// [`Relay::run_until`]): a stop is not held up by a long backlog.
@@ -688,7 +692,7 @@ impl Relay {
             // About once per poll interval, whether woken by notifications
             // or by the poll: a relay kept busy by notifications still
             // reports how far behind it is.
-            if lag_read.is_none_or(|at| at.elapsed() >= self.poll_interval) {
+            if lag_read.is_none_or(|at| at.elapsed() >= self.poll_interval.max(LAG_READ_EVERY)) {
                 self.read_lag(&pool).await;
                 lag_read = Some(Instant::now());
             }
@@ -846,7 +850,8 @@ impl Relay {
         // Send every publish, then await the PubAcks: one round trip's wait
         // for the whole batch.
         let mut in_flight = Vec::with_capacity(rows.len());
-        for (id, msg_id, subject, payload, headers) in rows {
+        let taken = rows.len();
+        for (sent, (id, msg_id, subject, payload, headers)) in rows.into_iter().enumerate() {
             let publish = PublishMessage::build()
                 .payload(Bytes::from(payload))
                 .headers(headers_from_json(headers))
@@ -854,8 +859,12 @@ impl Relay {
             match js.send_publish(subject.clone(), publish).await {
                 Ok(ack) => in_flight.push((id, msg_id, subject, ack)),
                 Err(error) => {
-                    tracing::warn!(%error, msg_id, subject, "outbox publish not sent");
-                    cycle.failed += 1;
+                    // The client could not even queue it (disconnected, its
+                    // buffer full): each further send would wait out its own
+                    // timeout, so the rest stay pending for the next cycle.
+                    tracing::warn!(%error, msg_id, subject, "outbox publish not sent; the rest of the batch waits");
+                    cycle.failed += taken - sent;
+                    break;
                 }
             }
         }

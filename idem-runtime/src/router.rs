@@ -333,12 +333,15 @@ impl<S: Send + Sync + 'static> Router<S> {
             .map(|bound| bound.route().concurrency)
             .chain(self.replies.iter().map(|reply| reply.route().concurrency))
             .sum();
+        // A relay holds its LISTEN connection and takes one per cycle.
+        let relay_connections = if self.relay.is_some() { 2 } else { 0 };
         let pool_size = pool.options().get_max_connections() as usize;
-        if pool_size < in_flight {
+        if pool_size < in_flight + relay_connections {
             tracing::warn!(
                 pool_size,
                 in_flight,
-                "the pool has fewer connections than the routes' messages (or batches) in flight; messages wait for connections, and a wait past the pool's acquire timeout holds them as if the database were away"
+                relay_connections,
+                "the pool has fewer connections than the routes' messages (or batches) in flight plus the outbox relay's; messages wait for connections, and a wait past the pool's acquire timeout holds them as if the database were away"
             );
         }
         schema::verify(&pool).await?;
@@ -502,15 +505,21 @@ impl<S: Send + Sync + 'static> Router<S> {
         }
         let _ = stop_relay.send(());
         if let Some(relaying) = relaying {
-            // The relay checks for the stop between cycles; a cycle in
-            // progress runs to its COMMIT (never cut short: sqlx#4393), and
-            // its publishes are bounded by the client's request timeout.
-            match relaying.await {
-                Ok(Ok(())) => tracing::info!("outbox relay stopped"),
-                Ok(Err(error)) => {
+            // The relay checks for the stop between cycles, and a cycle in
+            // progress runs to its COMMIT (never cut short: sqlx#4393). A
+            // cycle can outlast the grace period (its database away, its
+            // PubAcks timing out): then it is left to finish on its own,
+            // not cancelled, and what it did not delete stays pending.
+            match tokio::time::timeout(self.grace, relaying).await {
+                Ok(Ok(Ok(()))) => tracing::info!("outbox relay stopped"),
+                Ok(Ok(Err(error))) => {
                     tracing::error!(%error, "the outbox relay stopped; its rows stay pending for the next relay")
                 }
-                Err(error) => tracing::error!(%error, "the outbox relay task failed"),
+                Ok(Err(error)) => tracing::error!(%error, "the outbox relay task failed"),
+                Err(_) => tracing::warn!(
+                    grace_ms = self.grace.as_millis() as u64,
+                    "the outbox relay did not stop within the grace period; left to finish its cycle, its rows stay pending for the next relay"
+                ),
             }
         }
         // The final acks, and the NAKs of messages handed back, must reach the

@@ -108,8 +108,11 @@ pub async fn connect() -> Result<(async_nats::Client, sqlx::PgPool), Box<dyn std
         })
         .connect(env("NATS_URL")?)
         .await?;
+    // Each service runs 2 routes of 8 messages in flight, a relay (2
+    // connections) and the metrics poll: fewer would leave messages waiting
+    // for connections, up to the pool's acquire timeout.
     let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(10)
+        .max_connections(20)
         .connect(&env("DATABASE_URL")?)
         .await?;
     Ok((nats, pool))
