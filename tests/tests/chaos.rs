@@ -113,6 +113,7 @@ mod network;
 #[path = "chaos/worker.rs"]
 mod worker;
 
+use idem_tests::seeded::{Rng, env_or};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -169,51 +170,6 @@ impl Expected {
             messages,
             sum,
             balances,
-        }
-    }
-}
-
-/// Reads `name` from the environment, or `default`.
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(value) => value
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={value:?} does not parse")),
-        Err(_) => default,
-    }
-}
-
-/// A small seeded generator (SplitMix64) for the fault schedule, so that a
-/// failed run can be replayed with the seed it printed.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn between(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next_u64() % (hi - lo + 1)
-    }
-
-    fn millis(&mut self, lo: u64, hi: u64) -> Duration {
-        Duration::from_millis(self.between(lo, hi))
-    }
-
-    /// One of `items`, uniformly.
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.between(0, items.len() as u64 - 1) as usize]
-    }
-
-    /// Fisher-Yates.
-    fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            items.swap(i, self.between(0, i as u64) as usize);
         }
     }
 }

@@ -81,6 +81,7 @@
 #[path = "pipeline_chaos/service.rs"]
 mod service;
 
+use idem_tests::seeded::{Rng, env_or};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -111,34 +112,6 @@ const HANDLERS: [&str; 3] = [
     "payments.charge.v1",
     "orders.mark-paid.v1",
 ];
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(value) => value
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={value:?} does not parse")),
-        Err(_) => default,
-    }
-}
-
-/// A small seeded generator (SplitMix64), so that a failed run's schedule
-/// can be replayed with the seed it printed.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n`.
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-}
 
 /// What a kill aims at.
 #[derive(Debug, Clone, Copy, PartialEq)]
