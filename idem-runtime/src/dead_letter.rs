@@ -485,9 +485,9 @@ impl ReplayOptions {
     /// Replay a dead letter that records no message id: it gets a new one,
     /// so nothing can tell it from a message never processed. Only for dead
     /// letters you know were not processed. The new id is the dead letter's
-    /// own (`<dead-letter stream>:<sequence>`), so replaying the same dead
-    /// letter again (a retried bulk replay) is still dropped by JetStream's
-    /// window and skipped by the claim.
+    /// own (`idem-replay:<dead-letter stream>:<sequence>:<its storage time>`),
+    /// so replaying the same dead letter again (a retried bulk replay) is
+    /// still dropped by JetStream's window and skipped by the claim.
     pub fn allow_new_message_id(mut self) -> Self {
         self.allow_new_message_id = true;
         self
@@ -573,14 +573,19 @@ pub async fn replay_with(
         }
     }
     let replayed_from = format!("{dead_letter_stream}:{sequence}");
-    // Without the original's id (allowed by the options), the dead letter's
-    // own: a second replay of it is then a duplicate, not a new message.
+    // Without the original's id (allowed by the options), one of the dead
+    // letter's own: a second replay of it is then a duplicate, not a new
+    // message. Its storage time keeps it apart from the dead letter that
+    // takes the same sequence in a recreated stream.
     let replay_id = if message_id.is_empty() {
-        replayed_from.as_str()
+        format!(
+            "idem-replay:{replayed_from}:{}",
+            stored.time.unix_timestamp_nanos()
+        )
     } else {
-        message_id.as_str()
+        message_id.clone()
     };
-    headers.insert(NATS_MESSAGE_ID, replay_id);
+    headers.insert(NATS_MESSAGE_ID, replay_id.as_str());
     headers.insert(REPLAYED_FROM, replayed_from.as_str());
     // Should the replay be dead-lettered too, its dead letter keeps the
     // original's storage time, which the claim's age is measured from.

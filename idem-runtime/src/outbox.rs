@@ -75,7 +75,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, message::PublishMessage};
+use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
 use bytes::Bytes;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
@@ -858,8 +858,14 @@ impl Relay {
                 .message_id(&msg_id);
             match js.send_publish(subject.clone(), publish).await {
                 Ok(ack) => in_flight.push((id, msg_id, subject, ack)),
+                // This row can never be sent (too big for the server): it
+                // stays pending, in the lag, and the rest go on.
+                Err(error) if error.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                    tracing::error!(%error, msg_id, subject, "outbox message too big to publish; it stays pending");
+                    cycle.failed += 1;
+                }
                 Err(error) => {
-                    // The client could not even queue it (disconnected, its
+                    // The client could not queue it (disconnected, its
                     // buffer full): each further send would wait out its own
                     // timeout, so the rest stay pending for the next cycle.
                     tracing::warn!(%error, msg_id, subject, "outbox publish not sent; the rest of the batch waits");

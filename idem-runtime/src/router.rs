@@ -212,7 +212,9 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// transaction, sqlx#4393), never returned to the pool, and the pool
     /// itself, which is the application's, stays open. Their messages are
     /// redelivered after ack_wait, and the claim keeps them to one effect.
-    /// `run` returns within the grace period plus a few seconds.
+    /// `run` returns within the grace period plus a few seconds; with a
+    /// [relay](Router::relay), which then gets a grace period of its own to
+    /// stop, within twice that.
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
         self

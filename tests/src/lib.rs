@@ -53,6 +53,7 @@ pub mod fault_proxy;
 mod nats;
 mod postgres;
 mod process;
+pub use process::die_with_test;
 pub mod seeded;
 
 use std::future::Future;

@@ -59,28 +59,8 @@ impl ServerProcess {
             .unwrap_or_else(|e| panic!("cannot open the {name} log {}: {e}", log.display()));
         let log_start = out.metadata().map(|m| m.len()).unwrap_or(0);
         let err = out.try_clone().expect("dup log file descriptor");
-        let parent = std::process::id() as libc::pid_t;
         cmd.stdin(Stdio::null()).stdout(out).stderr(err);
-        // SAFETY: the closure runs between fork and exec and only calls the
-        // async-signal-safe functions prctl, getppid and _exit.
-        unsafe {
-            cmd.pre_exec(move || {
-                // Drop does not run when the test process is killed (a nextest
-                // timeout, Ctrl-C, SIGKILL). Let the kernel kill the server
-                // then, so no server outlives its test. It runs after std's
-                // setuid, which would otherwise clear it. The signal fires
-                // when the spawning *thread* exits; we spawn from the test's
-                // runtime threads (never spawn_blocking), which outlive it.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // The parent may have died before prctl took effect.
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
+        die_with_test(&mut cmd);
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name} ({cmd:?}): {e}"));
@@ -331,5 +311,31 @@ fn lookup_user(name: &str) -> Option<(u32, u32)> {
             &mut result,
         );
         (rc == 0 && !result.is_null()).then_some((pwd.pw_uid, pwd.pw_gid))
+    }
+}
+
+/// Makes the process `cmd` starts die with the test that starts it.
+///
+/// Drop does not run when the test process is killed (a nextest timeout,
+/// Ctrl-C, SIGKILL), so the kernel kills the child then (`PR_SET_PDEATHSIG`),
+/// and no server or worker outlives its test. The signal fires when the
+/// spawning *thread* exits: spawn from the test's own thread or runtime
+/// threads (never `spawn_blocking`), which outlive the child.
+pub fn die_with_test(cmd: &mut Command) {
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs between fork and exec and only calls the
+    // async-signal-safe functions prctl, getppid and _exit.
+    unsafe {
+        cmd.pre_exec(move || {
+            // After std's setuid, which would otherwise clear it.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent may have died before prctl took effect.
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
     }
 }

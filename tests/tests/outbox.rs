@@ -734,6 +734,72 @@ async fn a_batch_handler_queues_each_message_s_ids_and_its_fallback_queues_the_s
     assert_eq!(pending_rows(&pool).await, 0);
 }
 
+#[tokio::test]
+async fn a_row_too_big_to_publish_stays_pending_and_does_not_block_the_rows_after_it() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        ..
+    } = scenario("OBBIG", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBBIG_OUT", Duration::from_secs(120)).await;
+    let max_payload = nats.server_info().max_payload;
+    let subject = format!("{out}.big");
+    let mut tx = pool.begin().await.unwrap();
+    let too_big = vec![b'x'; max_payload + 1];
+    outbox::enqueue(
+        &mut tx,
+        "big-0",
+        &subject,
+        &too_big,
+        &async_nats::HeaderMap::new(),
+    )
+    .await
+    .unwrap();
+    for n in 1..=3 {
+        outbox::enqueue(
+            &mut tx,
+            &format!("big-{n}"),
+            &subject,
+            b"{}",
+            &async_nats::HeaderMap::new(),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    let relay = Relay::new().poll_interval(Duration::from_millis(100));
+    let stats = relay.stats();
+    let (stop_sender, task) = spawn_relay(relay, nats, pool.clone());
+    eventually(
+        "the three rows after the big one are published",
+        Duration::from_secs(30),
+        || async { stored_count(&js, &out).await == 3 },
+    )
+    .await;
+    // The fault happened: the big row's publish failed, again and again.
+    eventually(
+        "the big row failed twice",
+        Duration::from_secs(30),
+        || async { stats.failed() >= 2 },
+    )
+    .await;
+    stop_relay(stop_sender, task).await;
+    assert_eq!(
+        pending_rows(&pool).await,
+        1,
+        "the big row stays pending, in the lag"
+    );
+    let ids: Vec<String> = stored(&js, &out)
+        .await
+        .iter()
+        .map(|m| header(m, "Nats-Msg-Id"))
+        .collect();
+    assert_eq!(ids, ["big-1", "big-2", "big-3"]);
+}
+
 /// A measurement, not a check: the relay's rate against pipelined raw
 /// publishes of the same messages on the same servers. Run it with
 /// `cargo test -p idem-tests --test outbox -- --ignored --nocapture relay_rate`

@@ -3,8 +3,8 @@
 //! commit before its ack, SIGKILL or SIGTERM it.
 
 use std::collections::HashSet;
-use std::io::{self, BufRead, BufReader, Write};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
@@ -152,23 +152,7 @@ impl Worker {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr);
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: between fork and exec we only call prctl, getppid and
-        // _exit, which are async-signal-safe.
-        unsafe {
-            cmd.pre_exec(move || {
-                // Drop does not run if the test process is killed (a nextest
-                // timeout); let the kernel kill the worker then. It fires when
-                // the spawning thread exits: the test's own thread.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
+        idem_tests::die_with_test(&mut cmd);
         let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start the chaos worker: {e}"));

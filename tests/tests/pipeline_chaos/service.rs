@@ -3,8 +3,8 @@
 //! `PIPELINE_REPORT_MS` set, read the counters it prints (see
 //! `pipeline_example::report`), freeze it (SIGSTOP), SIGKILL or SIGTERM it.
 
-use std::io::{self, BufRead, BufReader};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
@@ -170,22 +170,7 @@ impl Service {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr);
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: between fork and exec only prctl, getppid and _exit run,
-        // which are async-signal-safe.
-        unsafe {
-            cmd.pre_exec(move || {
-                // Drop does not run if the test process is killed (a nextest
-                // timeout): let the kernel kill the service then.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
+        idem_tests::die_with_test(&mut cmd);
         let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {app}: {e}"));
