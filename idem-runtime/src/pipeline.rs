@@ -54,11 +54,12 @@ pub(crate) struct Pipeline<H, S> {
     /// The same events as `stats`, through the `metrics` facade.
     pub(crate) metrics: RouteMetrics,
     pub(crate) shutdown: Signal,
-    /// Whether a caller waits for each message's outcome (a request route,
-    /// see `reply.rs`): a duplicate then reads the stored result, and while
+    /// Set when a caller waits for each message's outcome (a request route,
+    /// see `reply.rs`): a duplicate then reads the stored result, while
     /// the database cannot be used a message is answered with an error
-    /// after one more try instead of being held.
-    pub(crate) answers: bool,
+    /// after one more try instead of being held, and claims are keyed
+    /// under the route's name rather than the handler's.
+    pub(crate) answers: Option<crate::reply::Answers>,
     /// How far apart copies of one message can be stored, where the route
     /// declares it (its publisher-retry horizon, see the retention floor):
     /// then a claim needs to probe only the generations that can hold an
@@ -397,7 +398,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 return verdict;
             };
             if error.is_infrastructure() {
-                if self.answers && outage.failures > 0 {
+                if self.answers.is_some() && outage.failures > 0 {
                     Stats::bump(&self.stats.infrastructure_errors);
                     return verdict;
                 }
@@ -437,7 +438,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // Processed before. (If the ROLLBACK fails, the connection is
             // closed on drop.)
             let ended = transaction::end_failed_claim(&mut connection).await;
-            if !self.answers {
+            if self.answers.is_none() {
                 if ended.is_ok() {
                     connection.keep();
                 }
@@ -471,10 +472,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             )
             .await;
         // A value goes into the claim's row before COMMIT; `()` costs nothing.
+        // A reply too large to send is refused first (see reply.rs).
         let outcome = match outcome {
-            Ok(Some(result)) => crate::results::store(&mut tx, &key, &result)
-                .await
-                .map(|()| Some(result)),
+            Ok(Some(result)) => match self.check_reply_size(&result) {
+                Ok(()) => crate::results::store(&mut tx, &key, &result)
+                    .await
+                    .map(|()| Some(result)),
+                Err(error) => Err(error),
+            },
             other => other,
         };
         match outcome {
@@ -506,9 +511,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         }
     }
 
-    /// The key `delivery`'s message is claimed by.
+    /// The key `delivery`'s message is claimed by: under the handler's
+    /// name, or a request route's own name (see `reply.rs`).
     pub(crate) fn claim_key(&self, delivery: &Delivery) -> String {
-        crate::claim::key(self.handler.name(), delivery.message_id().as_str())
+        let claims_under = self
+            .answers
+            .as_ref()
+            .map_or(self.handler.name(), |answers| answers.claims_under.as_str());
+        crate::claim::key(claims_under, delivery.message_id().as_str())
     }
 
     fn claim<'k>(&self, key: &'k str, delivery: &Delivery) -> transaction::Claim<'k> {

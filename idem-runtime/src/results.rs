@@ -19,8 +19,10 @@
 //! gets the first reply again without running the body (see
 //! [`ReplyRoute`](crate::ReplyRoute)). A stored result lives exactly as long
 //! as its claim: it is in the claim's row, so the route's retention
-//! (`Route::retention`) expires both together, and a claim kept forever
-//! keeps its result forever.
+//! (`Route::retention`, `ReplyRoute::retention`) expires both together, and
+//! a claim kept forever keeps its result forever. A reply route refuses,
+//! before COMMIT, a value too large to be sent as a reply (see
+//! [`ReplyRoute`](crate::ReplyRoute)), so it never stores one.
 
 use bytes::Bytes;
 use sqlx::{PgConnection, PgPool, PgTransaction};
@@ -30,7 +32,10 @@ use crate::error::HandlerError;
 use crate::failure::ErrorClass;
 
 /// The result stored for `message_id` by the handler named `handler`: the
-/// bytes its codec encoded (for JSON, the JSON text).
+/// bytes its codec encoded (for JSON, the JSON text). For a reply route,
+/// whose claims are keyed under the route's name rather than its
+/// handler's, pass [`ReplyRoute::dedup_name`](crate::ReplyRoute::dedup_name)
+/// (`reply:` and the route's name) as `handler`.
 ///
 /// `None` if the message was not processed (or its claim has expired), or
 /// was processed by a handler that returns `()`. It reads committed claims

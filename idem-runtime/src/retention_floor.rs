@@ -123,6 +123,42 @@
 //! assert!(floor.to_string().ends_with("floor = 0 + max(31m 13.2s, 7d) = 7d"), "{floor}");
 //! ```
 //!
+//! # Reply routes
+//!
+//! A request ([`ReplyRoute`](crate::ReplyRoute)) is not stored anywhere:
+//! it comes back only when its client sends it again, with the same id.
+//! Its floor has two terms, computed by the same function, from the same
+//! transaction bound:
+//!
+//! 1. **Client retries.** A client sends a request first, and its claim is
+//!    stamped when a worker's transaction for it begins, after that. The
+//!    *client-retry horizon*
+//!    ([`ReplyRoute::client_retry_horizon`](crate::ReplyRoute::client_retry_horizon),
+//!    1 h unless declared) bounds how long after its first send a client
+//!    may still send it again.
+//! 2. **The retry's wait in the worker.** A retry waits for one of the
+//!    route's `concurrency` slots behind requests in flight, each of which
+//!    holds its slot at most one transaction's longest run, `3 ×
+//!    handler_timeout` (the claim, one handler call, COMMIT). Its own
+//!    claim may then wait on an attempt of the same request that is still
+//!    running; that attempt's claim, once committed, lives a retention
+//!    from then, so that wait costs nothing. Without a handler timeout the
+//!    wait has no bound ([`Unbounded::HandlerTimeout`]).
+//!
+//! ```text
+//! floor = client-retry horizon + 3 × handler_timeout
+//! ```
+//!
+//! The purge keeps a claim for at least the retention after its stamp, and
+//! after its COMMIT (a generation is sealed only once every transaction that
+//! wrote into it has ended): the generations add time, never take it away,
+//! so the floor counts nothing for them. With the defaults (horizon 1 h,
+//! handler timeout 30 s) the floor is 1h 1m 30s, under the default
+//! retention of a day ([`ReplyRoute::retention`](crate::ReplyRoute::retention)).
+//! Not covered: a retry queued behind more than one round of requests in
+//! flight (a backlog deeper than `concurrency`), or a client that retries
+//! past the horizon it declared: it runs the request again.
+//!
 //! # Not covered
 //!
 //! - A message *held* while the database cannot be used (see the README's
@@ -304,6 +340,10 @@ pub struct RetentionFloor {
     copies: Value,
     floor: Option<Duration>,
     unbounded: Vec<Unbounded>,
+    /// A reply route's floor (see [Reply routes](self#reply-routes)): the
+    /// publisher-copies term is then the client-retry horizon, and the
+    /// claiming transaction the retry's wait in the worker.
+    requests: bool,
 }
 
 /// Computes the retention floor of `inputs`. Pure: the same inputs give the
@@ -381,7 +421,42 @@ pub(crate) fn compute(inputs: Inputs) -> RetentionFloor {
         copies,
         floor,
         unbounded,
+        requests: false,
     }
+}
+
+/// The retention floor of a reply route whose handler timeout is
+/// `handler_timeout`, whose clients retry for up to `horizon`, and which
+/// accepts the unbounded terms in `accepted` (see
+/// [Reply routes](self#reply-routes)). The same computation as a JetStream
+/// route's, with no redeliveries and no stream: the retry's wait is the
+/// claiming-transaction term, the horizon the copies term.
+pub(crate) fn for_requests(
+    handler_timeout: Option<Duration>,
+    horizon: Duration,
+    accepted: &[Unbounded],
+) -> RetentionFloor {
+    let mut accepted = accepted.to_vec();
+    // A request is stored nowhere: no max_age to wait out.
+    accepted.push(Unbounded::StreamMaxAge);
+    let mut floor = compute(Inputs {
+        ack_wait: Duration::ZERO,
+        max_deliver: 1,
+        // Delivered once: no redelivery follows.
+        server_max_deliver: 1,
+        nak_delays: Vec::new(),
+        jitter: 0.0,
+        handler_timeout,
+        batch: 1,
+        max_age: Duration::ZERO,
+        // No duplicate window drops a client's retry: the whole horizon
+        // counts.
+        duplicate_window: Duration::ZERO,
+        publisher_retry_horizon: Some(horizon),
+        accepted,
+    });
+    floor.requests = true;
+    floor
 }
 
 /// `duration × n`, or [`Duration::MAX`] if that is longer.
@@ -507,8 +582,43 @@ impl RetentionFloor {
     }
 }
 
+impl RetentionFloor {
+    /// A reply route's floor, term by term.
+    fn fmt_requests(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let horizon = self.inputs.publisher_retry_horizon.unwrap_or_default();
+        write!(
+            f,
+            "client retries: horizon {} (`ReplyRoute::client_retry_horizon`, from the client's first send) + the retry's wait in the worker, behind requests in flight: ",
+            Human(horizon)
+        )?;
+        match self.transaction {
+            Value::Bounded(transaction) => write!(
+                f,
+                "one transaction's longest run (claim wait, 1 handler call, COMMIT) 3 × handler_timeout {} = {}",
+                Human(self.inputs.handler_timeout.unwrap_or_default()),
+                Human(transaction)
+            )?,
+            Value::Accepted(_) => f.write_str("no handler timeout, accepted, counted 0")?,
+            Value::Unbounded(_) => f.write_str("no handler timeout, unbounded")?,
+        }
+        match self.floor {
+            Some(floor) => write!(
+                f,
+                "; floor = {} + {} = {}",
+                Human(horizon),
+                Human(self.span.unwrap_or_default()),
+                Human(floor)
+            ),
+            None => f.write_str("; floor unbounded (Unbounded::HandlerTimeout)"),
+        }
+    }
+}
+
 impl fmt::Display for RetentionFloor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.requests {
+            return self.fmt_requests(f);
+        }
         let inputs = &self.inputs;
         self.fmt_span(f)?;
         match self.max_age {
@@ -577,13 +687,34 @@ impl fmt::Display for RetentionFloor {
 /// one whose floor has an unbounded term it does not accept. Returns the
 /// floor.
 pub(crate) fn check(route: &Route, stream: &stream::Config) -> Result<RetentionFloor, Error> {
-    let floor = route.retention_floor(stream);
-    let Some(retention) = route.retention else {
+    judge(
+        &route.durable,
+        route.retention,
+        route.retention_floor(stream),
+    )
+}
+
+/// Refuses the reply route `route` if it sets a retention below its floor,
+/// or one whose floor has an unbounded term it does not accept. Returns the
+/// floor.
+pub(crate) fn check_requests(route: &crate::ReplyRoute) -> Result<RetentionFloor, Error> {
+    judge(route.subject(), route.retention, route.retention_floor())
+}
+
+/// Refuses `retention` (of the route named `route`) if it is below `floor`,
+/// or `floor` has an unbounded term; `None` keeps claims forever and is
+/// never refused.
+fn judge(
+    route: &str,
+    retention: Option<Duration>,
+    floor: RetentionFloor,
+) -> Result<RetentionFloor, Error> {
+    let Some(retention) = retention else {
         return Ok(floor);
     };
     if !floor.unbounded.is_empty() {
         return Err(Error::RetentionFloorUnbounded {
-            route: route.durable.clone(),
+            route: route.to_owned(),
             retention,
             unbounded: floor.unbounded.clone(),
             computation: Box::new(floor),
@@ -591,7 +722,7 @@ pub(crate) fn check(route: &Route, stream: &stream::Config) -> Result<RetentionF
     }
     match floor.floor {
         Some(value) if retention < value => Err(Error::RetentionBelowFloor {
-            route: route.durable.clone(),
+            route: route.to_owned(),
             retention,
             floor: value,
             computation: Box::new(floor),
@@ -623,6 +754,15 @@ pub(crate) fn below_floor_message(
     floor: Duration,
     computation: &RetentionFloor,
 ) -> String {
+    if computation.requests {
+        return format!(
+            "reply route `{route}` keeps its claims and stored replies for {} (`ReplyRoute::retention`, a day unless set), below its retention floor of {}: a client may still retry a request up to {} after its claim was made, and a retry that arrives after its claim is purged runs the request again. The floor: {computation}. Raise the retention to at least {}, declare a shorter client-retry horizon (`ReplyRoute::client_retry_horizon`) or handler timeout, or keep the claims forever (`ReplyRoute::keep_forever`)",
+            Human(retention),
+            Human(floor),
+            Human(floor),
+            Human(floor)
+        );
+    }
     format!(
         "route `{route}` keeps its claims for {} (`Route::retention`), below its retention floor of {}: a duplicate can still arrive up to {} after its message was processed, and one that arrives after its claim is purged is processed again. The floor: {computation}. Raise the retention to at least {}, or shorten what the floor is made of (the stream's max_age, the retry policy, the handler timeout, the publisher-retry horizon)",
         Human(retention),
@@ -639,6 +779,12 @@ pub(crate) fn unbounded_message(
     unbounded: &[Unbounded],
     computation: &RetentionFloor,
 ) -> String {
+    if computation.requests {
+        return format!(
+            "reply route `{route}` keeps its claims and stored replies for {} (`ReplyRoute::retention`, a day unless set), but its retention floor has no bound: the route has no handler timeout, so a retry can wait behind requests in flight for any time before its claim check. The floor: {computation}. Set `ReplyRoute::handler_timeout`, keep the claims forever (`ReplyRoute::keep_forever`), or accept that a retry arriving after the retention runs again: `ReplyRoute::accept_duplicates_after_retention(Unbounded::HandlerTimeout)`",
+            Human(retention)
+        );
+    }
     let mut message = format!(
         "route `{route}` keeps its claims for {} (`Route::retention`), but its retention floor has no bound: ",
         Human(retention)
@@ -1027,6 +1173,43 @@ mod tests {
             "{text}"
         );
         check(&route(), &stream(Duration::ZERO)).expect("no retention: not checked");
+    }
+
+    #[test]
+    fn a_reply_route_is_refused_below_its_client_retry_horizon_and_transaction() {
+        use crate::ReplyRoute;
+        let route = || {
+            ReplyRoute::new("orders.place")
+                .client_retry_horizon(secs(600))
+                .handler_timeout(secs(10))
+        };
+        // 10 min + 3 × 10 s.
+        check_requests(&route().retention(secs(630))).expect("at the floor");
+        check_requests(&route().keep_forever()).expect("kept forever: not checked");
+        let err = check_requests(&route().retention(secs(600))).unwrap_err();
+        assert!(
+            matches!(err, Error::RetentionBelowFloor { floor, .. } if floor == secs(630)),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "reply route `orders.place` keeps its claims and stored replies for 10m (`ReplyRoute::retention`, a day unless set), below its retention floor of 10m 30s: \
+             a client may still retry a request up to 10m 30s after its claim was made, and a retry that arrives after its claim is purged runs the request again. \
+             The floor: client retries: horizon 10m (`ReplyRoute::client_retry_horizon`, from the client's first send) + the retry's wait in the worker, behind requests in flight: \
+             one transaction's longest run (claim wait, 1 handler call, COMMIT) 3 × handler_timeout 10s = 30s; floor = 10m + 30s = 10m 30s. \
+             Raise the retention to at least 10m 30s, declare a shorter client-retry horizon (`ReplyRoute::client_retry_horizon`) or handler timeout, or keep the claims forever (`ReplyRoute::keep_forever`)"
+        );
+        let err = check_requests(&route().without_handler_timeout()).unwrap_err();
+        assert!(
+            matches!(&err, Error::RetentionFloorUnbounded { unbounded, .. } if unbounded == &[Unbounded::HandlerTimeout]),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains(
+                "`ReplyRoute::accept_duplicates_after_retention(Unbounded::HandlerTimeout)`"
+            ),
+            "{err}"
+        );
     }
 
     #[test]

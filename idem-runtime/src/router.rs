@@ -186,8 +186,11 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// Answers the core NATS requests sent to `route`'s subject with
     /// `handler`, effectively once per message id: the reply is the value
     /// the handler returned (encoded by its codec), and a retried request
-    /// gets the first reply without running the handler again. See
-    /// [`ReplyRoute`] for the message id, the error replies and shutdown.
+    /// gets the first reply without running the handler again. Its claims
+    /// are keyed under the route's name (default: its subject), not the
+    /// handler's, so that versions of the handler share them. See
+    /// [`ReplyRoute`] for the message id, the error replies, retention and
+    /// shutdown.
     ///
     /// Its counters are under the route's subject in
     /// [`RouterHandle::stats`].
@@ -263,9 +266,10 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// and returns.
     ///
     /// Start-up fails, before any message is taken, if a route is
-    /// misconfigured, the dedup schema is missing, a stream is missing, or a
+    /// misconfigured, the dedup schema is missing, a stream is missing, a
     /// route's retention is below its [retention floor](crate::retention_floor)
-    /// on its stream.
+    /// on its stream (a reply route's: below its client-retry horizon plus
+    /// a transaction), or two reply routes' subjects overlap.
     pub async fn run_until(
         self,
         nats: async_nats::Client,
@@ -308,25 +312,51 @@ impl<S: Send + Sync + 'static> Router<S> {
                 });
             }
         }
-        for reply in &self.replies {
-            reply.route().validate()?;
-            let subject = &reply.route().subject;
+        // A reply route's claims are keyed under its own name, not its
+        // handler's (see reply.rs): it is the name, and the subject, that
+        // must not be shared.
+        for (n, reply) in self.replies.iter().enumerate() {
+            let route = reply.route();
+            route.validate()?;
+            let subject = &route.subject;
             let name = reply.handler_name();
             if name.is_empty() || name.contains(|c: char| c.is_control()) {
                 return Err(Error::Config {
                     route: subject.clone(),
                     reason: format!(
-                        "the handler name {name:?} is empty or holds a control character; it is stored with every claim"
+                        "the handler name {name:?} is empty or holds a control character; it is sent in logs and traces"
                     ),
                 });
             }
-            if let Some(other) = handlers.insert(name, subject.clone()) {
+            let claims_under = route.dedup_name();
+            if let Some(other) = handlers.get(claims_under.as_str()) {
                 return Err(Error::Config {
                     route: subject.clone(),
                     reason: format!(
-                        "the handler name `{name}` is also used by route `{other}`: two handlers with one name share dedup rows; give each a name of its own (`#[idempotent(name = ...)]`)"
+                        "the reply route's claims are keyed under `{claims_under}`, the handler name of route `{other}`: they would share dedup rows; name the route (`ReplyRoute::name`) or the handler apart"
                     ),
                 });
+            }
+            for earlier in self.replies[..n].iter().map(|earlier| earlier.route()) {
+                if earlier.dedup_name() == claims_under {
+                    return Err(Error::Config {
+                        route: subject.clone(),
+                        reason: format!(
+                            "reply routes `{}` and `{subject}` are both named `{}`: they would share claims and a queue group; give each a name of its own (`ReplyRoute::name`)",
+                            earlier.subject,
+                            route.route_name()
+                        ),
+                    });
+                }
+                if crate::reply::subjects_overlap(&earlier.subject, subject) {
+                    return Err(Error::Config {
+                        route: subject.clone(),
+                        reason: format!(
+                            "its subject overlaps that of reply route `{}`: a request to a subject both match would be taken by both and run under two names; give the routes subjects that do not overlap",
+                            earlier.subject
+                        ),
+                    });
+                }
             }
         }
         let in_flight: usize = self
@@ -365,13 +395,19 @@ impl<S: Send + Sync + 'static> Router<S> {
         // retention floor: a refused route's retention is never recorded
         // (the purge reads the handlers' retentions), and no purge is left
         // running after a failed start-up.
+        let reply_names: Vec<String> = self
+            .replies
+            .iter()
+            .map(|reply| reply.route().dedup_name())
+            .collect();
         let registered: Vec<(&str, Option<Duration>)> = bound
             .iter()
             .map(|(route, ..)| (route.handler_name(), route.route().retention))
             .chain(
                 self.replies
                     .iter()
-                    .map(|reply| (reply.handler_name(), reply.route().retention)),
+                    .zip(&reply_names)
+                    .map(|(reply, name)| (name.as_str(), reply.route().retention)),
             )
             .collect();
         let handler_ids = crate::claim::register(&pool, &registered).await?;
@@ -393,7 +429,17 @@ impl<S: Send + Sync + 'static> Router<S> {
         let mut serving = Vec::with_capacity(self.replies.len());
         for reply in self.replies {
             let subject = reply.route().subject.clone();
-            let group = reply.route().group(reply.handler_name());
+            let group = reply.route().group().to_owned();
+            // Not when a JetStream route of this router registered the name
+            // itself.
+            if !handlers.contains_key(reply.handler_name()) {
+                crate::reply::warn_of_claims_under_handler_name(
+                    &pool,
+                    reply.route(),
+                    reply.handler_name(),
+                )
+                .await;
+            }
             let requests = nats
                 .queue_subscribe(subject.clone(), group.clone())
                 .await
@@ -445,7 +491,7 @@ impl<S: Send + Sync + 'static> Router<S> {
 
         for (reply, requests, subject, group) in serving {
             tracing::info!(subject, queue_group = group, "request route started");
-            let handler_id = handler_ids[reply.handler_name()];
+            let handler_id = handler_ids[&reply.route().dedup_name()];
             running.spawn(reply.start(
                 requests,
                 Serve {
@@ -754,7 +800,7 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
         stats,
         metrics,
         shutdown: start.shutdown.clone(),
-        answers: false,
+        answers: None,
         copy_spread: start.copy_spread,
         #[cfg(feature = "fault-injection")]
         faults: start.faults,
