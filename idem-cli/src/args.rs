@@ -97,15 +97,17 @@ pub enum DeadLetterAction {
         sequence: u64,
     },
 
-    /// Publish dead letters back to their subjects, under the id each was
-    /// deduplicated by, so one whose original was in fact processed is
-    /// skipped. Fix the cause first.
+    /// Publish dead letters back to their subjects, each for the handler
+    /// that dead-lettered it alone (the other routes of its subject skip
+    /// it), under the id it was deduplicated by, so one whose original was
+    /// in fact processed is skipped. Fix the cause first.
     ///
     /// Refused, as by `dead_letter::replay`: a dead letter that records no
-    /// message id, one whose original's claim may be purged already, and
-    /// one JetStream drops as a duplicate (replayed, or published, within
-    /// its duplicate window). Dead letters stay in their stream unless
-    /// --discard is given.
+    /// message id, one whose original's claim may be purged already, one
+    /// no route would apply (its handler renamed or gone), one whose replay
+    /// would be too large, and one JetStream drops as a duplicate (replayed
+    /// within its stream's duplicate window). Dead letters stay in their
+    /// stream unless --discard is given.
     Replay {
         #[command(flatten)]
         target: Target,
@@ -124,6 +126,11 @@ pub enum DeadLetterAction {
         /// is applied again.
         #[arg(long)]
         allow_outside_retention: bool,
+        /// Replay them for the handler named NAME instead of the one that
+        /// dead-lettered each (after a rename: the new name). Claims are
+        /// per handler: if NAME processed the message, it is applied again.
+        #[arg(long, value_name = "NAME")]
+        for_handler: Option<String>,
     },
 
     /// Delete dead letters for good.

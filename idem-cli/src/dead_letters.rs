@@ -85,6 +85,28 @@ pub async fn show(
                 Value::from(base64::engine::general_purpose::STANDARD.encode(&letter.payload))
         }
     }
+    // What did not fit in the dead letter, and where it is.
+    let mut moved_notes = Vec::new();
+    for (what, part) in [
+        ("payload", letter.payload_moved()),
+        ("header block", letter.headers_moved()),
+    ] {
+        if let Some(part) = part {
+            moved_notes.push(format!(
+                "its original {what} ({} bytes) did not fit and was moved to object `{}` of object store bucket `{}` (`nats object get {} '{}'` reads it; a replay sends it, a discard deletes it)",
+                or_dash(part.bytes),
+                part.object,
+                part.bucket,
+                part.bucket,
+                part.object
+            ));
+        }
+    }
+    if let Some(cut) = letter.error_cut() {
+        moved_notes.push(format!(
+            "{cut} bytes of its error text were cut to make it fit"
+        ));
+    }
 
     let mut table = output::table(["HEADER", "VALUE"]);
     let mut names: Vec<(String, String)> = letter
@@ -101,13 +123,20 @@ pub async fn show(
     for (name, value) in names {
         table.add_row([name, value]);
     }
+    let moved = if moved_notes.is_empty() {
+        String::new()
+    } else {
+        format!("\n\n{}", moved_notes.join("\n"))
+    };
     let text = format!(
-        "dead letter {sequence} of `{stream}`, stored under {} {}\n\n{}\n\npayload ({} bytes{}):\n{}",
+        "dead letter {sequence} of `{stream}`, stored under {} {}\n\n{}{moved}\n\npayload ({} bytes{}):\n{}",
         letter.subject,
         ago(letter.stored_at),
         output::render(&table),
         letter.payload.len(),
-        if payload_text.is_some() {
+        if letter.payload_moved().is_some() {
+            ", the original's was moved: see above"
+        } else if payload_text.is_some() {
             ""
         } else {
             ", not UTF-8, in base64"
@@ -352,7 +381,7 @@ fn bulk_report(outcomes: Vec<Value>, done: usize, did: &str, verb: &str, dry_run
         CliError::new(
             format!("{} of {total} dead letters were not {did}", total - done),
             if verb == "replay" {
-                "see each one's reason: fix its cause, or replay it later (outside JetStream's duplicate window); a refused dead letter was not published and stays in its stream"
+                "see each one's reason and fix its cause; a refused dead letter was not published and stays in its stream (one refused as a duplicate was replayed less than its stream's duplicate window ago, and that replay is stored)"
             } else {
                 "see each one's reason; the others stay in their stream"
             },
@@ -384,6 +413,9 @@ fn refusal_kind(error: &ReplayError) -> &'static str {
         ReplayError::NoMessageId(_) => "refused-no-message-id",
         ReplayError::OutsideRetention { .. } => "refused-outside-retention",
         ReplayError::NotADeadLetter(_) => "refused-not-a-dead-letter",
+        ReplayError::TooLarge { .. } => "refused-too-large",
+        ReplayError::NoRouteForHandler { .. } => "refused-no-route",
+        ReplayError::NoStreamForSubject { .. } => "refused-no-stream",
         _ => "failed",
     }
 }
@@ -407,7 +439,18 @@ fn summary(letter: &DeadLetter) -> Value {
         "dead_lettered_at": letter.header("Idem-Dead-Lettered-At"),
         "replayed_from": letter.replayed_from(),
         "payload_bytes": letter.payload.len(),
+        "payload_moved": moved(letter.payload_moved()),
+        "headers_moved": moved(letter.headers_moved()),
+        "error_cut": letter.error_cut(),
     })
+}
+
+/// A part moved out of a dead letter, for `--json`; `null` if none.
+fn moved(part: Option<dead_letter::MovedPart>) -> Value {
+    part.map_or(
+        Value::Null,
+        |part| json!({ "bucket": part.bucket, "object": part.object, "bytes": part.bytes }),
+    )
 }
 
 fn read_error(error: DeadLetterError) -> CliError {

@@ -92,8 +92,12 @@ async fn run(cli: Cli) -> Result<Report, CliError> {
                     discard,
                     allow_new_message_id,
                     allow_outside_retention,
+                    for_handler,
                 } => {
                     let mut options = ReplayOptions::default();
+                    if let Some(name) = for_handler {
+                        options = options.for_handler(name);
+                    }
                     if allow_new_message_id {
                         options = options.allow_new_message_id();
                     }

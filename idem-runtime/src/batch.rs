@@ -85,6 +85,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             let Some(mut delivery) = self.delivery_of(&message).await else {
                 continue;
             };
+            if self.skip_replay_for_another(&message, &delivery).await {
+                continue;
+            }
             let lease = self.heartbeats.lease(&message);
             match self.prepare(&message, &mut delivery) {
                 Err(rejected) => {

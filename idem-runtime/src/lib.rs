@@ -51,6 +51,7 @@ mod failure;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod handler;
+mod header_block;
 mod health;
 mod heartbeat;
 mod message_id;

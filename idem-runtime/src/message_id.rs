@@ -5,6 +5,15 @@ use std::fmt;
 use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
 
+/// The header a targeted replay of a dead letter carries its original's id
+/// in (see [`dead_letter::replay`](crate::dead_letter::replay)): the replay's
+/// own `Nats-Msg-Id` is the dead letter's, so that replays of several
+/// routes' dead letters of one message are not taken for one another by
+/// JetStream's publish dedup.
+pub(crate) const REPLAY_ID: &str = "Idem-Replay-Id";
+/// Where the id in [`REPLAY_ID`] came from ([`MessageIdSource::as_str`]).
+pub(crate) const REPLAY_ID_SOURCE: &str = "Idem-Replay-Id-Source";
+
 /// The longest message id accepted, in bytes. Ids are stored in the dedup
 /// table's primary key, so they must stay small; a longer explicit key or
 /// `Nats-Msg-Id` is refused rather than truncated, because truncation could
@@ -55,6 +64,23 @@ impl MessageIdSource {
             MessageIdSource::StreamPosition => "stream-position",
         }
     }
+
+    /// The source an `Idem-Message-Id-Source` value names.
+    ///
+    /// ```
+    /// use idem_runtime::MessageIdSource;
+    /// assert_eq!(MessageIdSource::parse("key"), Some(MessageIdSource::Key));
+    /// assert_eq!(MessageIdSource::parse("unknown"), None);
+    /// ```
+    pub fn parse(text: &str) -> Option<Self> {
+        [
+            MessageIdSource::Key,
+            MessageIdSource::Header,
+            MessageIdSource::StreamPosition,
+        ]
+        .into_iter()
+        .find(|source| source.as_str() == text)
+    }
 }
 
 /// A message id that cannot be used as a dedup key.
@@ -95,15 +121,29 @@ pub enum InvalidMessageId {
 }
 
 impl MessageId {
-    /// The id a delivery has before its payload is decoded: its
+    /// The id a delivery has before its payload is decoded: for a targeted
+    /// replay of a dead letter, the id its original was deduplicated by
+    /// ([`REPLAY_ID`], from the source [`REPLAY_ID_SOURCE`] names); else its
     /// `Nats-Msg-Id`, else its stream position. A handler's key, once the
     /// payload decodes, takes precedence ([`MessageId::from_key`]).
+    ///
+    /// A replay reaches the pipeline only on the route it is for (the
+    /// others ack it unrun), so the replay headers are taken as they are.
     pub(crate) fn of_delivery(
         headers: &HeaderMap,
         stream: &str,
         stream_sequence: u64,
         stored_at: time::OffsetDateTime,
     ) -> Result<Self, InvalidMessageId> {
+        if let Some(replayed) = headers.get_last(REPLAY_ID) {
+            // An unnamed source is the header's: a bounded claim is then
+            // bounded by the replay's recorded storage time (pipeline.rs).
+            let source = headers
+                .get_last(REPLAY_ID_SOURCE)
+                .and_then(|source| MessageIdSource::parse(source.as_str()))
+                .unwrap_or(MessageIdSource::Header);
+            return Self::checked(replayed.as_str().to_owned(), source);
+        }
         match headers.get_last(NATS_MESSAGE_ID) {
             Some(header) => Self::checked(header.as_str().to_owned(), MessageIdSource::Header),
             None => Ok(Self::from_stream_position(
@@ -172,6 +212,14 @@ impl MessageId {
         &self.value
     }
 
+    /// Whether a header can carry the id exactly: async-nats trims a value
+    /// it reads at both ends (Unicode whitespace), so an id that starts or
+    /// ends with whitespace (a key can) would be read back as another id.
+    /// Line breaks and NUL are refused when an id is resolved.
+    pub(crate) fn recordable(&self) -> bool {
+        self.value.trim() == self.value
+    }
+
     /// Where the id came from.
     pub fn source(&self) -> MessageIdSource {
         self.source
@@ -229,6 +277,29 @@ mod tests {
         )
         .unwrap();
         assert_ne!(id, recreated);
+    }
+
+    #[test]
+    fn a_targeted_replay_carries_its_original_s_id() {
+        let mut headers = headers_with_id("idem-replay:IDEM_DEAD_LETTERS:4:17");
+        headers.insert(REPLAY_ID, "ORDERS:9:123");
+        headers.insert(REPLAY_ID_SOURCE, "stream-position");
+        let id = MessageId::of_delivery(&headers, "ORDERS", 12, stored_at(1)).unwrap();
+        assert_eq!(
+            (id.as_str(), id.source()),
+            ("ORDERS:9:123", MessageIdSource::StreamPosition)
+        );
+        let mut headers = headers_with_id("idem-replay:IDEM_DEAD_LETTERS:4:17");
+        headers.insert(REPLAY_ID, "ORDERS:9:123");
+        let id = MessageId::of_delivery(&headers, "ORDERS", 12, stored_at(1)).unwrap();
+        assert_eq!(id.source(), MessageIdSource::Header);
+    }
+
+    #[test]
+    fn an_id_with_whitespace_at_an_end_cannot_be_recorded() {
+        assert!(MessageId::from_key("a b".into()).unwrap().recordable());
+        assert!(!MessageId::from_key(" a".into()).unwrap().recordable());
+        assert!(!MessageId::from_key("a\u{a0}".into()).unwrap().recordable());
     }
 
     #[test]

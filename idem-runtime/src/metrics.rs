@@ -26,6 +26,7 @@
 //! | `idem_infrastructure_errors_total` | counter | `route` | attempts that failed before the handler ran because the database could not be used (held, no delivery used up) |
 //! | `idem_batch_fallbacks_total` | counter | `route` | batches rolled back and rerun one message per transaction |
 //! | `idem_abandoned_transactions_total` | counter | `route` | transactions the database stopped answering, no longer waited for |
+//! | `idem_replays_skipped_total` | counter | `route` | replays of another handler's dead letters: acked, handler not run |
 //! | `idem_batch_size` | histogram | `route` | messages per committed batch (batch mode) |
 //! | `idem_handler_duration_seconds` | histogram | `route` | one handler call (a batch handler's call covers its batch), failed calls included |
 //! | `idem_end_to_end_duration_seconds` | histogram | `route` | from the message's JetStream timestamp (when it was stored) to its ack as processed, retries included |
@@ -93,6 +94,8 @@ pub const INFRASTRUCTURE_ERRORS: &str = "idem_infrastructure_errors_total";
 pub const BATCH_FALLBACKS: &str = "idem_batch_fallbacks_total";
 /// Transactions no longer waited for.
 pub const ABANDONED_TRANSACTIONS: &str = "idem_abandoned_transactions_total";
+/// Replays of another handler's dead letters, acked without running the handler.
+pub const REPLAYS_SKIPPED: &str = "idem_replays_skipped_total";
 /// Messages per committed batch.
 pub const BATCH_SIZE: &str = "idem_batch_size";
 /// One handler call.
@@ -199,6 +202,11 @@ pub fn describe() {
         Unit::Count,
         "Transactions the database stopped answering, no longer waited for; their messages settled as of unknown outcome."
     );
+    describe_counter!(
+        REPLAYS_SKIPPED,
+        Unit::Count,
+        "Replays of dead letters another handler dead-lettered (Idem-Replay-For): acked without running this route's handler."
+    );
     describe_histogram!(
         BATCH_SIZE,
         Unit::Count,
@@ -288,6 +296,7 @@ pub(crate) struct RouteMetrics {
     infrastructure_errors: Counter,
     batch_fallbacks: Counter,
     abandoned_transactions: Counter,
+    replays_skipped: Counter,
     batch_size: Histogram,
     handler_duration: Histogram,
     end_to_end: Histogram,
@@ -316,6 +325,7 @@ impl RouteMetrics {
             infrastructure_errors: counter!(INFRASTRUCTURE_ERRORS, labels.iter()),
             batch_fallbacks: counter!(BATCH_FALLBACKS, labels.iter()),
             abandoned_transactions: counter!(ABANDONED_TRANSACTIONS, labels.iter()),
+            replays_skipped: counter!(REPLAYS_SKIPPED, labels.iter()),
             batch_size: histogram!(BATCH_SIZE, labels.iter()),
             handler_duration: histogram!(HANDLER_DURATION, labels.iter()),
             end_to_end: histogram!(END_TO_END_DURATION, labels.iter()),
@@ -374,6 +384,10 @@ impl RouteMetrics {
 
     pub(crate) fn batch_fallback(&self) {
         self.batch_fallbacks.increment(1);
+    }
+
+    pub(crate) fn replay_skipped(&self) {
+        self.replays_skipped.increment(1);
     }
 
     pub(crate) fn abandoned_transaction(&self) {

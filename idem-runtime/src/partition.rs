@@ -11,6 +11,12 @@
 //! The next message of a partition is delivered only after the previous one
 //! is committed and acked (or its redelivery is), by whichever worker takes
 //! it. Partitions proceed in parallel, spread over the workers.
+//!
+//! A dead letter of a partitioned route records the subject its original
+//! was stored under (`<prefix>.<partition>.<key>`), which the stream does
+//! not capture. Its replay goes to the subject it was published to,
+//! recovered from the stream's transform (`published_subject`): the
+//! stream stores it in the key's partition again.
 
 use async_nats::jetstream::stream;
 
@@ -148,9 +154,100 @@ impl Partitions {
     }
 }
 
+/// The subject a stream whose transform is `transform` stores as `stored`:
+/// publishing to it stores the message as `stored` again (while the
+/// partition count is the same: the partition is a hash of the key
+/// tokens). `None` unless `transform` is of the form
+/// [`Partitions::subject_transform`] makes (its destination's tokens
+/// literal, `{{partition(..)}}` or `{{wildcard(i)}}`, its source's literal
+/// or `*`) and `stored` fits it.
+pub(crate) fn published_subject(
+    transform: &stream::SubjectTransform,
+    stored: &str,
+) -> Option<String> {
+    let destination: Vec<&str> = transform.destination.split('.').collect();
+    let tokens: Vec<&str> = stored.split('.').collect();
+    if destination.len() != tokens.len() {
+        return None;
+    }
+    let mut wildcards: Vec<Option<&str>> = Vec::new();
+    for (pattern, token) in destination.iter().zip(&tokens) {
+        let Some(function) = pattern
+            .strip_prefix("{{")
+            .and_then(|rest| rest.strip_suffix("}}"))
+        else {
+            if pattern != token {
+                return None;
+            }
+            continue;
+        };
+        let function = function.trim().to_ascii_lowercase();
+        if function.starts_with("partition(") {
+            if !token.bytes().all(|byte| byte.is_ascii_digit()) {
+                return None;
+            }
+            continue;
+        }
+        let index: usize = function
+            .strip_prefix("wildcard(")?
+            .strip_suffix(')')?
+            .trim()
+            .parse()
+            .ok()?;
+        if index == 0 {
+            return None;
+        }
+        if wildcards.len() < index {
+            wildcards.resize(index, None);
+        }
+        match wildcards[index - 1] {
+            Some(earlier) if earlier != *token => return None,
+            _ => wildcards[index - 1] = Some(token),
+        }
+    }
+    let mut next = 0;
+    let mut published = Vec::new();
+    for token in transform.source.split('.') {
+        match token {
+            "*" => {
+                published.push(*wildcards.get(next)?.as_ref()?);
+                next += 1;
+            }
+            ">" => return None,
+            literal => published.push(literal),
+        }
+    }
+    Some(published.join("."))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stored_subject_maps_back_to_the_subject_it_was_published_to() {
+        let transform = Partitions::new("orders.*", 4).subject_transform();
+        assert_eq!(
+            published_subject(&transform, "orders.p.3.order-17").as_deref(),
+            Some("orders.order-17")
+        );
+        let two = Partitions::new("acct.*.eu.*", 8)
+            .stored_prefix("acct-by-key")
+            .subject_transform();
+        assert_eq!(
+            published_subject(&two, "acct-by-key.5.a1.b2").as_deref(),
+            Some("acct.a1.eu.b2")
+        );
+        // Not of the transform's form: no guess.
+        assert_eq!(published_subject(&transform, "orders.p.x.order-17"), None);
+        assert_eq!(published_subject(&transform, "orders.q.3.order-17"), None);
+        assert_eq!(published_subject(&transform, "orders.p.3"), None);
+        let other = stream::SubjectTransform {
+            source: "in.*".into(),
+            destination: "out.{{split(1,-)}}".into(),
+        };
+        assert_eq!(published_subject(&other, "out.a"), None);
+    }
 
     #[test]
     fn a_key_of_two_tokens_is_hashed_and_kept_whole() {

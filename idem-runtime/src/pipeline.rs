@@ -3,7 +3,9 @@
 //! hold, or dead-letter it.
 //!
 //! Every path ends in exactly one of: ack (committed, or found already
-//! processed), NAK (retried later), or a stored dead letter followed by TERM.
+//! processed, or a replay of another handler's dead letter, which this
+//! route never runs), NAK (retried later), or a stored dead letter followed
+//! by TERM.
 //! Two kinds of failure never use up a delivery, because the message is not
 //! to blame: the database being unusable before the handler runs, and the
 //! dead-letter stream being unavailable. Such a message is *held*: its
@@ -152,6 +154,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let Some(mut delivery) = self.delivery_of(&message).await else {
             return;
         };
+        if self.skip_replay_for_another(&message, &delivery).await {
+            return;
+        }
         let lease = self.heartbeats.lease(&message);
         let span = self.span(&delivery);
         async {
@@ -196,6 +201,34 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 None
             }
         }
+    }
+
+    /// Acks, without running the handler, a replay of a dead letter that
+    /// another handler dead-lettered (`Idem-Replay-For` names it): the
+    /// replay is for that handler alone (see the
+    /// [`dead_letter`](crate::dead_letter#replays) docs), and this one may
+    /// have applied the message already, under another id. Returns whether
+    /// it did. Counted in [`Stats::replays_skipped`].
+    pub(crate) async fn skip_replay_for_another(
+        &self,
+        message: &Message,
+        delivery: &Delivery,
+    ) -> bool {
+        let Some(target) = delivery.headers().get(dead_letter::REPLAY_FOR) else {
+            return false;
+        };
+        if target.as_str() == self.handler.name() {
+            return false;
+        }
+        ack::ack(message, self.route.ack_mode).await;
+        Stats::bump(&self.stats.replays_skipped);
+        self.metrics.replay_skipped();
+        tracing::debug!(
+            replay_for = target.as_str(),
+            stream_seq = delivery.stream_sequence(),
+            "a replay of another handler's dead letter; acked without running the handler"
+        );
+        true
     }
 
     /// Resolves the message id and decodes the payload, before BEGIN, so a
@@ -728,7 +761,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         }
     }
 
-    /// Publishes a dead letter, then TERMs the original. While the publish
+    /// Publishes a dead letter, then TERMs the original. A dead letter too
+    /// big to be stored as it is, is stored with parts moved out (see
+    /// `dead_letter/moved.rs`): a size is no outage. While the publish
     /// fails, the message is held (heartbeats keep it leased, no delivery is
     /// used up) and the publish retried with backoff; if the router shuts
     /// down first, it is NAKed instead. It is never TERMed without a stored
@@ -770,12 +805,22 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             self.metrics.dead_letter_publish_failed();
             attempt += 1;
             let delay = self.route.retry.hold_delay(attempt);
-            tracing::error!(
-                %publish_error,
-                error,
-                retry_in = ?delay,
-                "publishing the dead letter failed; the message is held and the publish retried"
-            );
+            match &publish_error {
+                dead_letter::StoreError::Unavailable(_) => tracing::error!(
+                    %publish_error,
+                    error,
+                    retry_in = ?delay,
+                    "publishing the dead letter failed; the message is held and the publish retried"
+                ),
+                // A limit no retry gets past: the route waits on it, and
+                // says so each time, until the limit is raised.
+                dead_letter::StoreError::TooBig { .. } => tracing::error!(
+                    %publish_error,
+                    error,
+                    retry_in = ?delay,
+                    "the dead letter cannot be stored in any form; the message is held, and its route waits, until the dead-letter stream takes it"
+                ),
+            }
             if !self.wait_or_shutdown(delay).await {
                 lease.end().await;
                 if delivery.is_some() {

@@ -382,11 +382,14 @@ impl<S: Send + Sync + 'static> Router<S> {
 
         let js = jetstream::new(nats.clone());
         let mut bound = Vec::with_capacity(self.routes.len());
+        // idem's own streams follow the replicas of the routes' streams.
+        let routes: Vec<&Route> = self.routes.iter().map(|route| route.route()).collect();
+        let replicas = crate::dead_letter::Replicas::of(&js, &routes).await;
         for route in self.routes {
-            crate::dead_letter::ensure_stream(&js, route.route()).await?;
+            crate::dead_letter::ensure_stream(&js, route.route(), &replicas).await?;
             // Before the route pulls, so that nothing it gives up on from
             // now on is missed.
-            let advisories = undeliverable::bind(&js, route.route()).await?;
+            let advisories = undeliverable::bind(&js, route.route(), &replicas).await?;
             let (consumer, copy_spread) =
                 bind_consumer(&js, route.route(), route.handler_name()).await?;
             bound.push((route, consumer, advisories, copy_spread));

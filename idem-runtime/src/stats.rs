@@ -20,6 +20,7 @@ pub struct Stats {
     pub(crate) largest_batch: AtomicU64,
     pub(crate) infrastructure_errors: AtomicU64,
     pub(crate) abandoned_transactions: AtomicU64,
+    pub(crate) replays_skipped: AtomicU64,
 }
 
 impl Stats {
@@ -95,6 +96,11 @@ impl Stats {
     /// Batches rolled back and rerun one message per transaction.
     pub fn batch_fallbacks(&self) -> u64 {
         self.batch_fallbacks.load(Ordering::Relaxed)
+    }
+    /// Replays of dead letters that another handler dead-lettered (their
+    /// `Idem-Replay-For` names it): acked without running this handler.
+    pub fn replays_skipped(&self) -> u64 {
+        self.replays_skipped.load(Ordering::Relaxed)
     }
     /// Messages a fault-injection hook dropped after commit without acking.
     pub fn dropped_by_fault(&self) -> u64 {

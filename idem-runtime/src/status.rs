@@ -32,7 +32,7 @@ use crate::retention_floor::{RETENTION_KEY, decode_duration};
 use crate::route::Route;
 
 /// The consumer metadata key under which a route records its handler's name.
-const HANDLER_KEY: &str = "idem.handler";
+pub(crate) const HANDLER_KEY: &str = "idem.handler";
 
 /// The consumer metadata key under which a route records its dead-letter
 /// subject.

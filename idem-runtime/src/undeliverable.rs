@@ -13,19 +13,27 @@
 //! with it, silently. So every advisory of this kind is captured in the
 //! stream [`ADVISORY_STREAM`], and each route reads its own through a durable
 //! consumer. For each, the watcher reads the message raw from the stream
-//! (bytes, not parsed headers), resolves the id it was deduplicated by (the
-//! handler's key if the payload decodes, else its `Nats-Msg-Id`, else its
-//! stream position; none if its `Nats-Msg-Id` is not UTF-8), publishes it
-//! as a dead letter (`Idem-Failure: undeliverable`) with its original header
-//! block in `Idem-Original-Headers-Base64`, and only then acks the advisory.
-//! A failure leaves the advisory to be tried again.
+//! (bytes, not parsed headers), resolves the id it was deduplicated by,
+//! publishes it as a dead letter (`Idem-Failure: undeliverable`) with its
+//! original header block in `Idem-Original-Headers-Base64` (or, too big for
+//! that, moved to the object store: see `dead_letter/moved.rs`), and only
+//! then acks the advisory. A failure leaves the advisory to be tried again.
+//!
+//! The id must be the one the pipeline claimed the message by, byte for
+//! byte, or a replay is applied twice (or lost as a duplicate of another
+//! message), so the header block is read as async-nats reads it
+//! (`header_block.rs`): the handler's key if the payload decodes, else the
+//! id [`MessageId::of_delivery`] gives (its `Nats-Msg-Id`, folded lines
+//! joined; else its stream position). A block async-nats cannot read never
+//! reached a handler; its `Nats-Msg-Id` is taken only where JetStream and a
+//! client would read it alike (no bare CR or LF in it, not folded, UTF-8),
+//! else the id is unknown and a replay is refused until allowed.
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use async_nats::header::{HeaderName, HeaderValue};
+use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind, stream};
 use base64::Engine;
@@ -35,10 +43,11 @@ use serde::Deserialize;
 use std::panic::AssertUnwindSafe;
 
 use crate::codec::Decode;
-use crate::dead_letter::{self, Failure, Origin};
+use crate::dead_letter::{self, Failure, Kept, Origin, Replicas};
 use crate::delivery::{Delivery, Fields};
 use crate::error::Error;
 use crate::handler::Handler;
+use crate::header_block;
 use crate::message_id::MessageId;
 use crate::pipeline::Pipeline;
 use crate::route::Route;
@@ -82,10 +91,16 @@ fn watcher_name(stream: &str, durable: &str) -> String {
     format!("idem-given-up-{}-{stream}-{durable}", stream.len())
 }
 
-/// Creates [`ADVISORY_STREAM`] if it is missing, and the route's durable
-/// consumer on it. Done before the route pulls, so that no advisory of it
-/// is missed from then on.
-pub(crate) async fn bind(js: &jetstream::Context, route: &Route) -> Result<PullConsumer, Error> {
+/// Creates [`ADVISORY_STREAM`] if it is missing (with the largest replicas
+/// of the routes' streams), and the route's durable consumer on it. Done
+/// before the route pulls, so that no advisory of it is missed from then
+/// on. An advisory stream with fewer replicas than the route's stream gets
+/// a warning, and is left as it is.
+pub(crate) async fn bind(
+    js: &jetstream::Context,
+    route: &Route,
+    replicas: &Replicas,
+) -> Result<PullConsumer, Error> {
     let jetstream_error = |source: async_nats::Error| Error::JetStream {
         route: route.durable.clone(),
         source,
@@ -99,10 +114,12 @@ pub(crate) async fn bind(js: &jetstream::Context, route: &Route) -> Result<PullC
             description: Some(
                 "JetStream's MAX_DELIVERIES advisories, kept until idem has dead-lettered the message each names".into(),
             ),
+            num_replicas: replicas.advisories(),
             ..Default::default()
         })
         .await
         .map_err(|e| jetstream_error(e.into()))?;
+    replicas.warn_if_fewer(route, &advisories.cached_info().config);
     advisories
         .create_consumer(pull::Config {
             durable_name: Some(watcher_name(&route.stream, &route.durable)),
@@ -231,27 +248,44 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     delivered: Some(given_up.deliveries),
                     consumer: Some(&self.route.durable),
                 };
-                return dead_letter::publish_letter(
+                return Ok(dead_letter::publish_letter(
                     js,
                     self.route.dead_letter_target(),
                     origin,
-                    HeaderMap::new(),
-                    bytes::Bytes::new(),
+                    Kept::default(),
                     Failure::Undeliverable,
                     &why,
                 )
-                .await;
+                .await?);
             }
         };
         let payload = bytes::Bytes::from(BASE64.decode(raw.payload.as_bytes())?);
-        let header_block = match &raw.headers {
+        let block = match &raw.headers {
             Some(encoded) => Some(BASE64.decode(encoded.as_bytes())?),
             None => None,
         };
-        let parsed = header_block
-            .as_deref()
-            .map(parse_header_block)
-            .unwrap_or_default();
+        // As a delivery would have carried them, where async-nats can read
+        // them; else what can be kept of them.
+        let read = block.as_deref().map(header_block::read);
+        let parsed = match (&read, &block) {
+            (Some(Ok(headers)), _) => header_block::to_map(headers),
+            (_, Some(block)) => header_block::lenient(block),
+            _ => HeaderMap::new(),
+        };
+        // A replay for another handler is acked unrun by this route, never
+        // its to dead-letter (the route it is for has a copy of its own);
+        // given up on, the acks were lost.
+        if let Some(target) = parsed.get(dead_letter::REPLAY_FOR)
+            && target.as_str() != self.handler.name()
+        {
+            tracing::warn!(
+                route = self.route.durable,
+                stream_seq = given_up.stream_seq,
+                replay_for = target.as_str(),
+                "JetStream gave up on a replay of another handler's dead letter; not this route's to dead-letter, so it is left (the route it is for takes its own copy)"
+            );
+            return Ok(());
+        }
         // What a delivery of it would have carried, for the handler's key.
         let delivery = Delivery::new(Fields {
             subject: raw.subject.clone(),
@@ -264,11 +298,13 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             message_id: MessageId::from_stream_position(stream, given_up.stream_seq, raw.time),
             handler: "",
         });
-        let message_id = self.id_of_raw(&payload, header_block.as_deref(), &delivery);
-        let mut headers = dead_letter::kept_headers(Some(&parsed));
-        if let Some(encoded) = &raw.headers {
-            headers.insert("Idem-Original-Headers-Base64", encoded.as_str());
-        }
+        let readable = !matches!(read, Some(Err(_)));
+        let message_id = self.id_of_raw(&payload, block.as_deref(), readable, &delivery);
+        let kept = Kept {
+            headers: dead_letter::kept_headers(Some(&parsed)),
+            block,
+            payload,
+        };
         let origin = Origin {
             subject: &raw.subject,
             position: Some((stream, given_up.stream_seq)),
@@ -282,8 +318,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             js,
             self.route.dead_letter_target(),
             origin,
-            headers,
-            payload,
+            kept,
             Failure::Undeliverable,
             &why,
         )
@@ -298,12 +333,15 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     /// The id a stored message was, or would have been, deduplicated by, as
-    /// the pipeline resolves it; `None` if it cannot be known (its
-    /// `Nats-Msg-Id` is not UTF-8, or not a valid id).
+    /// the pipeline resolves it; `None` if it cannot be known (the key
+    /// panics, or the id is not valid, or it comes from a header block
+    /// async-nats cannot read (`readable` false) and is not unambiguous
+    /// there).
     fn id_of_raw(
         &self,
         payload: &bytes::Bytes,
-        header_block: Option<&[u8]>,
+        block: Option<&[u8]>,
+        readable: bool,
         delivery: &Delivery,
     ) -> Option<MessageId> {
         let keyed = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -317,7 +355,17 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // The key panics: no id can be known.
             Err(_) => return None,
         }
-        match header_block.and_then(raw_nats_msg_id) {
+        if readable {
+            // Exactly what the pipeline would have resolved.
+            return MessageId::of_delivery(
+                delivery.headers(),
+                delivery.stream(),
+                delivery.stream_sequence(),
+                delivery.stored_at(),
+            )
+            .ok();
+        }
+        match block.and_then(|block| header_block::unambiguous(block, NATS_MESSAGE_ID.as_ref())) {
             Some(Ok(value)) => MessageId::from_header(value).ok(),
             Some(Err(())) => None,
             None => Some(MessageId::from_stream_position(
@@ -329,69 +377,12 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 }
 
-/// The lines of a raw NATS header block (`NATS/1.0\r\nName: value\r\n...`)
-/// as (name, value) byte pairs.
-fn header_lines(block: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
-    block
-        .split(|&byte| byte == b'\n')
-        .skip(1)
-        .filter_map(|line| {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            let colon = line.iter().position(|&byte| byte == b':')?;
-            Some((line[..colon].trim_ascii(), line[colon + 1..].trim_ascii()))
-        })
-}
-
-/// The last `Nats-Msg-Id` of a raw header block: `Err` if it is not UTF-8.
-/// The name is matched exactly, as async-nats (and so the pipeline) and
-/// JetStream's own publish dedup match it.
-fn raw_nats_msg_id(block: &[u8]) -> Option<Result<String, ()>> {
-    header_lines(block)
-        .filter(|(name, _)| *name == b"Nats-Msg-Id")
-        .last()
-        .map(|(_, value)| String::from_utf8(value.to_vec()).map_err(|_| ()))
-}
-
-/// The headers of a raw block that are valid UTF-8 and valid names.
-fn parse_header_block(block: &[u8]) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    for (name, value) in header_lines(block) {
-        let (Ok(name), Ok(value)) = (std::str::from_utf8(name), std::str::from_utf8(value)) else {
-            continue;
-        };
-        // Fallible parses: async-nats panics on a value with a bare CR.
-        if let (Ok(name), Ok(value)) = (HeaderName::from_str(name), HeaderValue::from_str(value)) {
-            headers.append(name, value);
-        }
-    }
-    headers
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn the_nats_msg_id_of_a_raw_header_block() {
-        let block = b"NATS/1.0\r\nTrace: t-1\r\nNats-Msg-Id: order-7\r\n\r\n";
-        assert_eq!(raw_nats_msg_id(block), Some(Ok("order-7".to_owned())));
-        let lower_case = b"NATS/1.0\r\nnats-msg-id: order-7\r\n\r\n";
-        assert_eq!(
-            raw_nats_msg_id(lower_case),
-            None,
-            "matched exactly, as the pipeline does"
-        );
-        let bare_cr = b"NATS/1.0\r\nX: a\rb\r\nY: fine\r\n\r\n";
-        let headers = parse_header_block(bare_cr);
-        assert!(headers.get("X").is_none());
-        assert_eq!(headers.get("Y").map(|v| v.as_str()), Some("fine"));
+    fn watcher_names_of_different_routes_differ() {
         assert_ne!(watcher_name("S-A", "c"), watcher_name("S", "A-c"));
-        let not_utf8 = b"NATS/1.0\r\nNats-Msg-Id: \xff\xfe-x\r\n\r\n";
-        assert_eq!(raw_nats_msg_id(not_utf8), Some(Err(())));
-        assert_eq!(raw_nats_msg_id(b"NATS/1.0\r\nA: b\r\n\r\n"), None);
-        let headers = parse_header_block(not_utf8);
-        assert!(headers.get("Nats-Msg-Id").is_none());
-        let headers = parse_header_block(block);
-        assert_eq!(headers.get("Trace").map(|v| v.as_str()), Some("t-1"));
     }
 }

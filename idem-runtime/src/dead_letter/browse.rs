@@ -5,7 +5,14 @@
 //! Dead letters are read straight from their stream by sequence
 //! (`STREAM.MSG.GET` with `next_by_subject`), one request each: no consumer
 //! is created, so reading leaves nothing behind on the server and ends
-//! exactly at the stream's last message.
+//! exactly at the stream's last message. Each is read raw, its header block
+//! parsed as async-nats parses a delivery's (see `header_block.rs`), so a
+//! header the original had twice is kept twice, and an id reads back
+//! exactly as it was recorded.
+//!
+//! A dead letter too big to be stored as it was has parts moved to the
+//! object store ([`DeadLetter::payload_moved`], see `moved.rs`):
+//! [`original`] reads them back, and [`discard`] deletes them with it.
 //!
 //! ```no_run
 //! # async fn f(js: async_nats::jetstream::Context) -> Result<(), Box<dyn std::error::Error>> {
@@ -23,14 +30,22 @@ use std::collections::BTreeMap;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, stream};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use futures_util::TryStreamExt;
+use serde::Deserialize;
 use time::OffsetDateTime;
 
+use super::moved::{self, BUCKET};
 use super::{
     Failure, MESSAGE_ID, ORIGINAL_SUBJECT, REPLAYED_FROM, ReplayError, ReplayOptions, STORED_AT,
     parse_time, replay_checks,
 };
+use crate::header_block;
+
+/// JetStream's error code for "no message found".
+const NO_MESSAGE_FOUND: u64 = 10037;
 
 /// A dead letter as its stream stores it: the original's payload and
 /// headers, and the `Idem-*` headers that say where it came from and why it
@@ -112,15 +127,185 @@ impl DeadLetter {
         self.header(REPLAYED_FROM)
     }
 
-    fn from_stored(stream: &str, message: jetstream::message::StreamMessage) -> DeadLetter {
-        DeadLetter {
+    /// Where the original payload was moved, if it did not fit in the dead
+    /// letter (`Idem-Payload-Moved`); [`DeadLetter::payload`] is then empty.
+    pub fn payload_moved(&self) -> Option<MovedPart> {
+        self.moved(moved::PAYLOAD_MOVED, moved::PAYLOAD_BYTES)
+    }
+
+    /// Where the original header block was moved, if it did not fit in the
+    /// dead letter (`Idem-Headers-Moved`); the original's headers are then
+    /// not among [`DeadLetter::headers`].
+    pub fn headers_moved(&self) -> Option<MovedPart> {
+        self.moved(moved::HEADERS_MOVED, moved::HEADERS_BYTES)
+    }
+
+    /// How many bytes of the error text were cut to make it fit
+    /// (`Idem-Error-Cut`).
+    pub fn error_cut(&self) -> Option<u64> {
+        self.header(moved::ERROR_CUT)?.parse().ok()
+    }
+
+    fn moved(&self, object: &str, bytes: &str) -> Option<MovedPart> {
+        Some(MovedPart {
+            bucket: self.header(moved::MOVED_TO).unwrap_or(BUCKET).to_owned(),
+            object: self.header(object)?.to_owned(),
+            bytes: self.header(bytes).and_then(|bytes| bytes.parse().ok()),
+        })
+    }
+
+    fn from_raw(stream: &str, raw: stream::RawMessage) -> Result<DeadLetter, async_nats::Error> {
+        let payload = BASE64.decode(raw.payload.as_bytes())?;
+        let headers = match raw.headers.as_deref() {
+            Some(encoded) => {
+                let block = BASE64.decode(encoded.as_bytes())?;
+                match header_block::read(&block) {
+                    Ok(headers) => header_block::to_map(&headers),
+                    Err(_) => header_block::lenient(&block),
+                }
+            }
+            None => HeaderMap::new(),
+        };
+        Ok(DeadLetter {
             stream: stream.to_owned(),
-            sequence: message.sequence,
-            subject: message.subject.to_string(),
-            stored_at: message.time,
-            headers: message.headers,
-            payload: message.payload,
+            sequence: raw.sequence,
+            subject: raw.subject,
+            stored_at: raw.time,
+            headers,
+            payload: payload.into(),
+        })
+    }
+}
+
+/// A part of a dead letter's original that did not fit in it, and where it
+/// is: an object of a JetStream object store (`nats object get <bucket>
+/// <object>` reads it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MovedPart {
+    /// The object store bucket ([`BUCKET`](super::BUCKET) unless recorded
+    /// otherwise).
+    pub bucket: String,
+    /// The object's name.
+    pub object: String,
+    /// Its size, as recorded.
+    pub bytes: Option<u64>,
+}
+
+/// A dead letter's original message, with any part that was moved out of
+/// it read back: what [`replay`](super::replay) sends.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Original {
+    /// Its headers, without the `Nats-*` ones (which steer JetStream) and
+    /// without `Idem-*` ones (idem's own).
+    pub headers: HeaderMap,
+    /// Its header block as JetStream stored it, where idem read the
+    /// original raw (a message JetStream gave up on); also a moved header
+    /// block, as it was moved.
+    pub header_block: Option<Bytes>,
+    /// Its payload.
+    pub payload: Bytes,
+}
+
+/// The original message of `letter`, its moved parts (if any) read back
+/// from the object store.
+pub async fn original(
+    js: &jetstream::Context,
+    letter: &DeadLetter,
+) -> Result<Original, DeadLetterError> {
+    let fetch = async |part: &'static str, moved: MovedPart| {
+        let bytes = moved::get(js, &moved.bucket, &moved.object).await;
+        let source = match bytes {
+            Ok(bytes) if moved.bytes.is_none_or(|size| size == bytes.len() as u64) => {
+                return Ok(bytes);
+            }
+            Ok(bytes) => format!(
+                "it holds {} bytes, not the {:?} recorded",
+                bytes.len(),
+                moved.bytes
+            )
+            .into(),
+            Err(error) => error,
+        };
+        Err(DeadLetterError::Moved {
+            stream: letter.stream.clone(),
+            sequence: letter.sequence,
+            part,
+            bucket: moved.bucket,
+            object: moved.object,
+            source,
+        })
+    };
+    let payload = match letter.payload_moved() {
+        Some(moved) => fetch("payload", moved).await?,
+        None => letter.payload.clone(),
+    };
+    let (headers, header_block) = match letter.headers_moved() {
+        Some(moved) => {
+            let block = fetch("header block", moved).await?;
+            let headers = match header_block::read(&block) {
+                Ok(headers) => header_block::to_map(&headers),
+                Err(_) => header_block::lenient(&block),
+            };
+            (headers, Some(block))
         }
+        None => {
+            let block = letter
+                .header(moved::ORIGINAL_HEADERS_BASE64)
+                .and_then(|encoded| BASE64.decode(encoded).ok())
+                .map(Bytes::from);
+            (letter.headers.clone(), block)
+        }
+    };
+    let mut kept = HeaderMap::new();
+    for (name, values) in headers.iter() {
+        let name_str: &str = name.as_ref();
+        if name_str.starts_with("Idem-") || name_str.starts_with("Nats-") {
+            continue;
+        }
+        for value in values {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    Ok(Original {
+        headers: kept,
+        header_block,
+        payload,
+    })
+}
+
+/// The answer to `STREAM.MSG.GET`.
+#[derive(Debug, Deserialize)]
+struct RawGet {
+    message: Option<stream::RawMessage>,
+    error: Option<serde_json::Value>,
+}
+
+/// Message `sequence` of `stream` (with `next_by_subject`, the first at or
+/// after it under that subject), raw; `None` if there is none.
+async fn get_raw(
+    js: &jetstream::Context,
+    stream: &str,
+    sequence: u64,
+    next_by_subject: Option<&str>,
+) -> Result<Option<stream::RawMessage>, async_nats::Error> {
+    let request = match next_by_subject {
+        Some(subject) => serde_json::json!({ "seq": sequence, "next_by_subj": subject }),
+        None => serde_json::json!({ "seq": sequence }),
+    };
+    let got: RawGet = js
+        .request(format!("STREAM.MSG.GET.{stream}"), &request)
+        .await?;
+    match (got.message, got.error) {
+        (Some(message), _) => Ok(Some(message)),
+        (None, Some(error))
+            if error.get("err_code").and_then(serde_json::Value::as_u64)
+                == Some(NO_MESSAGE_FOUND) =>
+        {
+            Ok(None)
+        }
+        (None, error) => Err(format!("the server answered {error:?}").into()),
     }
 }
 
@@ -284,6 +469,40 @@ pub enum DeadLetterError {
         /// The server's answer.
         source: async_nats::Error,
     },
+    /// A part of its original that was moved out of it cannot be read.
+    #[error(
+        "dead letter {sequence} of stream `{stream}`: its {part} was moved to object `{object}` of object store bucket `{bucket}`, which cannot be read: {source}; check the bucket (`nats object ls {bucket}`)"
+    )]
+    Moved {
+        /// The dead-letter stream.
+        stream: String,
+        /// Its sequence.
+        sequence: u64,
+        /// Which part: `payload` or `header block`.
+        part: &'static str,
+        /// The object store bucket.
+        bucket: String,
+        /// The object.
+        object: String,
+        /// Why it cannot be read.
+        source: async_nats::Error,
+    },
+    /// It was deleted, but a part moved out of it could not be.
+    #[error(
+        "dead letter {sequence} of stream `{stream}` was deleted, but its moved part `{object}` is still in object store bucket `{bucket}`: {source}; delete it with `nats object rm {bucket} '{object}'`"
+    )]
+    MovedPartLeft {
+        /// The dead-letter stream.
+        stream: String,
+        /// Its sequence.
+        sequence: u64,
+        /// The object store bucket.
+        bucket: String,
+        /// The object left.
+        object: String,
+        /// The server's answer.
+        source: async_nats::Error,
+    },
 }
 
 /// The dead letters of `dead_letter_stream` that pass `filter`, oldest
@@ -309,28 +528,22 @@ pub async fn list(
     let mut next = first.max(1);
     let limit = filter.limit.unwrap_or(usize::MAX);
     while next <= last && letters.len() < limit {
-        let found = stream
-            .raw_message_builder()
-            .sequence(next)
-            .next_by_subject(subject.clone())
-            .send()
-            .await;
-        let message = match found {
-            Ok(message) => message,
-            Err(error) if error.kind() == stream::RawMessageErrorKind::NoMessageFound => break,
-            Err(error) => {
-                return Err(DeadLetterError::Read {
-                    stream: dead_letter_stream.to_owned(),
-                    sequence: next,
-                    source: error.into(),
-                });
-            }
+        let read_error = |source: async_nats::Error| DeadLetterError::Read {
+            stream: dead_letter_stream.to_owned(),
+            sequence: next,
+            source,
+        };
+        let message = match get_raw(js, dead_letter_stream, next, Some(&subject)).await {
+            Ok(Some(message)) => message,
+            Ok(None) => break,
+            Err(error) => return Err(read_error(error)),
         };
         if message.sequence > last {
             break;
         }
-        next = message.sequence + 1;
-        let letter = DeadLetter::from_stored(dead_letter_stream, message);
+        let sequence = message.sequence;
+        let letter = DeadLetter::from_raw(dead_letter_stream, message).map_err(read_error)?;
+        next = sequence + 1;
         if letter.original_subject().is_some() && filter.matches(&letter) {
             letters.push(letter);
         }
@@ -344,30 +557,28 @@ pub async fn get(
     dead_letter_stream: &str,
     sequence: u64,
 ) -> Result<DeadLetter, DeadLetterError> {
-    let stream = js
-        .get_stream_no_info(dead_letter_stream)
+    js.get_stream_no_info(dead_letter_stream)
         .await
         .map_err(|e| DeadLetterError::Stream {
             stream: dead_letter_stream.to_owned(),
             source: e.into(),
         })?;
-    let message = match stream.get_raw_message(sequence).await {
-        Ok(message) => message,
-        Err(error) if error.kind() == stream::RawMessageErrorKind::NoMessageFound => {
+    let read_error = |source: async_nats::Error| DeadLetterError::Read {
+        stream: dead_letter_stream.to_owned(),
+        sequence,
+        source,
+    };
+    let message = match get_raw(js, dead_letter_stream, sequence, None).await {
+        Ok(Some(message)) => message,
+        Ok(None) => {
             return Err(DeadLetterError::NotFound {
                 stream: dead_letter_stream.to_owned(),
                 sequence,
             });
         }
-        Err(error) => {
-            return Err(DeadLetterError::Read {
-                stream: dead_letter_stream.to_owned(),
-                sequence,
-                source: error.into(),
-            });
-        }
+        Err(error) => return Err(read_error(error)),
     };
-    let letter = DeadLetter::from_stored(dead_letter_stream, message);
+    let letter = DeadLetter::from_raw(dead_letter_stream, message).map_err(read_error)?;
     if letter.original_subject().is_none() {
         return Err(DeadLetterError::NotADeadLetter {
             stream: dead_letter_stream.to_owned(),
@@ -379,14 +590,16 @@ pub async fn get(
 
 /// Deletes dead letter `sequence` from `dead_letter_stream`, for good: once
 /// its cause is fixed and it was replayed, or when it should never be
-/// processed. A message that is not an idem dead letter is refused
-/// ([`DeadLetterError::NotADeadLetter`]) and left alone.
+/// processed; then the parts moved out of it, if any (after the dead
+/// letter, so that a failure leaves an orphaned object, never a dead letter
+/// without its payload). A message that is not an idem dead letter is
+/// refused ([`DeadLetterError::NotADeadLetter`]) and left alone.
 pub async fn discard(
     js: &jetstream::Context,
     dead_letter_stream: &str,
     sequence: u64,
 ) -> Result<(), DeadLetterError> {
-    get(js, dead_letter_stream, sequence).await?;
+    let letter = get(js, dead_letter_stream, sequence).await?;
     let stream = js
         .get_stream_no_info(dead_letter_stream)
         .await
@@ -394,14 +607,28 @@ pub async fn discard(
             stream: dead_letter_stream.to_owned(),
             source: e.into(),
         })?;
-    match stream.delete_message(sequence).await {
-        Ok(_) => Ok(()),
-        Err(error) => Err(DeadLetterError::Delete {
+    if let Err(error) = stream.delete_message(sequence).await {
+        return Err(DeadLetterError::Delete {
             stream: dead_letter_stream.to_owned(),
             sequence,
             source: error.into(),
-        }),
+        });
     }
+    for part in [letter.payload_moved(), letter.headers_moved()]
+        .into_iter()
+        .flatten()
+    {
+        if let Err(source) = moved::delete(js, &part.bucket, &part.object).await {
+            return Err(DeadLetterError::MovedPartLeft {
+                stream: dead_letter_stream.to_owned(),
+                sequence,
+                bucket: part.bucket,
+                object: part.object,
+                source,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Whether [`replay_with`](super::replay_with) with `options` would replay
