@@ -320,7 +320,7 @@ async fn rows_above_the_stream_s_max_msg_size_do_not_block_the_rows_after_them()
     assert_eq!(pending_rows(&pool).await, 0);
 }
 
-/// A nats-server with JetStream and two users: `admin`, who may do
+/// A nats-server of its own configuration, with JetStream and two users: `admin`, who may do
 /// anything, and `relay`, who may publish to `OK.>` and JetStream's API only
 /// (and receive its replies). A publish to any other subject is refused by
 /// the server (`-ERR 'Permissions Violation for Publish ...'`), and the
@@ -333,7 +333,8 @@ struct RestrictedNats {
 }
 
 impl RestrictedNats {
-    async fn start() -> RestrictedNats {
+    /// Starts one, with `extra` added to its configuration.
+    async fn start(extra: &str) -> RestrictedNats {
         let dir = tempfile::Builder::new()
             .prefix("idem-test-restricted-nats")
             .tempdir()
@@ -343,7 +344,7 @@ impl RestrictedNats {
         std::fs::write(
             &config,
             format!(
-                "host: 127.0.0.1\nport: -1\n\
+                "host: 127.0.0.1\nport: -1\n{extra}\n\
                  jetstream {{ store_dir: {store:?}, sync_interval: always }}\n\
                  accounts {{\n  APP {{\n    jetstream: enabled\n    users: [\n\
                  {{ user: admin, password: admin }}\n\
@@ -414,7 +415,7 @@ async fn rows_the_relay_may_not_publish_do_not_block_or_slow_the_rows_after_them
     let env = idem_tests::TestEnv::start().await;
     let pool = env.pool().await;
     prepare_database(&pool).await;
-    let server = RestrictedNats::start().await;
+    let server = RestrictedNats::start("").await;
     let admin = jetstream::new(server.client("admin").await);
     let ok = unique("OBPERM_OK");
     let denied = unique("OBPERM_DENIED");
@@ -913,4 +914,150 @@ async fn a_row_the_nats_client_cannot_encode_is_reported_and_does_not_kill_the_r
     );
     drop(conn);
     stop_relay(stop, task).await;
+}
+
+#[tokio::test]
+async fn a_subject_longer_than_the_server_takes_does_not_cut_the_relay_off() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let out = out_stream(&js, "OBLONG").await;
+    // nats-server reads at most 4 KiB of a protocol line (`max_control_line`)
+    // and closes the connection of a client that sends a longer one: a
+    // publish to this subject would cut the relay off NATS, every time.
+    let long = format!("{out}.{}", "x".repeat(5000));
+    let mut conn = pool.acquire().await.unwrap();
+    let refused = outbox::enqueue(&mut conn, "long-0", &long, b"{}", &Default::default()).await;
+    drop(conn);
+    if refused.is_ok() {
+        println!("enqueue took a {}-byte subject", long.len());
+    } else {
+        sqlx::query(
+            "INSERT INTO idem_outbox (msg_id, subject, payload) VALUES ('long-0', $1, '\\x7b7d')",
+        )
+        .bind(&long)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let good = queue(&pool, "after-long", &format!("{out}.paid"), 1).await;
+    let relay = Relay::new()
+        .poll_interval(Duration::from_millis(100))
+        .max_backoff(Duration::from_millis(400));
+    let stats = relay.stats();
+    let (stop, task) = spawn_relay(relay, nats.clone(), pool.clone());
+    wait_stored(&js, &pool, &out, 1, &stats, Duration::from_secs(20)).await;
+    assert_eq!(stored_ids(&js, &out).await, good);
+    let failing = wait_failing(&stats, &long, 1).await;
+    assert!(failing.error.contains("subject"), "{failing:?}");
+    stop_relay(stop, task).await;
+    assert!(
+        matches!(refused, Err(OutboxError::InvalidSubject(_))),
+        "enqueue refuses a subject the server cannot take: {refused:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_row_that_makes_the_server_drop_the_connection_is_found_and_set_aside() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    // A server that reads at most 512 bytes of a protocol line: a publish to
+    // a longer subject makes it close the client's connection.
+    let server = RestrictedNats::start("max_control_line: 512").await;
+    let js = jetstream::new(server.client("admin").await);
+    let ok = unique("OBCUT");
+    create_stream(&js, &ok, &format!("OK.{ok}.>"), Duration::from_secs(120)).await;
+    let killer = format!("OK.{ok}.{}", "k".repeat(700));
+    queue(&pool, "killer", &killer, 1).await;
+    let good = queue(&pool, "after-killer", &format!("OK.{ok}.paid"), 3).await;
+    let relay = Relay::new()
+        .poll_interval(Duration::from_millis(100))
+        .max_backoff(Duration::from_millis(400));
+    let stats = relay.stats();
+    // A client of its own: a router's relay shares the router's, which
+    // each cut would cut off too.
+    let relay_nats = server.client("admin").await;
+    let cuts = relay_nats.statistics();
+    let (stop, task) = spawn_relay(relay, relay_nats, pool.clone());
+    let took = wait_stored(&js, &pool, &ok, 3, &stats, Duration::from_secs(30)).await;
+    println!(
+        "the 3 rows after the connection-killing row went out after {took:?}; the relay's client connected {} times",
+        cuts.connects.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert_eq!(stored_ids(&js, &ok).await, good);
+    // The fault happened: the server closed connections over it.
+    let log = server.log_text();
+    assert!(
+        log.to_lowercase().contains("control line"),
+        "the server refused the line; its log:\n{log}"
+    );
+    let failing = wait_failing(&stats, &killer, 1).await;
+    assert!(failing.error.contains("connection was lost"), "{failing:?}");
+    stop_relay(stop, task).await;
+    assert_eq!(pending_rows(&pool).await, 1, "only the killer stays");
+}
+
+#[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
+async fn after_nats_is_killed_for_several_max_backoffs_every_row_goes_out_once_soon() {
+    idem_tests::require_own_servers();
+    let mut env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let out = out_stream(&js, "OBKILLED").await;
+    const MAX_BACKOFF: Duration = Duration::from_millis(500);
+    let relay = Relay::new().max_backoff(MAX_BACKOFF);
+    let stats = relay.stats();
+    let (stop, task) = spawn_relay(relay, nats.clone(), pool.clone());
+
+    env.nats_server_mut().kill();
+    let away = Instant::now();
+    // Queued while NATS is down, as an endpoint outside any handler would.
+    let mut ids = Vec::new();
+    for n in 0..40 {
+        ids.extend(queue(&pool, &format!("killed-{n}"), &format!("{out}.paid"), 1).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eventually(
+        "the relay finds NATS away",
+        Duration::from_secs(60),
+        || async { stats.nats_away() > 0 },
+    )
+    .await;
+    tokio::time::sleep((MAX_BACKOFF * 20).saturating_sub(away.elapsed())).await;
+    assert_eq!(stats.published(), 0);
+    assert_eq!(stats.failing(), 0, "no failure was recorded on a row");
+    let lag = outbox::lag(&pool).await.unwrap();
+    assert_eq!((lag.pending, lag.failing), (40, 0));
+
+    env.nats_server_mut().start_again().await;
+    let back = Instant::now();
+    eventually(
+        "every row goes out once NATS is back",
+        Duration::from_secs(60),
+        || async { pending_rows(&pool).await == 0 },
+    )
+    .await;
+    let recovery = back.elapsed();
+    println!(
+        "NATS killed for {:?} (max back-off {MAX_BACKOFF:?}); every row out {recovery:?} after it was back; \
+         {} cycles found it away",
+        back - away,
+        stats.nats_away()
+    );
+    assert!(
+        recovery < Duration::from_secs(20),
+        "rows went out {recovery:?} after NATS was back"
+    );
+    stop_relay(stop, task).await;
+    let stored = stored_ids(&js, &out).await;
+    assert_eq!(stored, ids, "each stored once, in order");
 }

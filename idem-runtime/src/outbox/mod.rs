@@ -68,7 +68,10 @@
 //! server refused for want of permission gets no answer at all) is given up
 //! on a second (or as long as the last answer took, if longer) after the
 //! last answer, and its row counts as failed. If that publish still lands,
-//! JetStream drops the retry as a duplicate.
+//! JetStream drops the retry as a duplicate. PubAcks lost with the
+//! connection are not blamed on their rows; a row over which the server
+//! drops the connection is found by publishing one row per cycle after two
+//! cycles in a row lost it.
 //!
 //! # Ordering
 //!
@@ -405,7 +408,9 @@ pub enum OutboxError {
     #[error("an outbox message does not encode")]
     Encode(#[from] EncodeError),
     /// The subject cannot be published to (permanent).
-    #[error("outbox subject `{0}` is not a valid publish subject (empty, wildcard or whitespace)")]
+    #[error(
+        "outbox subject `{0}` is not a valid publish subject (empty, a wildcard, whitespace, or longer than MAX_SUBJECT_LEN)"
+    )]
     InvalidSubject(String),
     /// The id is empty, longer than `MAX_MESSAGE_ID_LEN`, or holds a
     /// carriage return or line feed (no NATS header can carry one) or NUL
@@ -430,8 +435,16 @@ impl Classify for OutboxError {
 
 inventory::submit! { Classifier::of::<OutboxError>() }
 
+/// The longest subject the outbox takes. nats-server reads at most
+/// `max_control_line` (4 KiB by default) of a protocol line, subject and
+/// reply inbox included, and closes the connection of a client that sends
+/// a longer one: a row with such a subject would cut its relay off NATS at
+/// every attempt.
+pub const MAX_SUBJECT_LEN: usize = 1024;
+
 fn check_subject(subject: &str) -> Result<(), OutboxError> {
     let valid = !subject.is_empty()
+        && subject.len() <= MAX_SUBJECT_LEN
         && subject
             .split('.')
             .all(|token| !token.is_empty() && token != "*" && token != ">")
@@ -566,6 +579,8 @@ mod tests {
         for bad in ["", "orders.*", "orders.>", "a..b", "a b", ".a"] {
             assert!(check_subject(bad).is_err(), "{bad:?}");
         }
+        assert!(check_subject(&"a".repeat(MAX_SUBJECT_LEN)).is_ok());
+        assert!(check_subject(&"a".repeat(MAX_SUBJECT_LEN + 1)).is_err());
     }
 
     #[test]

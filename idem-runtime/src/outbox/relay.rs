@@ -20,12 +20,24 @@
 //!    has come back, those still missing a second later (or as long as the
 //!    last took, if longer) are given up on: a publish the server refused
 //!    for want of permission never gets an answer, and must not hold up the
-//!    rows that went through.
-//! 4. **Blame or not.** If nothing went out, ask JetStream whether it
-//!    answers at all ([`nats_answers`]). If it does not (or the client could
-//!    not queue a publish), NATS is away: the failures are not the rows'
-//!    fault and are not recorded; the lane backs off. Otherwise each failed
-//!    row gets `attempts + 1`, its `last_error` and its own `not_before`.
+//!    rows that went through. Once the client has connected again, those
+//!    of the lost connection are given up on too.
+//! 4. **Blame or not.** A row the client refused is the row's fault. For
+//!    the others:
+//!    - if the client could not queue a publish, or the connection was
+//!      lost while they were out, what did not come back is not the rows'
+//!      fault (an answer that did come, such as "no stream", still is,
+//!      unless nothing went out);
+//!    - else, if nothing went out, ask JetStream whether it answers at all
+//!      ([`nats_answers`]); if it does not, NATS is away and nothing is
+//!      recorded;
+//!    - else each failed row gets `attempts + 1`, its `last_error` and its
+//!      own `not_before`.
+//!
+//!    A lane that lost the connection in two cycles in a row publishes one
+//!    row per cycle until one goes through ([`LostConnections`]): a row
+//!    over which the server drops the connection then loses it alone, and
+//!    is blamed if JetStream answers right after.
 //! 5. **DELETE** the acknowledged rows, record the failures, COMMIT.
 //!
 //! # The lanes
@@ -38,7 +50,9 @@
 //!   cycle after cycle while a cycle took all it could.
 //! - **Failing rows**, once due: the lane looks for the first due row about
 //!   once a second. A retry that waits out a PubAck timeout holds up only
-//!   other failing rows.
+//!   other failing rows, and after a retry cycle that sent nothing the lane
+//!   waits a second, so rows that can never go out cost at most a cycle a
+//!   second.
 //!
 //! Either lane backs off, from 100 ms doubling up to `max_backoff`, while
 //! NATS is away or the database fails, and the fresh lane reads (and
@@ -63,7 +77,7 @@ use tokio::sync::watch;
 
 use super::lag::{Lag, lag};
 use super::wake::Wakeup;
-use super::{check_subject, message_headers};
+use super::{MAX_SUBJECT_LEN, check_subject, message_headers};
 
 /// Rows that never failed, in id order; of those, as many as fit in
 /// `$2` bytes (always the first). `locked` is how many the take locked.
@@ -212,6 +226,9 @@ pub struct Cycle {
     /// The take was full (or cut at `max_cycle_bytes`): more rows may be
     /// waiting.
     pub more: bool,
+    /// The NATS client connected again while the cycle's publishes were
+    /// out: the PubAcks that did not come back are not blamed on the rows.
+    pub reconnected: bool,
 }
 
 /// Counters of one relay (and its clones), readable while it runs.
@@ -471,6 +488,7 @@ impl Relay {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), RelayError> {
         let js = jetstream::new(nats);
+        crate::metrics::outbox_nats_unreachable(false);
         // Whichever lane ends first stops the other.
         let (stop, stopped) = watch::channel(false);
         let away = LaneAway::default();
@@ -503,6 +521,7 @@ impl Relay {
         let mut shutdown = pin!(shutdown);
         let mut wakeup = Wakeup::new(self.stats.clone());
         let mut backoff = Backoff::default();
+        let mut lost = LostConnections::default();
         let mut lag_read: Option<Instant> = None;
         loop {
             // About once per poll interval, whether woken by notifications
@@ -520,8 +539,9 @@ impl Relay {
                 if *stopped.borrow() {
                     return Ok(());
                 }
-                match self.relay_batch(js, pool).await {
+                match self.cycle(js, pool, Lane::Fresh, lost.alone()).await {
                     Ok(cycle) => {
+                        lost.count(&cycle);
                         if self.settle(&cycle, &mut backoff, away, Lane::Fresh) || !cycle.more {
                             break;
                         }
@@ -558,11 +578,23 @@ impl Relay {
         away: &LaneAway,
     ) -> Result<(), RelayError> {
         let mut backoff = Backoff::default();
+        let mut lost = LostConnections::default();
+        // After a cycle that sent nothing (its rows failed again), wait
+        // before the next even if more are due: rows that can never go out
+        // cost at most a cycle a second, however many there are.
+        let mut pause = false;
         loop {
             let wait = match backoff.current() {
                 Some(wait) => wait,
                 None => match next_due(pool).await {
-                    Ok(due) => due.unwrap_or(RETRY_CHECK_EVERY).min(RETRY_CHECK_EVERY),
+                    Ok(due) => {
+                        let due = due.unwrap_or(RETRY_CHECK_EVERY).min(RETRY_CHECK_EVERY);
+                        if std::mem::take(&mut pause) {
+                            due.max(RETRY_CHECK_EVERY)
+                        } else {
+                            due
+                        }
+                    }
                     Err(error) => {
                         let wait = backoff.next(self.max_backoff);
                         tracing::warn!(%error, backoff_ms = wait.as_millis() as u64, "outbox relay's retry lane failed to read its rows; backing off");
@@ -583,9 +615,11 @@ impl Relay {
             if *stopped.borrow() {
                 return Ok(());
             }
-            match self.retry_batch(js, pool).await {
+            match self.cycle(js, pool, Lane::Retry, lost.alone()).await {
                 Ok(cycle) => {
+                    lost.count(&cycle);
                     self.settle(&cycle, &mut backoff, away, Lane::Retry);
+                    pause = cycle.taken > 0 && cycle.published.is_empty();
                 }
                 Err(RelayError::Database(error)) => {
                     let wait = backoff.next(self.max_backoff);
@@ -685,7 +719,7 @@ impl Relay {
         js: &jetstream::Context,
         pool: &PgPool,
     ) -> Result<Cycle, RelayError> {
-        self.cycle(js, pool, Lane::Fresh).await
+        self.cycle(js, pool, Lane::Fresh, false).await
     }
 
     /// One cycle of the retry lane: as [`relay_batch`](Self::relay_batch),
@@ -695,7 +729,7 @@ impl Relay {
         js: &jetstream::Context,
         pool: &PgPool,
     ) -> Result<Cycle, RelayError> {
-        self.cycle(js, pool, Lane::Retry).await
+        self.cycle(js, pool, Lane::Retry, false).await
     }
 
     async fn cycle(
@@ -703,10 +737,12 @@ impl Relay {
         js: &jetstream::Context,
         pool: &PgPool,
         lane: Lane,
+        alone: bool,
     ) -> Result<Cycle, RelayError> {
+        let limit = if alone { 1 } else { self.batch_size };
         let mut tx = pool.begin().await?;
         let rows: Vec<Row> = sqlx::query_as(lane.take_sql())
-            .bind(i64::try_from(self.batch_size).unwrap_or(i64::MAX))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(i64::try_from(self.max_cycle_bytes).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
             .await?;
@@ -718,11 +754,14 @@ impl Relay {
         let locked = usize::try_from(locked).unwrap_or(usize::MAX);
         let mut cycle = Cycle {
             taken: rows.len(),
-            more: locked >= self.batch_size || rows.len() < locked,
+            more: locked >= limit || rows.len() < locked,
             ..Cycle::default()
         };
+        let statistics = js.client().statistics();
+        let connects = statistics.connects.load(Ordering::Relaxed);
 
-        // The row's own failures, whatever NATS does.
+        // Refused by the client (or it would panic): the row's own fault,
+        // whatever NATS does.
         let mut refused: Vec<(Taken, String)> = Vec::new();
         let mut unsent: Option<String> = None;
         let mut in_flight = Vec::with_capacity(rows.len());
@@ -737,7 +776,7 @@ impl Relay {
                 attempts,
             };
             if check_subject(&row.subject).is_err() {
-                refused.push((row, "not a valid publish subject (empty, a wildcard, or whitespace): it can never be published; delete the row".into()));
+                refused.push((row, format!("not a valid publish subject (empty, a wildcard, whitespace, or longer than {MAX_SUBJECT_LEN} bytes): it can never be published; delete the row")));
                 continue;
             }
             let headers = match message_headers(headers, &row.msg_id) {
@@ -767,10 +806,16 @@ impl Relay {
                 }
             }
         }
-        let (answered, stragglers) = await_acks(in_flight).await;
-        let mut sent = Vec::with_capacity(answered.len());
-        let mut failed: Vec<(Taken, String)> = Vec::new();
-        for (row, ack) in answered {
+        let acks = await_acks(in_flight, || {
+            statistics.connects.load(Ordering::Relaxed) != connects
+        })
+        .await;
+        let mut sent = Vec::with_capacity(acks.answered.len());
+        // Failures the server answered for (no stream, a JetStream error),
+        // and those it did not (no PubAck in time, given up on).
+        let mut answered: Vec<(Taken, String)> = Vec::new();
+        let mut unanswered: Vec<(Taken, String)> = Vec::new();
+        for (row, ack) in acks.answered {
             match ack {
                 Ok(ack) => {
                     sent.push(row.id);
@@ -783,26 +828,60 @@ impl Relay {
                 }
                 Err(error) => {
                     let why = reason(&error);
-                    failed.push((row, why));
+                    match error.kind() {
+                        PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe => {
+                            unanswered.push((row, why));
+                        }
+                        _ => answered.push((row, why)),
+                    }
                 }
             }
         }
-        failed.extend(stragglers.into_iter().map(|row| {
+        unanswered.extend(acks.stragglers.into_iter().map(|row| {
             (row, "no PubAck while others of its cycle came back: the relay's NATS user may lack permission to publish to this subject (the server drops a refused publish without an answer), or its stream is slow or has no leader".to_owned())
         }));
-        cycle.failed += refused.len() + failed.len();
+        cycle.failed += refused.len() + answered.len() + unanswered.len();
+        cycle.reconnected = statistics.connects.load(Ordering::Relaxed) != connects;
 
-        // Whose fault: NATS answered this cycle if anything went out, or if
-        // JetStream answers now.
-        let away = match unsent {
-            Some(cause) => Some(cause),
-            None if cycle.published.is_empty() && !failed.is_empty() => {
-                nats_answers(js).await.err()
+        // Whose fault (see the module docs, step 4).
+        let published = !cycle.published.is_empty();
+        let failures = !answered.is_empty() || !unanswered.is_empty();
+        let mut away = None;
+        if let Some(cause) = unsent {
+            // The client is clogged or cut off: what did not come back may
+            // be its doing.
+            away = Some(cause);
+            unanswered.clear();
+            if !published {
+                answered.clear();
             }
-            None => None,
-        };
-        if cycle.published.is_empty() && away.is_some() {
-            failed.clear();
+        } else if cycle.reconnected && failures {
+            // The connection was lost while these were out: what did not
+            // come back is NATS's doing, unless this row was published
+            // alone after earlier cycles lost it too, and JetStream answers
+            // at once after: then the server dropped the connection over
+            // this row (a protocol line it would not take, say).
+            let answers = nats_answers(js).await;
+            if alone && answers.is_ok() {
+                for (_, why) in &mut unanswered {
+                    *why = "the NATS connection was lost each time this row was published, alone too, and JetStream answered at once after: the server may refuse it (a subject or header too long for it); fix or delete the row".to_owned();
+                }
+            } else {
+                unanswered.clear();
+                if !published {
+                    answered.clear();
+                    away = Some(match answers {
+                        Ok(()) => "the NATS connection was lost during the cycle".to_owned(),
+                        Err(cause) => cause,
+                    });
+                }
+            }
+        } else if !published && failures {
+            away = nats_answers(js).await.err();
+            if away.is_some() {
+                answered.clear();
+                unanswered.clear();
+            }
         }
 
         #[cfg(feature = "fault-injection")]
@@ -818,8 +897,9 @@ impl Relay {
                 .execute(&mut *tx)
                 .await?;
         }
-        refused.extend(failed);
-        let marked = refused;
+        let mut marked = refused;
+        marked.extend(answered);
+        marked.extend(unanswered);
         if !marked.is_empty() {
             let ids: Vec<i64> = marked.iter().map(|(row, _)| row.id).collect();
             let errors: Vec<&str> = marked.iter().map(|(_, why)| why.as_str()).collect();
@@ -865,6 +945,7 @@ impl Relay {
             duplicates,
             failed = cycle.failed,
             failing = cycle.failing,
+            reconnected = cycle.reconnected,
             "outbox cycle"
         );
         Ok(cycle)
@@ -920,6 +1001,30 @@ impl Lane {
     }
 }
 
+/// Cycles in a row of one lane that lost the NATS connection while their
+/// publishes were out. After two, the lane publishes one row per cycle
+/// until one goes through: if a row makes the server drop the connection,
+/// it is then found alone, and blamed (see [`Relay::cycle`]), instead of
+/// cutting the relay off at every cycle.
+#[derive(Debug, Default)]
+struct LostConnections(u32);
+
+impl LostConnections {
+    const BEFORE_ALONE: u32 = 2;
+
+    fn alone(&self) -> bool {
+        self.0 >= Self::BEFORE_ALONE
+    }
+
+    fn count(&mut self, cycle: &Cycle) {
+        if cycle.reconnected && cycle.failing == 0 {
+            self.0 += 1;
+        } else if cycle.taken > 0 {
+            self.0 = 0;
+        }
+    }
+}
+
 /// Whether each lane last found NATS away, for the metric: it reads 1
 /// while either does.
 #[derive(Debug, Default)]
@@ -948,15 +1053,32 @@ async fn next_due(pool: &PgPool) -> Result<Option<Duration>, sqlx::Error> {
     Ok(due.map(|seconds| Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX)))
 }
 
+/// What [`await_acks`] found.
+struct Acks {
+    /// Rows whose PubAck (or error) came back.
+    answered: Vec<(Taken, Result<PublishAck, PublishError>)>,
+    /// Rows given up on: unanswered once others had come back, or the
+    /// connection was re-established meanwhile.
+    stragglers: Vec<Taken>,
+}
+
+/// How often [`await_acks`] looks whether the connection was
+/// re-established.
+const RECONNECT_CHECK_EVERY: Duration = Duration::from_millis(100);
+
 /// Awaits the PubAcks of a cycle's publishes. Each waits up to the
-/// client's timeout, but once a publish has been acknowledged, those still
-/// unanswered [`STRAGGLER_GRACE`] after the last acknowledgement (or as long
-/// as it took, if longer) are given up on and returned apart: NATS is up,
-/// and they are not coming (a publish refused for want of permission gets
-/// no answer).
+/// client's timeout, but the rest are given up on
+///
+/// - once a publish has been acknowledged and the others are still
+///   unanswered [`STRAGGLER_GRACE`] after the last acknowledgement (or as
+///   long as it took, if longer): NATS is up, and they are not coming (a
+///   publish refused for want of permission gets no answer);
+/// - once the client has connected again (`reconnected`): the PubAcks of
+///   the lost connection are not coming either.
 async fn await_acks(
     in_flight: Vec<(Taken, PublishAckFuture)>,
-) -> (Vec<(Taken, Result<PublishAck, PublishError>)>, Vec<Taken>) {
+    reconnected: impl Fn() -> bool,
+) -> Acks {
     let started = tokio::time::Instant::now();
     let (rows, acks): (Vec<Taken>, Vec<PublishAckFuture>) = in_flight.into_iter().unzip();
     let mut results: Vec<Option<Result<PublishAck, PublishError>>> =
@@ -966,31 +1088,36 @@ async fn await_acks(
         .enumerate()
         .map(|(i, ack)| async move { (i, ack.await) })
         .collect();
-    let mut give_up_at = None;
-    loop {
-        // Racing the PubAcks (not a transaction) with a timer is safe: a
-        // PubAck given up on only leaves its row pending.
-        let next = match give_up_at {
-            None => pending.next().await,
-            Some(at) => tokio::time::timeout_at(at, pending.next())
-                .await
-                .unwrap_or(None),
-        };
-        let Some((i, ack)) = next else { break };
-        if ack.is_ok() {
-            give_up_at = Some(tokio::time::Instant::now() + started.elapsed().max(STRAGGLER_GRACE));
+    let mut give_up_at: Option<tokio::time::Instant> = None;
+    // Racing the PubAcks (not a transaction) with a timer is safe: a
+    // PubAck given up on only leaves its row pending.
+    while !pending.is_empty() && !reconnected() {
+        let check = tokio::time::Instant::now() + RECONNECT_CHECK_EVERY;
+        let until = give_up_at.map_or(check, |at| at.min(check));
+        match tokio::time::timeout_at(until, pending.next()).await {
+            Ok(Some((i, ack))) => {
+                if ack.is_ok() {
+                    give_up_at =
+                        Some(tokio::time::Instant::now() + started.elapsed().max(STRAGGLER_GRACE));
+                }
+                results[i] = Some(ack);
+            }
+            Ok(None) => break,
+            Err(_) if give_up_at.is_some_and(|at| at <= tokio::time::Instant::now()) => break,
+            Err(_) => {}
         }
-        results[i] = Some(ack);
     }
-    let mut answered = Vec::with_capacity(rows.len());
-    let mut stragglers = Vec::new();
+    let mut acks = Acks {
+        answered: Vec::with_capacity(rows.len()),
+        stragglers: Vec::new(),
+    };
     for (row, result) in rows.into_iter().zip(results) {
         match result {
-            Some(ack) => answered.push((row, ack)),
-            None => stragglers.push(row),
+            Some(ack) => acks.answered.push((row, ack)),
+            None => acks.stragglers.push(row),
         }
     }
-    (answered, stragglers)
+    acks
 }
 
 /// Whether NATS and JetStream answer now: the client is connected and
@@ -1007,7 +1134,7 @@ async fn nats_answers(js: &jetstream::Context) -> Result<(), String> {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(error)) => Err(format!("JetStream's account info failed: {error}")),
         Err(_) => Err(format!(
-            "JetStream did not answer an account info request within {PROBE_TIMEOUT:?}"
+            "JetStream did not answer an account info request within {PROBE_TIMEOUT:?} (NATS is away, or the relay's NATS user may not request $JS.API.INFO)"
         )),
     }
 }
@@ -1031,6 +1158,9 @@ fn reason(error: &PublishError) -> String {
     } else {
         format!("{error}; {hint}")
     };
+    // The server's text goes into a PostgreSQL text column, which takes no
+    // NUL: a MARK that failed over one would fail its whole cycle.
+    text.retain(|c| c != '\0');
     if text.len() > MAX_ERROR_LEN {
         let mut end = MAX_ERROR_LEN;
         while !text.is_char_boundary(end) {
