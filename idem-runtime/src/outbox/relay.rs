@@ -47,7 +47,8 @@
 //! lane).
 //!
 //! - **Fresh rows**, woken by notifications or the poll (see `wake.rs`),
-//!   cycle after cycle while a cycle took all it could.
+//!   cycle after cycle while a cycle took all it could or notifications
+//!   came during it (read while it runs).
 //! - **Failing rows**, once due: the lane looks for the first due row about
 //!   once a second. A retry that waits out a PubAck timeout holds up only
 //!   other failing rows, and after a retry cycle that sent nothing the lane
@@ -539,10 +540,16 @@ impl Relay {
                 if *stopped.borrow() {
                     return Ok(());
                 }
-                match self.cycle(js, pool, Lane::Fresh, lost.alone()).await {
+                let (cycle, notified) = wakeup
+                    .during(self.cycle(js, pool, Lane::Fresh, lost.alone()))
+                    .await;
+                match cycle {
                     Ok(cycle) => {
                         lost.count(&cycle);
-                        if self.settle(&cycle, &mut backoff, away, Lane::Fresh) || !cycle.more {
+                        // Notified meanwhile: rows may have committed after
+                        // this cycle took its own.
+                        let again = cycle.more || notified;
+                        if self.settle(&cycle, &mut backoff, away, Lane::Fresh) || !again {
                             break;
                         }
                     }
@@ -888,7 +895,10 @@ impl Relay {
         if let Some(hook) = &self.after_pubacks
             && hook(&cycle.published) == crate::fault::AfterPubAcks::Crash
         {
-            drop(tx);
+            // As a dead process's connection would: its locks go now. (A
+            // dropped transaction's ROLLBACK waits in its pooled connection
+            // until that is used again, and the rows stay locked meanwhile.)
+            tx.rollback().await?;
             return Err(RelayError::InjectedCrash(cycle.published.len()));
         }
         if !sent.is_empty() {

@@ -11,12 +11,13 @@
 //!   every one the connection has already received, without waiting for
 //!   more. Without that, 20,000 queuing transactions left a relay running
 //!   about 14,500 empty cycles in the 5 s after their rows had gone out.
-//! - **A relay that waits keeps reading.** PostgreSQL's notification queue
-//!   is shared by every database of the server, and its tail moves only as
-//!   fast as the slowest listener reads. A relay backing off (NATS away)
-//!   that stopped reading held the queue back for everyone, and once it is
-//!   full every notifying COMMIT fails (54000). So a back-off is a wait that
-//!   reads and discards.
+//! - **A relay keeps reading, whatever it does.** PostgreSQL's notification
+//!   queue is shared by every database of the server, and its tail moves
+//!   only as fast as the slowest listener reads. A relay backing off (NATS
+//!   away) that stopped reading held the queue back for everyone, and once
+//!   it is full every notifying COMMIT fails (54000). So a back-off is a
+//!   wait that reads and discards, and a cycle runs beside a read
+//!   ([`Wakeup::during`]) whose notifications call for one more cycle.
 //!
 //! A lost LISTEN connection is reconnected by the next wait, and a wake-up
 //! follows (notifications may have been lost meanwhile): a cycle then finds
@@ -24,11 +25,13 @@
 //! cycle's BEGIN or COMMIT (sqlx#4393). `try_recv` keeps a message it has
 //! read only in part when it is cancelled (its read is cancel-safe).
 
+use std::future::Future;
+use std::pin::pin;
 use std::time::Duration;
 
 use futures_util::FutureExt;
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgNotification};
 use tokio::time::Instant;
 
 use super::CHANNEL;
@@ -99,6 +102,46 @@ impl Wakeup {
                     tracing::warn!(%error, "outbox LISTEN connection failed; polling until it is back");
                     self.listener = None;
                     return;
+                }
+            }
+        }
+    }
+
+    /// Runs `work` (a cycle) to its end, never cancelled, while reading the
+    /// notifications that arrive meanwhile, so that a long cycle (a PubAck
+    /// timeout) does not leave them unread. Returns its output, and whether
+    /// any came (or the LISTEN connection was lost): they may announce rows
+    /// committed after the cycle took its own, so another cycle should look.
+    pub(super) async fn during<F: Future>(&mut self, work: F) -> (F::Output, bool) {
+        enum Next<T> {
+            Done(T),
+            Received(Result<Option<PgNotification>, sqlx::Error>),
+        }
+        let mut work = pin!(work);
+        let mut notified = false;
+        loop {
+            let Some(listener) = self.listener.as_mut() else {
+                return (work.await, notified);
+            };
+            // Only the read is cancelled when the cycle ends first, never the
+            // cycle (see the module docs).
+            let next = tokio::select! {
+                biased;
+                output = &mut work => Next::Done(output),
+                received = listener.try_recv() => Next::Received(received),
+            };
+            match next {
+                Next::Done(output) => return (output, notified),
+                Next::Received(Ok(Some(_))) => {
+                    let read = 1 + self.drain();
+                    self.stats.notified(read, false);
+                    notified = true;
+                }
+                Next::Received(Ok(None)) => notified = true,
+                Next::Received(Err(error)) => {
+                    tracing::warn!(%error, "outbox LISTEN connection failed; polling until it is back");
+                    self.listener = None;
+                    notified = true;
                 }
             }
         }
