@@ -51,6 +51,17 @@ pub struct Failing {
 
 /// The outbox's lag: rows pending, the age of the oldest, and those that
 /// keep failing, with why.
+///
+/// ```no_run
+/// # async fn report(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+/// let lag = idem_runtime::outbox::lag(&pool).await?;
+/// println!("{} pending, the oldest {:?} old", lag.pending, lag.oldest);
+/// for failing in &lag.failures {
+///     println!("{} rows of {} fail: {}", failing.rows, failing.subject, failing.error);
+/// }
+/// # Ok(())
+/// # }
+/// ```
 pub async fn lag(pool: &PgPool) -> Result<Lag, sqlx::Error> {
     let (pending, oldest, failing): (i64, Option<f64>, i64) = sqlx::query_as(
         "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8,
@@ -111,6 +122,15 @@ fn seconds(value: Option<f64>) -> Duration {
 /// is fixed (the stream created, the permission granted, the stream's
 /// `max_msg_size` raised). A running relay retries them within about a
 /// second. Returns how many rows it made due.
+///
+/// ```no_run
+/// # async fn fixed(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+/// // The stream for `payments.requested` exists now:
+/// let due = idem_runtime::outbox::retry_failing(&pool, Some("payments.requested")).await?;
+/// println!("{due} rows retried");
+/// # Ok(())
+/// # }
+/// ```
 ///
 /// The same, in SQL:
 ///

@@ -13,9 +13,10 @@
 //!    are due, the earliest due first.
 //! 2. **Publish** them all, in id order, before awaiting the first PubAck.
 //!    A row the client refuses, or would panic on (above `max_payload`, an
-//!    invalid subject, a header it cannot encode), fails at once; a publish the client cannot queue (it is
-//!    disconnected, its buffer full) leaves it and the rest of the cycle
-//!    untouched, since each further send would wait out its own timeout.
+//!    invalid subject, a header it cannot encode), fails at once; a publish
+//!    the client cannot queue (it is disconnected, its buffer full) leaves
+//!    it and the rest of the cycle untouched, since each further send would
+//!    wait out its own timeout.
 //! 3. **Await the PubAcks**, each up to the client's timeout; but once one
 //!    has come back, those still missing a second later (or as long as the
 //!    last took, if longer) are given up on: a publish the server refused
@@ -648,7 +649,7 @@ impl Relay {
                     lane = lane.name(),
                     failed = cycle.failed,
                     backoff_ms = wait.as_millis() as u64,
-                    "outbox publishes failed and NATS does not answer; the rows stay as they are (their failures are not recorded) and the relay backs off"
+                    "outbox publishes failed and NATS seems away; the rows stay as they are (their failures are not recorded on them) and the relay backs off, reading its notifications meanwhile"
                 );
                 away.set(lane, true);
                 true
@@ -675,7 +676,7 @@ impl Relay {
                         tracing::warn!(
                             cause,
                             failed = cycle.failed,
-                            "outbox publishes failed while stopping and NATS does not answer; the rows stay pending for the next relay"
+                            "outbox publishes failed while stopping and NATS seems away; the rows stay pending for the next relay"
                         );
                     }
                     return Ok(());
@@ -739,6 +740,9 @@ impl Relay {
         self.cycle(js, pool, Lane::Retry, false).await
     }
 
+    /// One cycle of `lane` (see the module docs); `alone` takes a single
+    /// row, to find one over which the server drops the connection
+    /// ([`LostConnections`]).
     async fn cycle(
         &self,
         js: &jetstream::Context,
