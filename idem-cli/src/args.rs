@@ -48,7 +48,8 @@ pub struct Cli {
 pub enum Command {
     /// Per consumer: pending, ack pending, redelivered, dead letters, and
     /// its handler's claims; per handler: claims and the oldest; the
-    /// outbox's pending rows. Needs NATS and the database.
+    /// outbox's pending rows, and those that keep failing with why. Needs
+    /// NATS and the database.
     Status,
 
     /// List, show, replay and discard dead letters. Needs NATS.
@@ -58,6 +59,10 @@ pub enum Command {
     /// Ask the dedup table. Needs the database.
     #[command(subcommand)]
     Dedup(Dedup),
+
+    /// Act on the transactional outbox's rows. Needs the database.
+    #[command(subcommand)]
+    Outbox(OutboxAction),
 
     /// Run the retention purge now: end a generation transition, rotate,
     /// drop expired generations. Needs the database.
@@ -264,6 +269,21 @@ pub enum Dedup {
         handler: String,
         /// The message id it deduplicates by (its key, or Nats-Msg-Id).
         message_id: String,
+    },
+}
+
+/// `idem outbox ...`
+#[derive(Debug, Subcommand)]
+pub enum OutboxAction {
+    /// Retry failing outbox rows now (`idem status` lists them, with why
+    /// they failed), and restart their back-off: once the cause is fixed
+    /// (the stream created, the permission granted, the stream's
+    /// max_msg_size raised). A running relay publishes them within about a
+    /// second.
+    Retry {
+        /// Only the rows of this subject.
+        #[arg(long, value_name = "SUBJECT")]
+        subject: Option<String>,
     },
 }
 

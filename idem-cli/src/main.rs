@@ -10,6 +10,7 @@ mod args;
 mod connect;
 mod dead_letters;
 mod maintenance;
+mod outbox;
 mod output;
 mod status;
 
@@ -19,7 +20,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use idem_runtime::dead_letter::ReplayOptions;
 
-use crate::args::{Cli, Command, DeadLetterAction, Dedup};
+use crate::args::{Cli, Command, DeadLetterAction, Dedup, OutboxAction};
 use crate::dead_letters::ReplaySettings;
 use crate::output::{CliError, Report};
 
@@ -122,6 +123,10 @@ async fn run(cli: Cli) -> Result<Report, CliError> {
         }) => {
             let pool = connect::verified_database(database_url).await?;
             status::check(&pool, &handler, &message_id).await
+        }
+        Command::Outbox(OutboxAction::Retry { subject }) => {
+            let pool = connect::verified_database(database_url).await?;
+            outbox::retry(&pool, subject.as_deref()).await
         }
         Command::Purge => {
             let pool = connect::verified_database(database_url).await?;

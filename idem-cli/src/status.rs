@@ -8,7 +8,7 @@ use sqlx::PgPool;
 use crate::output::{self, CliError, Report, human, or_dash, retention, rfc3339_exact};
 
 /// `idem status`: the consumers (from NATS), the handlers' claims and the
-/// outbox (from the database).
+/// outbox, with the rows that keep failing and why (from the database).
 pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, CliError> {
     let consumers = status::consumers(js).await.map_err(|error| {
         CliError::new(
@@ -60,6 +60,15 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
         "outbox": {
             "pending": lag.pending,
             "oldest_age_seconds": lag.oldest.as_secs_f64(),
+            "failing": lag.failing,
+            "failures": lag.failures.iter().map(|failing| json!({
+                "subject": failing.subject,
+                "error": failing.error,
+                "rows": failing.rows,
+                "attempts": failing.attempts,
+                "oldest_age_seconds": failing.oldest.as_secs_f64(),
+                "next_attempt_seconds": failing.next_attempt.as_secs_f64(),
+            })).collect::<Vec<_>>(),
         },
     });
 
@@ -117,6 +126,36 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
             String::new()
         }
     ));
+    if lag.failing > 0 {
+        text.push_str(&format!(
+            "; {} failing: their publishes fail while NATS answers, so each is retried after its own back-off while the rows after them go out. Fix the cause, then `idem outbox retry`.\n\n",
+            lag.failing
+        ));
+        let mut table =
+            output::table(["SUBJECT", "ROWS", "ATTEMPTS", "NEXT TRY", "OLDEST", "ERROR"]);
+        for failing in &lag.failures {
+            table.add_row([
+                failing.subject.clone(),
+                failing.rows.to_string(),
+                failing.attempts.to_string(),
+                if failing.next_attempt.is_zero() {
+                    "due".to_owned()
+                } else {
+                    format!("in {}", human(failing.next_attempt))
+                },
+                human(failing.oldest),
+                failing.error.clone(),
+            ]);
+        }
+        text.push_str(&output::render(&table));
+        let listed: i64 = lag.failures.iter().map(|failing| failing.rows).sum();
+        if listed < lag.failing {
+            text.push_str(&format!(
+                "\n(and {} more rows of other subjects or errors)",
+                lag.failing - listed
+            ));
+        }
+    }
     Ok(Report::done(json, text))
 }
 

@@ -37,6 +37,8 @@
 //! | `idem_outbox_oldest_age_seconds` | gauge | | how long ago the oldest pending row was queued (0 when none) |
 //! | `idem_outbox_published_total` | counter | | messages a relay published and deleted (JetStream duplicates included) |
 //! | `idem_outbox_publish_failures_total` | counter | | relay publishes that failed (their rows stay pending) |
+//! | `idem_outbox_failing_rows` | gauge | | pending rows whose last publish failed while NATS answered (no stream, too big, not permitted): each waits out its own back-off; the reasons are in `outbox::lag` and `idem status` |
+//! | `idem_outbox_nats_unreachable` | gauge | | 1 while a relay of this process backs off because nothing went out and JetStream does not answer, else 0 |
 //!
 //! The consumer and outbox gauges are read by one task per router every
 //! [`POLL_INTERVAL`], not per message: one consumer-info request per route
@@ -116,6 +118,10 @@ pub const OUTBOX_OLDEST_AGE: &str = "idem_outbox_oldest_age_seconds";
 pub const OUTBOX_PUBLISHED: &str = "idem_outbox_published_total";
 /// Relay publishes that failed.
 pub const OUTBOX_PUBLISH_FAILURES: &str = "idem_outbox_publish_failures_total";
+/// Pending outbox rows whose last publish failed while NATS answered.
+pub const OUTBOX_FAILING: &str = "idem_outbox_failing_rows";
+/// Whether a relay of this process finds NATS away.
+pub const OUTBOX_NATS_UNREACHABLE: &str = "idem_outbox_nats_unreachable";
 
 /// The label every per-route metric carries: the durable consumer's name
 /// (a request route's subject).
@@ -256,6 +262,15 @@ pub fn describe() {
         OUTBOX_PUBLISH_FAILURES,
         Unit::Count,
         "Relay publishes that failed; their rows stay pending."
+    );
+    describe_gauge!(
+        OUTBOX_FAILING,
+        Unit::Count,
+        "Pending outbox rows whose last publish failed while NATS answered (no stream, too big, not permitted); each is retried after its own back-off. Reasons: idem status."
+    );
+    describe_gauge!(
+        OUTBOX_NATS_UNREACHABLE,
+        "1 while a relay of this process backs off because nothing went out and JetStream does not answer; 0 otherwise."
     );
 }
 
@@ -454,6 +469,13 @@ pub(crate) fn outbox_cycle(published: usize, failed: usize) {
 pub(crate) fn outbox_lag(lag: &crate::outbox::Lag) {
     metrics::gauge!(OUTBOX_PENDING).set(lag.pending as f64);
     metrics::gauge!(OUTBOX_OLDEST_AGE).set(lag.oldest.as_secs_f64());
+    metrics::gauge!(OUTBOX_FAILING).set(lag.failing as f64);
+}
+
+/// Whether a relay of this process finds NATS away (set when that
+/// changes).
+pub(crate) fn outbox_nats_unreachable(away: bool) {
+    metrics::gauge!(OUTBOX_NATS_UNREACHABLE).set(if away { 1.0 } else { 0.0 });
 }
 
 /// Reads each route's consumer info and the outbox's lag every

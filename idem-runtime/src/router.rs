@@ -365,8 +365,9 @@ impl<S: Send + Sync + 'static> Router<S> {
             .map(|bound| bound.route().concurrency)
             .chain(self.replies.iter().map(|reply| reply.route().concurrency))
             .sum();
-        // A relay holds its LISTEN connection and takes one per cycle.
-        let relay_connections = if self.relay.is_some() { 2 } else { 0 };
+        // A relay holds its LISTEN connection and takes one per cycle in
+        // each of its two lanes (fresh rows, failing rows due again).
+        let relay_connections = if self.relay.is_some() { 3 } else { 0 };
         let pool_size = pool.options().get_max_connections() as usize;
         if pool_size < in_flight + relay_connections {
             tracing::warn!(

@@ -204,7 +204,8 @@ async fn the_services_metrics_count_what_happened() {
     }
 
     // The outbox gauges: a row no stream stores the subject of stays
-    // pending (the relays' publishes of it fail), and ages.
+    // pending (the relays' publishes of it fail, and it is counted as
+    // failing), and ages.
     let mut conn = pool.acquire().await.unwrap();
     idem_runtime::outbox::enqueue(
         &mut conn,
@@ -219,6 +220,8 @@ async fn the_services_metrics_count_what_happened() {
     let stuck = orders
         .scrape_until(|m| {
             expect(m, "idem_outbox_pending_rows", &[], 1.0)?;
+            // Its failure is recorded on it: NATS answers, no stream does.
+            expect(m, "idem_outbox_failing_rows", &[], 1.0)?;
             match m.value("idem_outbox_oldest_age_seconds", &[]) {
                 Some(age) if age >= 1.0 => Ok(()),
                 other => Err(format!("oldest outbox row {other:?} s old, expected >= 1")),

@@ -1,0 +1,154 @@
+//! What an operator reads of the outbox, and the one thing they may do to
+//! it: how far the relays are behind ([`lag`]), which rows keep failing and
+//! why ([`Lag::failures`]), and retrying those now ([`retry_failing`]) once
+//! the cause is fixed. `idem status` and `idem outbox retry` call these; the
+//! relays read the lag themselves about once a second, into their stats and
+//! the metrics.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+/// How far the relays are behind: what [`lag`] reports.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Lag {
+    /// Committed rows not yet published and deleted (failing ones
+    /// included).
+    pub pending: i64,
+    /// How long ago the oldest of them was queued (its transaction's start);
+    /// zero when none is pending.
+    pub oldest: Duration,
+    /// Of the pending rows, those whose last publish failed while NATS
+    /// answered: each waits out its own back-off before it is tried again
+    /// (see [`Relay`](super::Relay)), and the rows after it go on.
+    pub failing: i64,
+    /// The failing rows by subject and error, the most rows first, at most
+    /// [`MOST_FAILURES`] of them.
+    pub failures: Vec<Failing>,
+}
+
+/// How many groups of failing rows [`Lag::failures`] lists.
+pub const MOST_FAILURES: usize = 10;
+
+/// Failing outbox rows of one subject that failed with one error.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Failing {
+    /// Their subject.
+    pub subject: String,
+    /// Their last publish's error, with what it usually means.
+    pub error: String,
+    /// How many rows.
+    pub rows: i64,
+    /// How long ago the oldest of them was queued.
+    pub oldest: Duration,
+    /// The most failed publishes of any of them.
+    pub attempts: i32,
+    /// When the first of them is tried again; zero if it is due.
+    pub next_attempt: Duration,
+}
+
+/// The outbox's lag: rows pending, the age of the oldest, and those that
+/// keep failing, with why.
+///
+/// ```no_run
+/// # async fn report(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+/// let lag = idem_runtime::outbox::lag(&pool).await?;
+/// println!("{} pending, the oldest {:?} old", lag.pending, lag.oldest);
+/// for failing in &lag.failures {
+///     println!("{} rows of {} fail: {}", failing.rows, failing.subject, failing.error);
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub async fn lag(pool: &PgPool) -> Result<Lag, sqlx::Error> {
+    let (pending, oldest, failing): (i64, Option<f64>, i64) = sqlx::query_as(
+        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8,
+                count(*) FILTER (WHERE not_before IS NOT NULL)
+           FROM idem_outbox",
+    )
+    .fetch_one(pool)
+    .await?;
+    let failures = if failing > 0 {
+        failures(pool).await?
+    } else {
+        Vec::new()
+    };
+    Ok(Lag {
+        pending,
+        oldest: seconds(oldest),
+        failing,
+        failures,
+    })
+}
+
+type FailingRow = (String, Option<String>, i64, Option<f64>, i32, Option<f64>);
+
+async fn failures(pool: &PgPool) -> Result<Vec<Failing>, sqlx::Error> {
+    let rows: Vec<FailingRow> = sqlx::query_as(
+        "SELECT subject, last_error, count(*),
+                extract(epoch FROM now() - min(created_at))::float8,
+                max(attempts),
+                extract(epoch FROM min(not_before) - now())::float8
+           FROM idem_outbox WHERE not_before IS NOT NULL
+          GROUP BY subject, last_error
+          ORDER BY count(*) DESC, subject
+          LIMIT $1",
+    )
+    .bind(MOST_FAILURES as i64)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(subject, error, rows, oldest, attempts, next)| Failing {
+            subject,
+            // Set with every failure; only a hand-made row lacks it.
+            error: error.unwrap_or_default(),
+            rows,
+            oldest: seconds(oldest),
+            attempts,
+            next_attempt: seconds(next),
+        })
+        .collect())
+}
+
+fn seconds(value: Option<f64>) -> Duration {
+    Duration::try_from_secs_f64(value.unwrap_or(0.0).max(0.0)).unwrap_or(Duration::MAX)
+}
+
+/// Makes the failing rows due now, those of `subject` only if given, and
+/// restarts their back-off: what to do once the cause of their failures
+/// is fixed (the stream created, the permission granted, the stream's
+/// `max_msg_size` raised). A running relay retries them within about a
+/// second. Returns how many rows it made due.
+///
+/// ```no_run
+/// # async fn fixed(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+/// // The stream for `payments.requested` exists now:
+/// let due = idem_runtime::outbox::retry_failing(&pool, Some("payments.requested")).await?;
+/// println!("{due} rows retried");
+/// # Ok(())
+/// # }
+/// ```
+///
+/// The same, in SQL:
+///
+/// ```sql
+/// UPDATE idem_outbox SET not_before = now(), attempts = 0
+///  WHERE not_before IS NOT NULL;
+/// ```
+///
+/// A row that can never be published as it is (above the server's
+/// `max_payload`) fails again; to drop one for good, `DELETE FROM
+/// idem_outbox WHERE msg_id = '...'`: its message is then never sent.
+pub async fn retry_failing(pool: &PgPool, subject: Option<&str>) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE idem_outbox SET not_before = now(), attempts = 0
+          WHERE not_before IS NOT NULL AND ($1::text IS NULL OR subject = $1)",
+    )
+    .bind(subject)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
