@@ -4,9 +4,10 @@
 //! An attempt that fails before its handler runs (no connection, BEGIN or
 //! the claim failed) is the database's fault. The message is held and
 //! retried; if its immediate retry fails too, the route is paused: the pull
-//! loop hands back what it fetched but did not start and takes nothing new,
-//! so that fetched messages do not age past ack_wait in a queue that cannot
-//! move. The first attempt that gets past its claim resumes the route.
+//! loop takes nothing new, and keeps what it fetched but did not start
+//! leased (heartbeats), so that fetched messages neither age past ack_wait
+//! in a queue that cannot move nor use up a delivery (see `pull.rs`). The
+//! first attempt that gets past its claim resumes the route.
 
 use tokio::sync::watch;
 

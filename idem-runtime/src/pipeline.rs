@@ -433,6 +433,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             if error.is_infrastructure() {
                 if self.answers.is_some() && outage.failures > 0 {
                     Stats::bump(&self.stats.infrastructure_errors);
+                    self.metrics.infrastructure_error();
                     return verdict;
                 }
                 if !self.hold_for_database(error, &mut outage).await {

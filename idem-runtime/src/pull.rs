@@ -9,14 +9,21 @@
 //! is redelivered, and its claim skips whichever copy comes second.
 //!
 //! While the route is paused (its database cannot be used, see
-//! `health.rs`), the pull is dropped, what it fetched but did not start is
-//! handed back at once, and nothing new is taken until the database answers
-//! again. Errors of the pull itself (a deleted consumer, a stream error) are
-//! retried with a growing pause, never in a tight loop.
+//! `health.rs`), the pull is dropped and nothing new is taken until the
+//! database answers again. What it fetched but did not start is *parked*:
+//! kept leased by heartbeats, and started first once the route resumes. It
+//! is not handed back: a NAK makes the message's next delivery count as
+//! one more, so that a database that failed now and then used up the
+//! deliveries of messages that never ran, and dead-lettered them as
+//! `exhausted`. Parked messages are handed back only at shutdown. Errors of
+//! the pull itself (a deleted consumer, a stream error) are retried with a
+//! growing pause, never in a tight loop.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream::Message;
 use async_nats::jetstream::consumer::PullConsumer;
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::Semaphore;
@@ -24,6 +31,7 @@ use tokio::task::JoinSet;
 
 use crate::ack;
 use crate::handler::Handler;
+use crate::heartbeat::Lease;
 use crate::pipeline::Pipeline;
 use crate::shutdown::Signal;
 
@@ -52,19 +60,55 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
     let slots = Arc::new(Semaphore::new(route.concurrency));
     let mut in_flight = JoinSet::new();
     let mut pull = None;
+    let mut parked: VecDeque<(Message, Lease)> = VecDeque::new();
     let mut failures = 0u32;
     'pulling: loop {
         if health.is_paused() {
-            // Hand back what was fetched and not started, and take nothing
-            // new until the database answers again.
-            hand_back(pull.take(), &pipeline.nats).await;
-            tracing::warn!(route = route.durable, "paused: the database cannot be used");
+            // Park what was fetched and not started, and take nothing new
+            // until the database answers again.
+            for message in unstarted(pull.take()) {
+                let lease = pipeline.heartbeats.lease(&message);
+                parked.push_back((message, lease));
+            }
+            tracing::warn!(
+                route = route.durable,
+                parked = parked.len(),
+                "paused: the database cannot be used; messages fetched and not started are kept leased until it can"
+            );
             tokio::select! {
                 biased;
                 _ = shutdown.fired() => break 'pulling,
                 _ = health.resumed() => {}
             }
             tracing::info!(route = route.durable, "resumed");
+        }
+        if !parked.is_empty() {
+            // The parked messages first, as slots free up.
+            let slot = tokio::select! {
+                biased;
+                _ = shutdown.fired() => break 'pulling,
+                _ = health.paused() => continue 'pulling,
+                slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
+            };
+            while let Some(finished) = in_flight.try_join_next() {
+                report_panic(finished);
+            }
+            let mut group = Vec::with_capacity(route.batch);
+            while group.len() < route.batch {
+                // Its own lease takes over once it starts; a heartbeat of
+                // this one in between is harmless (it is not settled).
+                let Some((message, _lease)) = parked.pop_front() else {
+                    break;
+                };
+                group.push(message);
+            }
+            if route.batch == 1 {
+                let message = group.pop().expect("a group has its first message");
+                in_flight.spawn(pipeline.clone().process(message, slot));
+            } else {
+                in_flight.spawn(pipeline.clone().process_batch(group, slot));
+            }
+            continue 'pulling;
         }
         if failures > 0 {
             let pause = PULL_RETRY
@@ -152,7 +196,13 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
         }
     }
 
-    hand_back(pull, &pipeline.nats).await;
+    let mut unstarted = unstarted(pull);
+    for (message, lease) in parked {
+        // No heartbeat may follow its NAK.
+        lease.end().await;
+        unstarted.push(message);
+    }
+    hand_back(unstarted, &pipeline.nats).await;
     while let Some(finished) = in_flight.try_join_next() {
         report_panic(finished);
     }
@@ -181,21 +231,11 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
     abandoned
 }
 
-/// Gives back what `pull` fetched but did not start, at once, so another
-/// worker takes it without waiting for ack_wait. The pull is dropped first
-/// (unsubscribing), so that the server cannot redeliver them into it.
-///
-/// Not while NATS is away: a publish then waits for room in the client's
-/// queue, which would hold shutdown up for as long as the outage lasts.
-/// Such messages are redelivered after ack_wait instead. The NAKs are
-/// bounded in time for the same reason.
-async fn hand_back(
-    pull: Option<
-        impl futures_util::Stream<Item = Result<async_nats::jetstream::Message, impl std::fmt::Debug>>
-        + Unpin,
-    >,
-    nats: &async_nats::Client,
-) {
+/// What `pull` fetched and did not start; the pull is dropped (unsubscribing),
+/// so that the server cannot deliver more into it.
+fn unstarted(
+    pull: Option<impl futures_util::Stream<Item = Result<Message, impl std::fmt::Debug>> + Unpin>,
+) -> Vec<Message> {
     let mut unstarted = Vec::new();
     if let Some(mut messages) = pull {
         while let Some(Some(next)) = messages.next().now_or_never() {
@@ -204,6 +244,17 @@ async fn hand_back(
             }
         }
     }
+    unstarted
+}
+
+/// Gives back the messages fetched and not started at shutdown, at once, so
+/// another worker takes them without waiting for ack_wait.
+///
+/// Not while NATS is away: a publish then waits for room in the client's
+/// queue, which would hold shutdown up for as long as the outage lasts.
+/// Such messages are redelivered after ack_wait instead. The NAKs are
+/// bounded in time for the same reason.
+async fn hand_back(unstarted: Vec<Message>, nats: &async_nats::Client) {
     if unstarted.is_empty() {
         return;
     }

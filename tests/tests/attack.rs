@@ -7,11 +7,11 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use common::pg_proxy::upstream_of;
+use common::pg_proxy::{PgProxy, upstream_of};
 use common::*;
 use futures_util::StreamExt;
 use idem_runtime::{
@@ -373,128 +373,6 @@ async fn a_lower_case_nats_msg_id_makes_a_given_up_replay_apply_twice() {
 //    heartbeated forever, and the route's slot with it.
 // ---------------------------------------------------------------------------
 
-/// A TCP proxy that, once armed, swallows the next simple query that
-/// commits and from then on forwards nothing on that connection in either
-/// direction, while keeping both sockets open: what a client sees when the
-/// network drops every packet after its COMMIT reached the server's host
-/// (no RST, no FIN; sqlx sets no TCP keepalive).
-struct Blackhole {
-    addr: std::net::SocketAddr,
-    armed: Arc<AtomicBool>,
-    swallowed: Arc<AtomicUsize>,
-    accept: tokio::task::JoinHandle<()>,
-}
-
-impl Blackhole {
-    async fn start(upstream: std::net::SocketAddr) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let armed = Arc::new(AtomicBool::new(false));
-        let swallowed = Arc::new(AtomicUsize::new(0));
-        let (accept_armed, accept_swallowed) = (armed.clone(), swallowed.clone());
-        let accept = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let (armed, swallowed) = (accept_armed.clone(), accept_swallowed.clone());
-                tokio::spawn(async move {
-                    if let Ok(server) = tokio::net::TcpStream::connect(upstream).await {
-                        blackhole_relay(client, server, armed, swallowed).await;
-                    }
-                });
-            }
-        });
-        Self {
-            addr,
-            armed,
-            swallowed,
-            accept,
-        }
-    }
-
-    fn url_for(&self, database_url: &str) -> String {
-        let (scheme, rest) = database_url.split_once("://").unwrap();
-        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-        let userinfo = authority
-            .rsplit_once('@')
-            .map(|(userinfo, _)| format!("{userinfo}@"))
-            .unwrap_or_default();
-        format!("{scheme}://{userinfo}{}/{path}", self.addr)
-    }
-}
-
-impl Drop for Blackhole {
-    fn drop(&mut self) {
-        self.accept.abort();
-    }
-}
-
-async fn blackhole_relay(
-    client: tokio::net::TcpStream,
-    server: tokio::net::TcpStream,
-    armed: Arc<AtomicBool>,
-    swallowed: Arc<AtomicUsize>,
-) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let frozen = Arc::new(AtomicBool::new(false));
-    let up_frozen = frozen.clone();
-    let upstream = async move {
-        // The untyped start: negotiation requests, then the startup message.
-        loop {
-            let length = client_read.read_u32().await?;
-            let mut body = vec![0; length as usize - 4];
-            client_read.read_exact(&mut body).await?;
-            server_write.write_u32(length).await?;
-            server_write.write_all(&body).await?;
-            let code = u32::from_be_bytes(body[..4].try_into().unwrap_or([0; 4]));
-            if ![80_877_103, 80_877_104].contains(&code) {
-                break;
-            }
-        }
-        loop {
-            let kind = client_read.read_u8().await?;
-            let length = client_read.read_u32().await?;
-            let mut body = vec![0; length as usize - 4];
-            client_read.read_exact(&mut body).await?;
-            let is_commit = kind == b'Q'
-                && body
-                    .to_ascii_uppercase()
-                    .windows(6)
-                    .any(|window| window == b"COMMIT");
-            if is_commit && armed.swap(false, Ordering::SeqCst) {
-                up_frozen.store(true, Ordering::SeqCst);
-                swallowed.fetch_add(1, Ordering::SeqCst);
-                // Keep every socket open, forward nothing, forever.
-                std::future::pending::<()>().await;
-            }
-            server_write.write_u8(kind).await?;
-            server_write.write_u32(length).await?;
-            server_write.write_all(&body).await?;
-        }
-        #[allow(unreachable_code)]
-        std::io::Result::Ok(())
-    };
-    let downstream = async move {
-        let mut buffer = vec![0; 64 * 1024];
-        loop {
-            let read = server_read.read(&mut buffer).await?;
-            if frozen.load(Ordering::SeqCst) {
-                // Neither the server's answers nor its closing reach the
-                // client.
-                std::future::pending::<()>().await;
-            }
-            if read == 0 {
-                return std::io::Result::Ok(());
-            }
-            client_write.write_all(&buffer[..read]).await?;
-        }
-    };
-    tokio::select! {
-        _ = upstream => {}
-        _ = downstream => {}
-    }
-}
-
 #[idempotent(name = "partitioned")]
 async fn partitioned(
     tx: &mut sqlx::PgTransaction<'_>,
@@ -522,13 +400,15 @@ async fn a_commit_that_is_never_answered_leaves_the_message_leased_forever() {
         stream,
         subject,
     } = scenario("PARTITION", Duration::from_secs(120)).await;
-    let proxy = Blackhole::start(upstream_of(env.database_url())).await;
+    // The proxy swallows the COMMIT and from then on forwards nothing on
+    // that connection, keeping both sockets open (`PgProxy`'s blackhole).
+    let proxy = PgProxy::start(upstream_of(env.database_url())).await;
     let proxied = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .connect(&proxy.url_for(env.database_url()))
         .await
         .unwrap();
-    proxy.armed.store(true, Ordering::SeqCst);
+    proxy.blackhole_next_commit();
     let acks = AckLog::start(&nats, &stream).await;
     let (handle, task) = spawn(
         Router::new().route(
@@ -546,7 +426,7 @@ async fn a_commit_that_is_never_answered_leaves_the_message_leased_forever() {
     eventually(
         "the first COMMIT went into the partition",
         Duration::from_secs(30),
-        || async { proxy.swallowed.load(Ordering::SeqCst) == 1 },
+        || async { proxy.swallowed() == 1 },
     )
     .await;
 

@@ -5,7 +5,8 @@
 //! - the same message reaching two workers is applied once, because the
 //!   second waits on the first's claim;
 //! - a SIGKILLed stream leader loses nothing and applies nothing twice;
-//! - partitioned consumers apply each key's messages in publish order.
+//! - partitioned consumers apply each key's messages in publish order, also
+//!   across a redelivery (checked inside each step's transaction).
 
 mod common;
 
@@ -520,18 +521,65 @@ struct Step {
     seq: i64,
 }
 
+/// Every key's steps `seq % FAIL_EVERY == FAIL_AT` fail on their first
+/// delivery: each is NAKed and redelivered, and the key's next step must
+/// wait for it.
+const FAIL_EVERY: i64 = 8;
+const FAIL_AT: i64 = 3;
+
+/// A step applied out of order: (key, seq, the key's last applied seq it
+/// found).
+type OutOfOrder = (String, i64, Option<i64>);
+
+/// What the ordered handler shares across the workers (all in this
+/// process).
+#[derive(Clone)]
+struct Ordered {
+    worker: String,
+    /// Steps whose handler found the key's last applied step was not the
+    /// one before.
+    out_of_order: Arc<Mutex<Vec<OutOfOrder>>>,
+}
+
 #[idempotent(name = "cluster-ordered")]
 async fn cluster_ordered(
     tx: &mut sqlx::PgTransaction<'_>,
-    State(worker): State<String>,
+    delivery: &Delivery,
+    State(ordered): State<Ordered>,
     step: Step,
-) -> Result<(), sqlx::Error> {
+) -> Result<(), idem_runtime::BoxError> {
     // Give other workers a chance to take the partition's next message.
     tokio::time::sleep(Duration::from_millis(2)).await;
-    sqlx::query("INSERT INTO steps (key, seq, worker) VALUES ($1, $2, $3)")
+    // The key's steps committed so far (READ COMMITTED: as of now) must end
+    // exactly at the one before this: if the previous step were still in
+    // flight on another worker, or not yet redelivered, it would be missing.
+    let last: Option<i64> = sqlx::query_scalar("SELECT max(seq) FROM steps WHERE key = $1")
+        .bind(&step.key)
+        .fetch_one(&mut **tx)
+        .await?;
+    let previous = (step.seq > 0).then(|| step.seq - 1);
+    if last != previous {
+        eprintln!(
+            "OUT OF ORDER: {} step {} applied on {} (delivery {}) while the key's last applied step is {last:?}",
+            step.key,
+            step.seq,
+            ordered.worker,
+            delivery.delivered()
+        );
+        ordered
+            .out_of_order
+            .lock()
+            .unwrap()
+            .push((step.key.clone(), step.seq, last));
+    }
+    if step.seq % FAIL_EVERY == FAIL_AT && delivery.delivered() == 1 {
+        return Err(idem_runtime::Transient::new("fails on its first delivery").into());
+    }
+    sqlx::query("INSERT INTO steps (key, seq, worker, delivered) VALUES ($1, $2, $3, $4)")
         .bind(&step.key)
         .bind(step.seq)
-        .bind(worker)
+        .bind(&ordered.worker)
+        .bind(delivery.delivered() as i64)
         .execute(&mut **tx)
         .await?;
     Ok(())
@@ -539,7 +587,10 @@ async fn cluster_ordered(
 
 /// With the stream partitioned by key and one single-file consumer per
 /// partition, three workers apply each key's messages in publish order,
-/// while the partitions spread over the workers.
+/// while the partitions spread over the workers. The order is checked in
+/// the handler, inside each step's transaction: the key's last committed
+/// step must be the one before. Some steps fail on their first delivery,
+/// so the order must also hold across their redeliveries.
 #[tokio::test]
 #[cfg_attr(
     idem_external_servers,
@@ -553,7 +604,8 @@ async fn partitioned_consumers_apply_each_key_in_publish_order() {
     let pool = env.pool().await;
     prepare_database(&pool).await;
     sqlx::raw_sql(
-        "CREATE TABLE steps (id bigserial PRIMARY KEY, key text NOT NULL, seq bigint NOT NULL, worker text NOT NULL)",
+        "CREATE TABLE steps (id bigserial PRIMARY KEY, key text NOT NULL, seq bigint NOT NULL,
+                             worker text NOT NULL, delivered bigint NOT NULL)",
     )
     .execute(&pool)
     .await
@@ -583,14 +635,31 @@ async fn partitioned_consumers_apply_each_key_in_publish_order() {
         }
     }
 
+    let out_of_order = Arc::new(Mutex::new(Vec::new()));
     let workers = start_workers(&env, |name| {
-        Router::with_state(name.to_owned())
-            .route_partitions(partitions.routes(&stream, "ordered"), cluster_ordered)
+        // A failed step comes back after 100 ms, not the default 1 s.
+        let routes: Vec<Route> = partitions
+            .routes(&stream, "ordered")
+            .into_iter()
+            .map(|route| route.backoff(Duration::from_millis(100), Duration::from_millis(100)))
+            .collect();
+        Router::with_state(Ordered {
+            worker: name.to_owned(),
+            out_of_order: out_of_order.clone(),
+        })
+        .route_partitions(routes, cluster_ordered)
     })
     .await;
-    eventually("every step applied", Duration::from_secs(30), || {
-        let pool = pool.clone();
+    eventually("every step applied", Duration::from_secs(60), || {
+        let (pool, out_of_order) = (pool.clone(), out_of_order.clone());
         async move {
+            // Loudly, as soon as it happens.
+            let seen = out_of_order.lock().unwrap().clone();
+            assert_eq!(
+                seen,
+                vec![],
+                "a step ran before the key's previous step was committed (key, seq, last applied)"
+            );
             sqlx::query_scalar::<_, i64>("SELECT count(*) FROM steps")
                 .fetch_one(&pool)
                 .await
@@ -624,9 +693,40 @@ async fn partitioned_consumers_apply_each_key_in_publish_order() {
             (w.name.clone(), processed)
         })
         .collect();
+    let per_worker_failed: Vec<u64> = workers
+        .iter()
+        .flat_map(|w| {
+            (0..PARTITIONS).map(|p| w.handle.stats(&format!("ordered-p{p}")).unwrap().failed())
+        })
+        .collect();
     stop_workers(workers).await;
 
     println!("steps applied per worker: {per_worker:?}");
+    assert_eq!(
+        out_of_order.lock().unwrap().clone(),
+        vec![],
+        "every step ran right after the key's previous one was committed (key, seq, last applied)"
+    );
+    // The redeliveries happened: each failing step was applied on its
+    // second delivery, and the workers counted one failure for each.
+    let failing = KEYS * (0..STEPS).filter(|seq| seq % FAIL_EVERY == FAIL_AT).count() as i64;
+    let (redelivered, first_time): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE delivered = 2 AND seq % $1 = $2),
+                count(*) FILTER (WHERE delivered = 1 AND seq % $1 <> $2)
+           FROM steps",
+    )
+    .bind(FAIL_EVERY)
+    .bind(FAIL_AT)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (redelivered, first_time),
+        (failing, KEYS * STEPS - failing),
+        "each failing step was applied on its redelivery, every other one on its first delivery"
+    );
+    let failed: u64 = per_worker_failed.iter().sum();
+    assert_eq!(failed, failing as u64, "each failing step failed once");
     let out_of_order: Vec<(String, i64, i64)> = sqlx::query_as(
         "SELECT key, previous, seq FROM (
              SELECT key, seq, lag(seq) OVER (PARTITION BY key ORDER BY id) AS previous FROM steps

@@ -654,6 +654,14 @@ async fn a_statement_stuck_on_a_lock_is_stopped_at_the_handler_timeout() {
         || async { backends_waiting_on_a_lock(&pool).await == 1 },
     )
     .await;
+    let stuck: i32 = sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'
+           AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
     publish(&js, &subject, &deposit("free", 1), Some("free-1")).await;
     let stats = handle.stats("c").unwrap();
     eventually(
@@ -663,6 +671,23 @@ async fn a_statement_stuck_on_a_lock_is_stopped_at_the_handler_timeout() {
     )
     .await;
     assert!(stats.failed() >= 1, "the locked message timed out");
+    // The backend that waited is gone, while the lock is still held: the
+    // server cancelled its statement (statement_timeout) and ended it (its
+    // client closed the connection). Its retries each wait on a backend of
+    // their own.
+    eventually(
+        "the stuck backend is gone",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE pid = $1")
+                .bind(stuck)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == 0
+        },
+    )
+    .await;
 
     holder.rollback().await.unwrap();
     wait_all_acked(&js, &stream, "c").await;
@@ -998,6 +1023,104 @@ async fn a_missing_dedup_table_dead_letters_nothing() {
     stop(handle, task).await;
     assert!(dead_letters(&js, &stream).await.is_empty());
     assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(6));
+    assert_eq!(
+        latest_delivery(&pool, "no-ids").await,
+        1,
+        "every message was applied on its first delivery"
+    );
+}
+
+/// While the database cannot be used, the route takes no new messages; the
+/// ones it had fetched and not started must not lose a delivery to the
+/// outage either. They were once handed back (NAKed) when the route paused:
+/// each came back as its next delivery, so that on a route allowed one
+/// delivery (`max_deliver(1)`) they arrived past the limit and were
+/// dead-lettered as `exhausted`, never having run.
+#[tokio::test]
+async fn messages_fetched_during_a_database_outage_use_up_no_delivery() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("FETCHED", Duration::from_secs(120)).await;
+    let (handle, task) = spawn(
+        Router::new().route(
+            fast(Route::new(&stream, "c")).max_deliver(1).concurrency(2),
+            no_ids,
+        ),
+        nats,
+        pool.clone(),
+    );
+    eventually_get_stream(&js, dead_letter::DEFAULT_STREAM).await;
+    sqlx::query("ALTER TABLE idem_claims RENAME TO idem_claims_away")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for i in 0..6 {
+        publish(&js, &subject, &deposit("a", i), Some(&format!("f-{i}"))).await;
+    }
+    let stats = handle.stats("c").unwrap();
+    eventually(
+        "the claims failed again and again",
+        Duration::from_secs(30),
+        || async { stats.infrastructure_errors() >= 10 },
+    )
+    .await;
+    // The fault: more messages were fetched than the two held ones.
+    let fetched = consumer_info(&js, &stream, "c")
+        .await
+        .delivered
+        .stream_sequence;
+    assert!(
+        fetched > 2,
+        "the route fetched messages behind the held ones: {fetched}"
+    );
+    sqlx::query("ALTER TABLE idem_claims_away RENAME TO idem_claims")
+        .execute(&pool)
+        .await
+        .unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let letters: Vec<String> = dead_letters(&js, &stream)
+        .await
+        .iter()
+        .map(|letter| {
+            format!(
+                "{} ({}, delivered {})",
+                header(letter, "Idem-Message-Id"),
+                header(letter, "Idem-Failure"),
+                header(letter, "Idem-Delivered")
+            )
+        })
+        .collect();
+    assert_eq!(letters, Vec::<String>::new(), "nothing was dead-lettered");
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(6));
+    assert_eq!(
+        latest_delivery(&pool, "no-ids").await,
+        1,
+        "every message was applied on its first delivery"
+    );
+    let info = consumer_info(&js, &stream, "c").await;
+    assert_eq!(
+        (info.delivered.consumer_sequence, info.num_redelivered),
+        (6, 0),
+        "JetStream delivered each message once"
+    );
+}
+
+/// The highest delivery count among `handler`'s applied effects: 1 when
+/// every message was applied on its first delivery. A message NAKed while
+/// held (`Interrupted`, at shutdown) uses up a delivery without counting
+/// as failed, so `Stats::failed` alone does not show it.
+async fn latest_delivery(pool: &sqlx::PgPool, handler: &str) -> i64 {
+    sqlx::query_scalar("SELECT coalesce(max(delivered), 0) FROM effects WHERE handler = $1")
+        .bind(handler)
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 #[idempotent(name = "check-then-insert")]
@@ -1308,6 +1431,20 @@ async fn a_postgres_restart_under_traffic_uses_up_no_delivery() {
     );
     assert_eq!(stats.failed(), 0, "no delivery was used up by the restart");
     assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(300));
+    // A COMMIT the restart cut has an unknown outcome: NAKed, and if it
+    // had not committed, applied on its next delivery. Nothing else may
+    // take a second delivery.
+    let redelivered: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM effects WHERE handler = 'no-ids' AND delivered > 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        redelivered as u64 <= stats.commit_failed(),
+        "{redelivered} messages were applied on a later delivery, and only {} COMMITs were of unknown outcome",
+        stats.commit_failed()
+    );
 }
 
 /// The connections a route keeps between messages die (the server ended
@@ -1379,6 +1516,11 @@ async fn dead_kept_connections_use_up_no_delivery() {
     );
     assert_eq!(stats.failed(), 0, "no delivery was used up");
     assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(published));
+    assert_eq!(
+        latest_delivery(&pool, "no-ids").await,
+        1,
+        "every message was applied on its first delivery"
+    );
 }
 
 /// A pool of its own for the worker, named so the test can find its

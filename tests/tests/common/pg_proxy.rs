@@ -3,6 +3,10 @@
 //! ambiguous commit, for real. It can also orphan a transaction: drop the
 //! COMMIT and the client's connection, but keep the server's side open, as a
 //! network partition leaves a backend that never hears from its client again.
+//! Or it can blackhole one: swallow the COMMIT and from then on forward
+//! nothing on that connection in either direction, while keeping both
+//! sockets open, as when the network drops every packet after the COMMIT
+//! left the client (no RST, no FIN; sqlx sets no TCP keepalive).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,6 +31,10 @@ struct Control {
     orphan: AtomicBool,
     /// The server sides of orphaned connections, kept open.
     orphaned: Mutex<Vec<OwnedWriteHalf>>,
+    /// Blackhole the connection that sends the next COMMIT.
+    blackhole: AtomicBool,
+    /// COMMITs swallowed by a blackhole.
+    swallowed: AtomicUsize,
 }
 
 /// The proxy; stops accepting when dropped.
@@ -94,6 +102,20 @@ impl PgProxy {
     pub fn orphans(&self) -> usize {
         self.control.orphaned.lock().unwrap().len()
     }
+
+    /// Blackholes the connection that sends the next COMMIT: the COMMIT is
+    /// never forwarded, and from then on nothing goes through that
+    /// connection either way, while both of its sockets stay open. The
+    /// client waits for an answer that never comes; the server's backend
+    /// stays in the transaction until the server itself ends it.
+    pub fn blackhole_next_commit(&self) {
+        self.control.blackhole.store(true, Ordering::SeqCst);
+    }
+
+    /// How many COMMITs a blackhole swallowed.
+    pub fn swallowed(&self) -> usize {
+        self.control.swallowed.load(Ordering::SeqCst)
+    }
 }
 
 impl Drop for PgProxy {
@@ -117,17 +139,20 @@ async fn relay(client: TcpStream, server: TcpStream, control: Arc<Control>) {
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     let commit_sent = Arc::new(AtomicBool::new(false));
+    let frozen = Arc::new(AtomicBool::new(false));
     let mut upstream = tokio::spawn(client_to_server(
         client_read,
         server_write,
         control.clone(),
         commit_sent.clone(),
+        frozen.clone(),
     ));
     let mut downstream = tokio::spawn(server_to_client(
         server_read,
         client_write,
         control,
         commit_sent,
+        frozen,
     ));
     // When either direction ends, end the other: both sockets close.
     tokio::select! {
@@ -141,6 +166,7 @@ async fn client_to_server(
     mut to: OwnedWriteHalf,
     control: Arc<Control>,
     commit_sent: Arc<AtomicBool>,
+    frozen: Arc<AtomicBool>,
 ) -> std::io::Result<()> {
     // The untyped start: optional negotiation requests, then the startup
     // message.
@@ -171,6 +197,13 @@ async fn client_to_server(
             control.orphaned.lock().unwrap().push(to);
             return Ok(());
         }
+        if is_commit && control.blackhole.swap(false, Ordering::SeqCst) {
+            frozen.store(true, Ordering::SeqCst);
+            control.swallowed.fetch_add(1, Ordering::SeqCst);
+            // Keep both sockets open, forward nothing, forever.
+            let _open = (from, to);
+            return std::future::pending().await;
+        }
         // Flag it before the server can answer, so the answer is never
         // forwarded.
         if is_commit && control.armed.swap(false, Ordering::SeqCst) {
@@ -187,10 +220,17 @@ async fn server_to_client(
     mut to: OwnedWriteHalf,
     control: Arc<Control>,
     commit_sent: Arc<AtomicBool>,
+    frozen: Arc<AtomicBool>,
 ) -> std::io::Result<()> {
     let mut buffer = vec![0; 64 * 1024];
     loop {
         let read = from.read(&mut buffer).await?;
+        if frozen.load(Ordering::SeqCst) {
+            // Neither the server's answers nor its closing reach the
+            // client.
+            let _open = (from, to);
+            return std::future::pending().await;
+        }
         if read == 0 {
             return Ok(());
         }
