@@ -47,6 +47,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0003_claim_in_one_statement.sql"),
     ),
     (4, "outbox", include_str!("../migrations/0004_outbox.sql")),
+    (
+        6,
+        "expiry state",
+        include_str!("../migrations/0006_expiry_state.sql"),
+    ),
 ];
 
 fn migrator() -> Migrator {
