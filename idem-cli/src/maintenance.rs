@@ -24,8 +24,8 @@ pub async fn purge(pool: &PgPool) -> Result<Report, CliError> {
     spinner.finish_and_clear();
     let report = report.map_err(|error| {
         CliError::new(
-            format!("the purge failed: {error}"),
-            "nothing was lost: a purge stops where it failed and the next run finishes it; run `idem purge` again, or look for a long lock holder (pg_stat_activity) if it keeps failing",
+            error.to_string(),
+            "nothing was lost: every step of the purge can be resumed, and the next run (a router's, or `idem purge` again) goes on from the step this one stopped at; if it keeps failing on a lock, end the session it names (or see pg_stat_activity); `idem status` shows the last error",
         )
     })?;
     let json = json!({
@@ -36,6 +36,11 @@ pub async fn purge(pool: &PgPool) -> Result<Report, CliError> {
         "expired": report.expired,
         "kept": report.kept,
         "freed_bytes": report.freed_bytes,
+        "transition": report.transition.as_ref().map(|t| json!({
+            "generation": t.generation,
+            "seconds": t.waited.as_secs_f64(),
+            "waiting_for": t.blockers.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        })),
     });
     let text = if report.skipped {
         "another purge is running (it holds the purge lock): this one did nothing".to_owned()
@@ -74,6 +79,9 @@ pub async fn purge(pool: &PgPool) -> Result<Report, CliError> {
         ));
         lines.push(format!("claims kept forever     {}", report.kept));
         lines.push(format!("bytes freed             {}", report.freed_bytes));
+        if let Some(transition) = &report.transition {
+            lines.extend(crate::status::transition_lines(transition));
+        }
         lines.join("\n")
     };
     Ok(Report::done(json, text))

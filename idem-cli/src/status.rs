@@ -1,14 +1,17 @@
 //! `idem status` and `idem dedup check`.
 
 use async_nats::jetstream;
+use idem_runtime::expiry::Transition;
+use idem_runtime::status::ExpiryStatus;
 use idem_runtime::{outbox, status};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
 use crate::output::{self, CliError, Report, human, or_dash, retention, rfc3339_exact};
 
-/// `idem status`: the consumers (from NATS), the handlers' claims and the
-/// outbox, with the rows that keep failing and why (from the database).
+/// `idem status`: the consumers (from NATS), the handlers' claims, expiry
+/// and the outbox, with the rows that keep failing and why (from the
+/// database).
 pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, CliError> {
     let consumers = status::consumers(js).await.map_err(|error| {
         CliError::new(
@@ -18,6 +21,7 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
     })?;
     let handlers = status::handlers(pool).await.map_err(database_error)?;
     let lag = outbox::lag(pool).await.map_err(database_error)?;
+    let expiry = status::expiry(pool).await.map_err(database_error)?;
 
     let handler = |name: Option<&str>| {
         name.and_then(|name| handlers.iter().find(|handler| handler.name == name))
@@ -70,6 +74,7 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
                 "next_attempt_seconds": failing.next_attempt.as_secs_f64(),
             })).collect::<Vec<_>>(),
         },
+        "expiry": expiry_json(&expiry),
     });
 
     let mut text = String::new();
@@ -117,6 +122,10 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
         text.push_str(&output::render(&table));
         text.push_str("\n\n");
     }
+    for line in expiry_lines(&expiry) {
+        text.push_str(&line);
+        text.push('\n');
+    }
     text.push_str(&format!(
         "outbox: {} pending{}",
         lag.pending,
@@ -157,6 +166,107 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
         }
     }
     Ok(Report::done(json, text))
+}
+
+/// The expiry's figures, for `--json`.
+fn expiry_json(expiry: &ExpiryStatus) -> Value {
+    json!({
+        "retention_seconds": expiry.retention.map(|r| r.as_secs_f64()),
+        "current_generation": expiry.current_generation,
+        "generations": expiry.generations,
+        "due": expiry.due,
+        "oldest_due_sealed_seconds": expiry.oldest_due_sealed.map(|a| a.as_secs_f64()),
+        "overdue_seconds": expiry.overdue.as_secs_f64(),
+        "behind": expiry.behind(),
+        "transition": expiry.transition.as_ref().map(|t| json!({
+            "generation": t.generation,
+            "seconds": t.waited.as_secs_f64(),
+            "waiting_for": t.blockers.iter().map(|b| json!({
+                "pid": b.pid,
+                "prepared": b.prepared,
+                "database": b.database,
+                "application_name": b.application_name,
+                "state": b.state,
+                "transaction_age_seconds": b.transaction_age.map(|a| a.as_secs_f64()),
+                "query_age_seconds": b.query_age.map(|a| a.as_secs_f64()),
+                "query": b.query,
+                "reason": b.to_string(),
+            })).collect::<Vec<_>>(),
+        })),
+        "last_success_age_seconds": expiry.last_success_age.map(|a| a.as_secs_f64()),
+        "failures": expiry.failures,
+        "last_error": expiry.last_error,
+        "last_failure_age_seconds": expiry.last_failure_age.map(|a| a.as_secs_f64()),
+    })
+}
+
+/// The expiry's lines of `idem status`: on time or behind, the purge's last
+/// error while runs fail, and a transition with what it waits for.
+fn expiry_lines(expiry: &ExpiryStatus) -> Vec<String> {
+    let mut lines = Vec::new();
+    let failing = match (&expiry.last_error, expiry.last_failure_age) {
+        (Some(error), Some(age)) if expiry.failures > 0 => Some(format!(
+            "last error ({} failed run{} in a row, the last {} ago): {error}",
+            expiry.failures,
+            if expiry.failures == 1 { "" } else { "s" },
+            human(age)
+        )),
+        _ => None,
+    };
+    let last_run = expiry.last_success_age.map_or_else(
+        || "no purge run has succeeded yet".to_owned(),
+        |age| format!("last purge {} ago", human(age)),
+    );
+    if expiry.retention.is_none() {
+        lines.push("expiry: no handler lets its claims expire".to_owned());
+    } else if expiry.behind() {
+        let mut line = format!(
+            "expiry behind: {} generation{} due, the oldest sealed {} ago, retention {}",
+            expiry.due,
+            if expiry.due == 1 { "" } else { "s" },
+            or_dash(expiry.oldest_due_sealed.map(human)),
+            retention(expiry.retention)
+        );
+        match &failing {
+            Some(failing) => line.push_str(&format!("; {failing}")),
+            None => line.push_str(&format!(
+                "; {last_run}, and no run has failed since: is a router with a retention, or a cron job of `idem purge`, running?"
+            )),
+        }
+        lines.push(line);
+    } else {
+        let mut line = format!(
+            "expiry: retention {}, {} generation{} (current {}), on time; {last_run}",
+            retention(expiry.retention),
+            expiry.generations,
+            if expiry.generations == 1 { "" } else { "s" },
+            expiry.current_generation
+        );
+        if let Some(failing) = &failing {
+            line.push_str(&format!("; {failing}"));
+        }
+        lines.push(line);
+    }
+    if let Some(transition) = &expiry.transition {
+        lines.extend(transition_lines(transition));
+    }
+    lines
+}
+
+/// A rotation in transition, and each transaction it waits for.
+pub(crate) fn transition_lines(transition: &Transition) -> Vec<String> {
+    let waiting = match transition.blockers.len() {
+        0 => "it waits for none any more (the next purge run ends it)".to_owned(),
+        1 => "the transaction it waits for ends:".to_owned(),
+        n => format!("the {n} transactions it waits for end:"),
+    };
+    let mut lines = vec![format!(
+        "rotation to generation {} in transition for {}: claims go into two generations until {waiting}",
+        transition.generation,
+        human(transition.waited),
+    )];
+    lines.extend(transition.blockers.iter().map(|b| format!("  {b}")));
+    lines
 }
 
 /// `idem dedup check <handler> <message-id>`.

@@ -14,7 +14,7 @@ use idem_runtime::{Classify, ErrorClass, Route, Router, idempotent};
 use idem_tests::{TestEnv, wait_until};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use sqlx::PgPool;
+use sqlx::{Connection, PgPool};
 
 const HANDLER: &str = "cli.credit.v1";
 const DURABLE: &str = "ledger";
@@ -677,4 +677,130 @@ async fn bad_arguments_exit_non_zero_with_a_clear_message() {
             "{args:?}: {run:#?}"
         );
     }
+}
+
+/// Registers `name` with `retention` by hand (a router does it at start-up).
+async fn register_handler(pool: &PgPool, name: &str, retention: Duration) {
+    sqlx::query(
+        "INSERT INTO idem_handlers (name, retention)
+         VALUES ($1, $2::bigint * interval '1 millisecond')",
+    )
+    .bind(name)
+    .bind(retention.as_millis() as i64)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// `idem purge` and `idem status` say where expiry stands: a transition
+/// held by a session that holds a snapshot from before the rotation names
+/// it; a purge that fails on a lock names the session that holds it, and
+/// `idem status` shows expiry behind with that error until a run succeeds.
+#[tokio::test]
+async fn purge_and_status_say_what_holds_expiry_back() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    register_handler(&pool, "cli.expiring.v1", Duration::from_secs(2)).await;
+    let status = idem(&env, &["status"]).await;
+    assert!(
+        status
+            .text()
+            .contains("expiry: retention 2s, 1 generation (current 1), on time"),
+        "{status:#?}"
+    );
+
+    // A report holding a snapshot across the rotation.
+    let mut report = sqlx::PgConnection::connect(env.database_url())
+        .await
+        .unwrap();
+    let report_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut report)
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "SET application_name = 'nightly-report'; BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1 FROM idem_handlers",
+    )
+    .execute(&mut report)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE idem_generations SET opened_at = now() - interval '1 hour'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let purged = idem(&env, &["purge", "--json"]).await.json(0);
+    assert_eq!(purged["rotated_to"], 2, "{purged:#}");
+    let waiting = &purged["transition"]["waiting_for"];
+    assert!(
+        waiting[0]
+            .as_str()
+            .unwrap_or_default()
+            .contains(&format!("pid {report_pid}")),
+        "{purged:#}"
+    );
+    let status = idem(&env, &["status"]).await;
+    let text = status.text();
+    assert!(
+        text.contains("rotation to generation 2 in transition for"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("  pid {report_pid} in database"))
+            && text.contains("application `nightly-report`")
+            && text.contains("holds a snapshot that may predate the rotation"),
+        "{text}"
+    );
+    let json = idem(&env, &["status", "--json"]).await.json(0);
+    assert_eq!(
+        json["expiry"]["transition"]["waiting_for"][0]["pid"], report_pid,
+        "{json:#}"
+    );
+    sqlx::raw_sql("COMMIT").execute(&mut report).await.unwrap();
+    let purged = idem(&env, &["purge", "--json"]).await.json(0);
+    assert_eq!(purged["transition_ended"], 2, "{purged:#}");
+
+    // Generation 1 is due; a forgotten session holds its detach.
+    sqlx::query("UPDATE idem_generations SET sealed_at = now() - interval '1 hour' WHERE gen = 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut forgotten = sqlx::PgConnection::connect(env.database_url())
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "SET application_name = 'forgotten-psql'; BEGIN; SELECT count(*) FROM idem_processed",
+    )
+    .execute(&mut forgotten)
+    .await
+    .unwrap();
+    let failed = idem(&env, &["purge"]).await;
+    assert_eq!(failed.code, 1, "{failed:#?}");
+    for part in [
+        "while detaching generation 1",
+        "lock timeout",
+        "forgotten-psql",
+        "the next run resumes from this step",
+    ] {
+        assert!(failed.stderr.contains(part), "{part}: {failed:#?}");
+    }
+    let status = idem(&env, &["status"]).await;
+    let text = status.text();
+    assert!(
+        text.contains("expiry behind: 1 generation due, the oldest sealed 1h")
+            && text.contains("retention 2s; last error (1 failed run in a row")
+            && text.contains("forgotten-psql"),
+        "{text}"
+    );
+    let json = idem(&env, &["status", "--json"]).await.json(0);
+    assert_eq!(json["expiry"]["behind"], true, "{json:#}");
+    assert_eq!(json["expiry"]["failures"], 1, "{json:#}");
+
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut forgotten)
+        .await
+        .unwrap();
+    let purged = idem(&env, &["purge", "--json"]).await.json(0);
+    assert_eq!(purged["expired"], serde_json::json!([1]), "{purged:#}");
+    let status = idem(&env, &["status"]).await;
+    assert!(status.text().contains("on time; last purge"), "{status:#?}");
 }

@@ -264,6 +264,9 @@ pub enum Error {
     /// A database call at start-up failed.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// A step of the claims purge failed; the next run resumes from it.
+    #[error(transparent)]
+    Purge(#[from] crate::expiry::PurgeFailure),
     /// The JetStream stream is missing and no stream config was given.
     #[error(
         "JetStream stream `{stream}` does not exist; create it, or pass its config with `Route::create_stream`: {source}"

@@ -8,19 +8,21 @@
 //! Each run, under a session advisory lock so that concurrent purgers do no
 //! work twice:
 //!
-//! 1. **Ends a transition** once every transaction that was running when it
-//!    began has ended (their virtual transaction ids, from `pg_locks`, are
-//!    gone). Until then claims go into both open generations; after it the
-//!    older one is *sealed*: no claim can still be writing into it.
-//! 2. **Rotates** when the current generation is older than the generation
+//! 1. **Finishes an expiry an earlier run began** (see *Resuming* below).
+//! 2. **Ends a transition** once no transaction can still insert a claim
+//!    with a view of the generation state from before the rotation (see
+//!    *What a transition waits for*). Until then claims go into both open
+//!    generations; after it the older one is *sealed*: no claim can still
+//!    be writing into it.
+//! 3. **Rotates** when the current generation is older than the generation
 //!    length (half the retention): a new partition is created and attached
 //!    (`ATTACH PARTITION` takes `SHARE UPDATE EXCLUSIVE` on the parent, which
 //!    claims never wait for), and becomes current, in transition.
-//! 3. **Expires** each generation sealed longer than the retention ago: the
+//! 4. **Expires** each generation sealed longer than the retention ago: the
 //!    claims in it of handlers that keep theirs forever are copied into the
 //!    kept partition, then it is detached with `DETACH PARTITION ...
-//!    CONCURRENTLY` and dropped. No row is deleted one by one, so nothing
-//!    needs vacuuming and no index bloats.
+//!    CONCURRENTLY`, dropped, and forgotten. No row is deleted one by one,
+//!    so nothing needs vacuuming and no index bloats.
 //!
 //! The retention applied is the longest any registered handler asks for:
 //! retention is a minimum. A claim lives at least that long after it was
@@ -31,9 +33,84 @@
 //! and detached partitions are not in any claim's way, and every statement
 //! runs under a `lock_timeout`, so a purge that meets another's DDL fails
 //! and tries again at its next run rather than queue.
+//!
+//! # Resuming
+//!
+//! A run can end between any two statements: the router stops, the process
+//! is killed, `idem purge` gets Ctrl-C, the database fails over. `DETACH
+//! ... CONCURRENTLY` cannot run in a transaction block, so an expiry is
+//! several steps, and each accepts every state an interrupted run can leave.
+//! An expiry reads where its generation stands from the catalog (attached,
+//! detach pending, detached, or gone) and goes on from there: it copies the
+//! kept claims while the partition is readable (again, harmlessly, if a run
+//! was cut short after the copy), detaches or finalizes a pending detach,
+//! and drops the partition and forgets the generation in one transaction.
+//! A generation that is sealed but no longer attached is finished at the
+//! start of every run, before anything else and whatever the retention now
+//! is: once detached, its claims are out of every claim's sight already. A
+//! rotation is resumable the same way: a partition attached by a run cut
+//! short is found attached, and a transition whose transactions were not
+//! recorded is recorded by the next run.
+//!
+//! A step that fails (most often on its `lock_timeout`: a `DETACH` waits
+//! for every transaction that holds a lock on the claims table, a
+//! forgotten `BEGIN; SELECT ... FROM idem_processed` included) does not
+//! stop the steps that do not depend on it: the transition still ends and
+//! the table still rotates; only the expiries wait (PostgreSQL allows one
+//! pending detach per table). The run then fails with a [`PurgeFailure`]
+//! naming its step and, for a lock timeout, the transactions older than
+//! the timeout that held locks on the claims table. Every run records its
+//! outcome in `idem_expiry_state`; a router's purge also logs each failure
+//! at `warn` and counts it (see [`metrics`](crate::metrics)). A router
+//! stops its purge between runs at shutdown, and waits for the run in
+//! progress within its grace period; past that it leaves it to finish.
+//!
+//! # What a transition waits for
+//!
+//! The older generation may be sealed only once no transaction can still
+//! insert a claim into it, which a claim does only with a view of the state
+//! from before the rotation (`R`, the rotating transaction, whose id
+//! `idem_expiry_state.rotated_xid` records). Right after `R` commits, the
+//! purge records the transactions of **this database** that are running
+//! (`pg_locks` and `pg_stat_activity` span the whole server, but only a
+//! backend connected to this database can touch its tables); transactions
+//! that begin later see `R`. At each run a recorded transaction still holds
+//! the transition only if
+//!
+//! - it holds a write lock on the claims table or one of its partitions:
+//!   it has claimed (that lock is kept until it ends), or is about to; or
+//! - its backend holds a snapshot that may predate `R`'s commit:
+//!   `backend_xmin` at or before `R` (a snapshot that does not see `R` has
+//!   it among its running transactions, so its xmin is at or before `R`;
+//!   one whose xmin is above `R` sees it). A claim statement reads the
+//!   state with its snapshot, so one running, or a REPEATABLE READ
+//!   transaction that took its snapshot before `R` and claims later, is
+//!   held for. The check is
+//!   conservative: another transaction left open anywhere on the server
+//!   holds every new snapshot's xmin down, so a recorded backend that is
+//!   running any statement is waited for until that statement ends.
+//!
+//! A recorded transaction that meets neither condition is dropped from the
+//! record for good: it has not claimed, and any snapshot it takes from then
+//! on sees `R`. The snapshots are read before the locks, in two statements:
+//! a transaction seen without a snapshot and then without a lock began no
+//! claim before the first read. Prepared transactions (two-phase commit)
+//! that hold a write lock on the claims table are waited for too.
+//!
+//! An idle READ COMMITTED transaction holds no snapshot and is not waited
+//! for, nor is one in another database. An idle REPEATABLE READ
+//! transaction of this database whose snapshot predates `R` (a `pg_dump`,
+//! a report) is waited for: it could claim with that snapshot, and nothing
+//! on the server tells it apart from a worker that will. A transition that
+//! has waited a generation length (at most a minute) is logged at `warn` at
+//! every run, naming each transaction it waits for; [`PurgeReport`] and
+//! [`status::expiry`](crate::status::expiry) show them, and the metrics
+//! count them.
 
+use std::fmt;
 use std::time::Duration;
 
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::Error;
@@ -43,7 +120,15 @@ const PURGE_LOCK: i64 = 0x6964_656d_5f65_7870; // "idem_exp"
 
 /// How long a purge statement may wait for a lock before giving up for
 /// this run.
-const LOCK_TIMEOUT: &str = "5s";
+const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The `application_name` of a purge's session, as `pg_stat_activity`
+/// shows it.
+pub const APPLICATION_NAME: &str = "idem purge";
+
+/// A transition that has lasted longer than this (or a generation length,
+/// if shorter) is warned about.
+const TRANSITION_WARN_AFTER: Duration = Duration::from_secs(60);
 
 /// What one [`purge`] run did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -59,12 +144,140 @@ pub struct PurgeReport {
     pub transition_ended: Option<i32>,
     /// The generation rotated to.
     pub rotated_to: Option<i32>,
-    /// The generations detached and dropped.
+    /// The generations dropped and forgotten, including those whose expiry
+    /// an earlier run began.
     pub expired: Vec<i32>,
     /// Claims copied into the kept partition (handlers without retention).
     pub kept: u64,
     /// Bytes of the dropped partitions, indexes included.
     pub freed_bytes: u64,
+    /// The transition still open after this run, with what it waits for.
+    pub transition: Option<Transition>,
+}
+
+/// A rotation in transition: claims go into two generations until it ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Transition {
+    /// The generation rotated to (current).
+    pub generation: i32,
+    /// How long ago the rotation committed, by the database's clock.
+    pub waited: Duration,
+    /// The transactions it still waits for, as recorded by the last purge
+    /// run (their details are in `blockers` where they were read).
+    pub waiting_for: usize,
+    /// Those transactions, as the database shows them now.
+    pub blockers: Vec<Blocker>,
+}
+
+/// A transaction that a purge waits for: one a transition still waits
+/// for, or one holding a lock a purge's statement waited for until its
+/// `lock_timeout`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Blocker {
+    /// Its backend; `None` for a prepared transaction.
+    pub pid: Option<i32>,
+    /// The global id of a prepared transaction.
+    pub prepared: Option<String>,
+    /// The database it is connected to.
+    pub database: Option<String>,
+    /// Its session's `application_name`.
+    pub application_name: Option<String>,
+    /// `active`, `idle in transaction`, ...
+    pub state: Option<String>,
+    /// How long its transaction has run.
+    pub transaction_age: Option<Duration>,
+    /// How long ago its current or last query started.
+    pub query_age: Option<Duration>,
+    /// The start of that query's text.
+    pub query: Option<String>,
+    /// Why it is waited for.
+    pub holds: Holds,
+}
+
+/// Why a purge waits for a transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Holds {
+    /// A write lock on the claims table: it has claimed, or is claiming.
+    Claims,
+    /// A snapshot that may predate the rotation: a claim it makes would
+    /// see the state from before it.
+    Snapshot,
+    /// A lock on the claims table that a purge's statement waited for.
+    Lock,
+}
+
+impl fmt::Display for Blocker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.pid, &self.prepared) {
+            (Some(pid), _) => write!(f, "pid {pid}")?,
+            (None, Some(gid)) => write!(f, "prepared transaction `{gid}`")?,
+            (None, None) => write!(f, "a transaction that has ended")?,
+        }
+        if let Some(database) = &self.database {
+            write!(f, " in database `{database}`")?;
+        }
+        let mut details = Vec::new();
+        if let Some(name) = self.application_name.as_deref().filter(|n| !n.is_empty()) {
+            details.push(format!("application `{name}`"));
+        }
+        if let Some(state) = &self.state {
+            details.push(state.clone());
+        }
+        if let Some(age) = self.transaction_age {
+            details.push(format!("transaction {} old", seconds(age)));
+        }
+        if let Some(age) = self.query_age {
+            let query = self
+                .query
+                .as_deref()
+                .map(|q| format!(": `{}`", q.split_whitespace().collect::<Vec<_>>().join(" ")))
+                .unwrap_or_default();
+            details.push(format!("query started {} ago{query}", seconds(age)));
+        }
+        if !details.is_empty() {
+            write!(f, " ({})", details.join(", "))?;
+        }
+        f.write_str(match self.holds {
+            Holds::Claims => ": holds claims not yet committed",
+            Holds::Snapshot => ": holds a snapshot that may predate the rotation",
+            Holds::Lock => ": holds a lock on the claims table",
+        })
+    }
+}
+
+/// `12.3 s`.
+fn seconds(duration: Duration) -> String {
+    format!("{:.1} s", duration.as_secs_f64())
+}
+
+/// Why a [`purge`] run failed. Nothing is lost: the next run resumes from
+/// the step this one stopped at.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the claims purge failed while {step}: {source}{}; nothing is lost, and the next run resumes from this step",
+    holders(lock_holders)
+)]
+#[non_exhaustive]
+pub struct PurgeFailure {
+    /// What it was doing (`detaching generation 12`).
+    pub step: String,
+    /// The database's error.
+    #[source]
+    pub source: sqlx::Error,
+    /// For a lock timeout: the transactions, older than the timeout, that
+    /// held locks on the claims table then.
+    pub lock_holders: Vec<Blocker>,
+}
+
+fn holders(blockers: &[Blocker]) -> String {
+    if blockers.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = blockers.iter().map(Blocker::to_string).collect();
+    format!(" (it waited for: {})", list.join("; "))
 }
 
 /// How long a generation is current: half the retention, so that a claim
@@ -79,15 +292,111 @@ pub(crate) fn purge_interval(retention: Duration) -> Duration {
     (generation_length(retention) / 4).clamp(Duration::from_millis(250), Duration::from_secs(60))
 }
 
-/// Runs the expiry once: ends a transition that can end, rotates if the
-/// current generation is due, and expires what is past the retention (see
-/// the module docs). Safe to run from any number of processes at once: all
-/// but one skip.
+/// How long a transition may last before each run warns about it: a
+/// generation length (after which the next rotation is late), at most a
+/// minute.
+pub fn transition_warn_after(retention: Option<Duration>) -> Duration {
+    retention.map_or(TRANSITION_WARN_AFTER, |retention| {
+        generation_length(retention).min(TRANSITION_WARN_AFTER)
+    })
+}
+
+/// Runs the expiry once: finishes an expiry an earlier run began, ends a
+/// transition that can end, rotates if the current generation is due, and
+/// expires what is past the retention (see the module docs). Safe to run
+/// from any number of processes at once: all but one skip. Records its
+/// outcome for [`status::expiry`](crate::status::expiry).
 pub async fn purge(pool: &PgPool) -> Result<PurgeReport, Error> {
+    purge_with(pool, &Stop::default()).await
+}
+
+/// Runs [`purge`] and ends its session, with `pg_terminate_backend` from
+/// another session, when it reaches `step`: what a SIGKILL, a failover or a
+/// cancelled task does to a purge at that point. The purge then fails at
+/// its next statement, as it would.
+#[cfg(feature = "fault-injection")]
+pub async fn purge_ending_session_at(pool: &PgPool, step: Step) -> Result<PurgeReport, Error> {
+    purge_with(
+        pool,
+        &Stop {
+            at: Some((step, pool.clone())),
+        },
+    )
+    .await
+}
+
+/// A point in a purge between two of its steps, where a test can end the
+/// purge's session ([`purge_ending_session_at`]).
+#[cfg(feature = "fault-injection")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Step {
+    /// The next generation's partition is created and attached; the
+    /// rotation to it has not committed.
+    Attached,
+    /// The rotation committed; the transactions its transition waits for
+    /// are not recorded yet.
+    Rotated,
+    /// A due generation's claims of handlers without retention are copied
+    /// into the kept partition; it is still attached.
+    Copied,
+    /// A due generation is detached; its partition is not dropped yet.
+    Detached,
+}
+
+/// The steps [`Stop`] knows, also without the `fault-injection` feature.
+#[cfg(not(feature = "fault-injection"))]
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Attached,
+    Rotated,
+    Copied,
+    Detached,
+}
+
+/// Where a purge ends its own session, for tests; nothing without the
+/// `fault-injection` feature.
+#[derive(Default)]
+struct Stop {
+    #[cfg(feature = "fault-injection")]
+    at: Option<(Step, PgPool)>,
+}
+
+impl Stop {
+    #[cfg(not(feature = "fault-injection"))]
+    async fn reached(&self, _: &mut PgConnection, _: Step) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    /// Ends the session of `conn` if the purge is to stop at `step`.
+    #[cfg(feature = "fault-injection")]
+    async fn reached(&self, conn: &mut PgConnection, step: Step) -> Result<(), sqlx::Error> {
+        let Some((at, pool)) = &self.at else {
+            return Ok(());
+        };
+        if *at != step {
+            return Ok(());
+        }
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *conn)
+            .await?;
+        // Waits (up to 10 s) until the backend has exited.
+        let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
+            .bind(pid)
+            .fetch_one(pool)
+            .await?;
+        assert!(ended, "the purge's backend {pid} did not exit");
+        tracing::info!(?step, pid, "fault injection: the purge's session ended");
+        Ok(())
+    }
+}
+
+async fn purge_with(pool: &PgPool, stop: &Stop) -> Result<PurgeReport, Error> {
     // A session of its own, so that its advisory lock ends with it, and a
     // run cut short (a cancelled task) never hands a pooled connection back
-    // halfway through DDL.
-    let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;
+    // halfway through DDL. Named, so that an operator sees it for what it is.
+    let options = purge_options(pool.connect_options().as_ref());
+    let mut conn = PgConnection::connect_with(&options).await?;
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(PURGE_LOCK)
         .fetch_one(&mut conn)
@@ -99,246 +408,744 @@ pub async fn purge(pool: &PgPool) -> Result<PurgeReport, Error> {
             ..PurgeReport::default()
         });
     }
-    let report = purge_locked(&mut conn).await;
+    let mut purge = Purge {
+        conn: &mut conn,
+        report: PurgeReport::default(),
+        stop,
+    };
+    let outcome = purge.run().await;
+    let report = std::mem::take(&mut purge.report);
+    record_outcome(&mut conn, pool, outcome.as_ref().err()).await;
     // Closing ends the session, and the lock with it.
     let _ = conn.close().await;
-    report
+    outcome.map(|()| report)
 }
 
-async fn purge_locked(conn: &mut PgConnection) -> Result<PurgeReport, Error> {
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "SET lock_timeout = '{LOCK_TIMEOUT}'"
-    )))
-    .execute(&mut *conn)
-    .await?;
-    let mut report = PurgeReport {
-        retention: retention(conn).await?,
-        ..PurgeReport::default()
+/// The pool's connect options, with the purge's `application_name` (after
+/// the application's own, if it set one).
+fn purge_options(options: &PgConnectOptions) -> PgConnectOptions {
+    let name = match options.get_application_name() {
+        Some(own) if !own.is_empty() => format!("{own} ({APPLICATION_NAME})"),
+        _ => APPLICATION_NAME.to_owned(),
     };
-    finish_detaches(conn, &mut report).await?;
-    report.transition_ended = end_transition(conn).await?;
-    let Some(retention) = report.retention else {
-        return Ok(report);
+    options.clone().application_name(&name)
+}
+
+/// Records how a run ended in `idem_expiry_state`, on the purge's session,
+/// or, if that is gone (the failure may have been its end), on the pool. A
+/// database that cannot be reached at all is not recorded: the failure is
+/// logged and counted by the caller all the same.
+async fn record_outcome(conn: &mut PgConnection, pool: &PgPool, failure: Option<&Error>) {
+    let recorded = match failure {
+        None => sqlx::query("UPDATE idem_expiry_state SET last_success_at = now(), failures = 0")
+            .execute(&mut *conn)
+            .await
+            .map(drop),
+        Some(error) => {
+            let text = error.to_string();
+            let record = "UPDATE idem_expiry_state
+                             SET last_failure_at = now(), last_error = $1, failures = failures + 1";
+            match sqlx::query(record).bind(&text).execute(&mut *conn).await {
+                Ok(_) => Ok(()),
+                Err(_) => sqlx::query(record)
+                    .bind(&text)
+                    .execute(pool)
+                    .await
+                    .map(drop),
+            }
+        }
     };
-    report.rotated_to = rotate_if_due(conn, generation_length(retention)).await?;
-    let due: Vec<i32> = sqlx::query_scalar(
-        "SELECT gen FROM idem_generations
-          WHERE sealed_at <= now() - $1::bigint * interval '1 millisecond'
-          ORDER BY gen",
-    )
-    .bind(millis(retention))
-    .fetch_all(&mut *conn)
-    .await?;
-    for generation in due {
-        expire(conn, generation, &mut report).await?;
+    if let Err(error) = recorded {
+        tracing::debug!(%error, "the purge's outcome could not be recorded");
     }
-    Ok(report)
 }
 
-/// The longest retention a registered handler asks for.
-async fn retention(conn: &mut PgConnection) -> Result<Option<Duration>, sqlx::Error> {
-    let millis: Option<i64> = sqlx::query_scalar(
-        "SELECT (extract(epoch FROM max(retention)) * 1000)::bigint FROM idem_handlers",
-    )
-    .fetch_one(&mut *conn)
-    .await?;
-    Ok(millis.map(|millis| Duration::from_millis(millis.max(0).unsigned_abs())))
+/// One run, on its locked session.
+struct Purge<'a> {
+    conn: &'a mut PgConnection,
+    report: PurgeReport,
+    stop: &'a Stop,
 }
 
-/// Ends the transition if every transaction that was running when it
-/// began has ended; records those transactions first if a crash left them
-/// unrecorded. Returns the generation whose transition ended.
-async fn end_transition(conn: &mut PgConnection) -> Result<Option<i32>, sqlx::Error> {
-    let (current, transition, recorded): (i32, bool, bool) = sqlx::query_as(
-        "SELECT current_gen, transition, waiting_for IS NOT NULL FROM idem_dedup_state",
-    )
-    .fetch_one(&mut *conn)
-    .await?;
-    if !transition {
-        return Ok(None);
-    }
-    if !recorded {
-        record_running_transactions(conn).await?;
-        return Ok(None);
-    }
-    let running: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_locks l, idem_dedup_state s
-          WHERE l.locktype = 'virtualxid' AND l.virtualxid = ANY (s.waiting_for)",
-    )
-    .fetch_one(&mut *conn)
-    .await?;
-    if running > 0 {
-        tracing::debug!(
-            running,
-            "a generation's transition waits for transactions older than it"
-        );
-        return Ok(None);
-    }
-    let mut tx = conn.begin().await?;
-    sqlx::query("UPDATE idem_dedup_state SET transition = false, waiting_for = NULL")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("UPDATE idem_generations SET sealed_at = now() WHERE gen = $1 - 1")
-        .bind(current)
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    tracing::info!(
-        generation = current,
-        "claims generation transition ended; the previous one is sealed"
-    );
-    Ok(Some(current))
+/// Where a generation's partition stands, from the catalog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Partition {
+    Attached,
+    /// `DETACH ... CONCURRENTLY` committed its first step only.
+    DetachPending,
+    /// A table of its own, not yet dropped.
+    Detached,
+    Gone,
 }
 
-/// Records the transactions running now, which the transition waits for.
-/// Taken after the rotation committed: a claim that saw the old generation
-/// started before that, so it is among them unless it has ended.
-async fn record_running_transactions(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE idem_dedup_state
-            SET waiting_for = (SELECT coalesce(array_agg(virtualxid), '{}')
-                                 FROM pg_locks
-                                WHERE locktype = 'virtualxid' AND pid <> pg_backend_pid())
-          WHERE transition AND waiting_for IS NULL",
-    )
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
-}
-
-/// Opens the next generation if the current one has been current for
-/// `length` and is not in transition.
-async fn rotate_if_due(conn: &mut PgConnection, length: Duration) -> Result<Option<i32>, Error> {
-    let due: Option<i32> = sqlx::query_scalar(
-        "SELECT s.current_gen + 1 FROM idem_dedup_state s
-           JOIN idem_generations g ON g.gen = s.current_gen
-          WHERE NOT s.transition AND g.opened_at <= now() - $1::bigint * interval '1 millisecond'",
-    )
-    .bind(millis(length))
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some(next) = due else {
-        return Ok(None);
-    };
-    let partition = partition_name(next);
-    // Attached before it becomes current, as a table of its own first:
-    // CREATE TABLE ... PARTITION OF would lock the parent ACCESS EXCLUSIVE.
-    // A run that crashed after attaching finds it attached and goes on.
-    let attached: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT FROM pg_inherits
-                         WHERE inhparent = 'idem_claims'::regclass
-                           AND inhrelid = to_regclass($1))",
-    )
-    .bind(&partition)
-    .fetch_one(&mut *conn)
-    .await?;
-    if !attached {
+impl Purge<'_> {
+    /// The steps of a run. One that fails does not stop the steps that do
+    /// not depend on it: an expiry held up by a lock (a pending detach
+    /// blocks every other) must not stop the rotation, nor the end of a
+    /// transition. The first failure is returned.
+    async fn run(&mut self) -> Result<(), Error> {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "DROP TABLE IF EXISTS {partition};
-             CREATE TABLE {partition} (LIKE idem_claims INCLUDING DEFAULTS,
-                                       CHECK (gen = {next}));
-             ALTER TABLE idem_claims ATTACH PARTITION {partition} FOR VALUES IN ({next});"
+            "SET lock_timeout = '{}ms'",
+            LOCK_TIMEOUT.as_millis()
         )))
-        .execute(&mut *conn)
+        .execute(&mut *self.conn)
         .await?;
+        self.report.retention = self
+            .retention()
+            .await
+            .map_err(failed("reading the retention"))?;
+        let mut failure = self.resume_expiries().await.err();
+        let expiring = failure.is_none();
+        keep_first(&mut failure, self.end_transition().await);
+        let Some(retention) = self.report.retention else {
+            return failure.map_or(Ok(()), Err);
+        };
+        keep_first(
+            &mut failure,
+            self.rotate_if_due(generation_length(retention)).await,
+        );
+        if self.report.rotated_to.is_some() {
+            // At once, so that what it waits for is known from the start
+            // (and a transition that waits for nothing ends now).
+            keep_first(&mut failure, self.end_transition().await);
+        }
+        if expiring {
+            keep_first(&mut failure, self.expire_due(retention).await);
+        }
+        failure.map_or(Ok(()), Err)
     }
-    let mut tx = conn.begin().await?;
-    sqlx::query("INSERT INTO idem_generations (gen) VALUES ($1) ON CONFLICT DO NOTHING")
+
+    /// Expires the generations sealed longer than `retention` ago, oldest
+    /// first, up to the first that fails.
+    async fn expire_due(&mut self, retention: Duration) -> Result<(), Error> {
+        let due: Vec<i32> = sqlx::query_scalar(
+            "SELECT gen FROM idem_generations
+              WHERE sealed_at <= now() - $1::bigint * interval '1 millisecond'
+              ORDER BY gen",
+        )
+        .bind(millis(retention))
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(failed("reading the generations due"))?;
+        for generation in due {
+            self.expire(generation).await?;
+        }
+        Ok(())
+    }
+
+    /// [`failed`], and for a lock timeout, with the transactions
+    /// older than the timeout that hold locks on the claims table.
+    async fn failed_waiting(&mut self, step: String, source: sqlx::Error) -> Error {
+        let timed_out = matches!(&source, sqlx::Error::Database(db)
+            if db.code().as_deref() == Some("55P03"));
+        let lock_holders = if timed_out {
+            lock_holders(self.conn).await.unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        Error::Purge(PurgeFailure {
+            step,
+            source,
+            lock_holders,
+        })
+    }
+
+    /// The longest retention a registered handler asks for.
+    async fn retention(&mut self) -> Result<Option<Duration>, sqlx::Error> {
+        let millis: Option<i64> = sqlx::query_scalar(
+            "SELECT (extract(epoch FROM max(retention)) * 1000)::bigint FROM idem_handlers",
+        )
+        .fetch_one(&mut *self.conn)
+        .await?;
+        Ok(millis.map(|millis| Duration::from_millis(millis.max(0).unsigned_abs())))
+    }
+
+    /// Finishes every expiry an earlier run began and did not end: sealed
+    /// generations whose partition is no longer attached, and detaches left
+    /// pending.
+    async fn resume_expiries(&mut self) -> Result<(), Error> {
+        let begun: Vec<i32> = sqlx::query_scalar(
+            "SELECT g.gen FROM idem_generations g
+              WHERE g.sealed_at IS NOT NULL
+                AND NOT EXISTS (SELECT FROM pg_inherits i
+                                 WHERE i.inhparent = 'idem_claims'::regclass
+                                   AND i.inhrelid = to_regclass('idem_claims_g' || g.gen)
+                                   AND NOT i.inhdetachpending)
+             UNION
+             SELECT substring(c.relname FROM '^idem_claims_g([0-9]+)$')::integer
+               FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+              WHERE i.inhparent = 'idem_claims'::regclass AND i.inhdetachpending
+                AND c.relname ~ '^idem_claims_g[0-9]+$'
+             ORDER BY 1",
+        )
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(failed("looking for expiries left unfinished"))?;
+        for generation in begun {
+            tracing::info!(
+                generation,
+                "finishing the expiry of a claims generation that an earlier purge began"
+            );
+            self.expire(generation).await?;
+        }
+        Ok(())
+    }
+
+    /// Ends the transition if no transaction it waits for can still claim
+    /// into the older generation (see the module docs); records those
+    /// transactions first if a run cut short left them unrecorded.
+    async fn end_transition(&mut self) -> Result<(), Error> {
+        let (current, transition, recorded, waited): (i32, bool, bool, Option<f64>) =
+            sqlx::query_as(
+                "SELECT s.current_gen, s.transition, s.waiting_for IS NOT NULL,
+                        extract(epoch FROM now() - g.opened_at)::float8
+                   FROM idem_dedup_state s LEFT JOIN idem_generations g ON g.gen = s.current_gen",
+            )
+            .fetch_one(&mut *self.conn)
+            .await
+            .map_err(failed("reading the generation state"))?;
+        if !transition {
+            return Ok(());
+        }
+        let step = || format!("ending the transition to generation {current}");
+        if !recorded {
+            record_running_transactions(self.conn)
+                .await
+                .map_err(failed(step()))?;
+        }
+        let still = match still_blocking(self.conn).await {
+            Ok(still) => still,
+            Err(error) => return Err(self.failed_waiting(step(), error).await),
+        };
+        if still.is_empty() {
+            let sealed = seal(self.conn, current).await.map_err(failed(step()))?;
+            if sealed {
+                tracing::info!(
+                    generation = current,
+                    "claims generation transition ended; the previous one is sealed"
+                );
+                self.report.transition_ended = Some(current);
+            }
+            return Ok(());
+        }
+        let vxids: Vec<&str> = still.iter().map(|(vxid, ..)| vxid.as_str()).collect();
+        sqlx::query(
+            "UPDATE idem_dedup_state SET waiting_for = $2
+              WHERE transition AND current_gen = $1 AND waiting_for IS DISTINCT FROM $2",
+        )
+        .bind(current)
+        .bind(&vxids)
+        .execute(&mut *self.conn)
+        .await
+        .map_err(failed(step()))?;
+        let blockers = describe_blockers(self.conn, &still)
+            .await
+            .map_err(failed(step()))?;
+        let waited = Duration::from_secs_f64(waited.unwrap_or(0.0).max(0.0));
+        if waited >= transition_warn_after(self.report.retention) {
+            let list: Vec<String> = blockers.iter().map(Blocker::to_string).collect();
+            tracing::warn!(
+                generation = current,
+                waited_s = waited.as_secs(),
+                "a claims generation transition has waited {} for {} transaction(s) that may still claim with a view from before the rotation: claims go into two generations, and no rotation follows, until they end: {}",
+                seconds(waited),
+                blockers.len(),
+                list.join("; ")
+            );
+        } else {
+            tracing::debug!(
+                generation = current,
+                waiting = blockers.len(),
+                "a claims generation transition waits"
+            );
+        }
+        self.report.transition = Some(Transition {
+            generation: current,
+            waited,
+            waiting_for: still.len(),
+            blockers,
+        });
+        Ok(())
+    }
+
+    /// Opens the next generation if the current one has been current for
+    /// `length` and is not in transition.
+    async fn rotate_if_due(&mut self, length: Duration) -> Result<(), Error> {
+        let due: Option<i32> = sqlx::query_scalar(
+            "SELECT s.current_gen + 1 FROM idem_dedup_state s
+               JOIN idem_generations g ON g.gen = s.current_gen
+              WHERE NOT s.transition AND g.opened_at <= now() - $1::bigint * interval '1 millisecond'",
+        )
+        .bind(millis(length))
+        .fetch_optional(&mut *self.conn)
+        .await
+        .map_err(failed("reading whether a rotation is due"))?;
+        let Some(next) = due else {
+            return Ok(());
+        };
+        let step = || format!("rotating to generation {next}");
+        let partition = partition_name(next);
+        // Attached before it becomes current, as a table of its own first:
+        // CREATE TABLE ... PARTITION OF would lock the parent ACCESS EXCLUSIVE.
+        // A run that crashed after attaching finds it attached and goes on.
+        if self.partition(next).await.map_err(failed(step()))? != Partition::Attached {
+            // One message, one implicit transaction: all three or none.
+            let attached = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "DROP TABLE IF EXISTS {partition};
+                 CREATE TABLE {partition} (LIKE idem_claims INCLUDING DEFAULTS,
+                                           CHECK (gen = {next}));
+                 ALTER TABLE idem_claims ATTACH PARTITION {partition} FOR VALUES IN ({next});"
+            )))
+            .execute(&mut *self.conn)
+            .await;
+            if let Err(error) = attached {
+                return Err(self.failed_waiting(step(), error).await);
+            }
+        }
+        self.stop
+            .reached(self.conn, Step::Attached)
+            .await
+            .map_err(failed(step()))?;
+        let mut tx = self.conn.begin().await.map_err(failed(step()))?;
+        sqlx::query("INSERT INTO idem_generations (gen) VALUES ($1) ON CONFLICT DO NOTHING")
+            .bind(next)
+            .execute(&mut *tx)
+            .await
+            .map_err(failed(step()))?;
+        // The rotating transaction's id: a snapshot newer than it sees the
+        // rotation (see the module docs).
+        sqlx::query(
+            "UPDATE idem_expiry_state SET rotated_gen = $1, rotated_xid = pg_current_xact_id()",
+        )
         .bind(next)
         .execute(&mut *tx)
-        .await?;
-    sqlx::query(
-        "UPDATE idem_dedup_state SET current_gen = $1, transition = true, waiting_for = NULL",
-    )
-    .bind(next)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    record_running_transactions(conn).await?;
-    tracing::info!(generation = next, "claims generation rotated");
-    Ok(Some(next))
-}
+        .await
+        .map_err(failed(step()))?;
+        sqlx::query(
+            "UPDATE idem_dedup_state SET current_gen = $1, transition = true, waiting_for = NULL",
+        )
+        .bind(next)
+        .execute(&mut *tx)
+        .await
+        .map_err(failed(step()))?;
+        tx.commit().await.map_err(failed(step()))?;
+        self.stop
+            .reached(self.conn, Step::Rotated)
+            .await
+            .map_err(failed(step()))?;
+        record_running_transactions(self.conn)
+            .await
+            .map_err(failed(step()))?;
+        tracing::info!(generation = next, "claims generation rotated");
+        self.report.rotated_to = Some(next);
+        Ok(())
+    }
 
-/// Moves the claims of handlers without retention out of generation
-/// `generation`
-/// into the kept partition, then detaches and drops it.
-async fn expire(
-    conn: &mut PgConnection,
-    generation: i32,
-    report: &mut PurgeReport,
-) -> Result<(), Error> {
-    let partition = partition_name(generation);
-    let kept = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO idem_claims (key, gen, handler_id, claimed_at, result)
-         SELECT key, 0, handler_id, claimed_at, result FROM {partition}
-          WHERE handler_id IN (SELECT id FROM idem_handlers WHERE retention IS NULL)
-         ON CONFLICT DO NOTHING"
-    )))
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    report.kept += kept;
-    // Not in a transaction: DETACH ... CONCURRENTLY commits in two steps,
-    // waiting in between for transactions that may still read it.
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "ALTER TABLE idem_claims DETACH PARTITION {partition} CONCURRENTLY"
-    )))
-    .execute(&mut *conn)
-    .await?;
-    drop_detached(conn, generation, report).await
-}
-
-/// Drops generation `generation`'s partition, detached, and forgets it.
-async fn drop_detached(
-    conn: &mut PgConnection,
-    generation: i32,
-    report: &mut PurgeReport,
-) -> Result<(), Error> {
-    let partition = partition_name(generation);
-    let bytes: Option<i64> = sqlx::query_scalar("SELECT pg_total_relation_size(to_regclass($1))")
-        .bind(&partition)
-        .fetch_one(&mut *conn)
+    /// Where generation `generation`'s partition stands.
+    async fn partition(&mut self, generation: i32) -> Result<Partition, sqlx::Error> {
+        let (exists, pending): (bool, Option<bool>) = sqlx::query_as(
+            "SELECT to_regclass($1) IS NOT NULL,
+                    (SELECT inhdetachpending FROM pg_inherits
+                      WHERE inhparent = 'idem_claims'::regclass AND inhrelid = to_regclass($1))",
+        )
+        .bind(partition_name(generation))
+        .fetch_one(&mut *self.conn)
         .await?;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP TABLE IF EXISTS {partition}"
-    )))
-    .execute(&mut *conn)
-    .await?;
-    sqlx::query("DELETE FROM idem_generations WHERE gen = $1")
-        .bind(generation)
-        .execute(&mut *conn)
-        .await?;
-    report.expired.push(generation);
-    report.freed_bytes += bytes.unwrap_or(0).max(0).unsigned_abs();
-    tracing::info!(generation, bytes, "claims generation expired");
-    Ok(())
-}
+        Ok(match (exists, pending) {
+            (false, _) => Partition::Gone,
+            (true, None) => Partition::Detached,
+            (true, Some(true)) => Partition::DetachPending,
+            (true, Some(false)) => Partition::Attached,
+        })
+    }
 
-/// Completes detaches that an earlier run began but did not finish (its
-/// session ended between the two steps of `DETACH ... CONCURRENTLY`).
-async fn finish_detaches(conn: &mut PgConnection, report: &mut PurgeReport) -> Result<(), Error> {
-    let pending: Vec<String> = sqlx::query_scalar(
-        "SELECT inhrelid::regclass::text FROM pg_inherits
-          WHERE inhparent = 'idem_claims'::regclass AND inhdetachpending",
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    for partition in pending {
-        let Some(generation) = partition
-            .strip_prefix("idem_claims_g")
-            .and_then(|number| number.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "ALTER TABLE idem_claims DETACH PARTITION {} FINALIZE",
+    /// Moves the claims of handlers without retention out of generation
+    /// `generation` into the kept partition, then detaches, drops and
+    /// forgets it, going on from wherever an earlier run left it.
+    async fn expire(&mut self, generation: i32) -> Result<(), Error> {
+        let partition = partition_name(generation);
+        let step = |what: &str| format!("{what} generation {generation}");
+        let mut copied = false;
+        loop {
+            let state = self
+                .partition(generation)
+                .await
+                .map_err(failed(step("expiring")))?;
+            match state {
+                Partition::Attached => {
+                    self.copy_kept(generation)
+                        .await
+                        .map_err(failed(step("copying the kept claims of")))?;
+                    copied = true;
+                    self.stop
+                        .reached(self.conn, Step::Copied)
+                        .await
+                        .map_err(failed(step("detaching")))?;
+                    // Not in a transaction: DETACH ... CONCURRENTLY commits in
+                    // two steps, waiting in between for transactions that may
+                    // still read it. Cut short between them, it is left
+                    // pending.
+                    let detached = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "ALTER TABLE idem_claims DETACH PARTITION {partition} CONCURRENTLY"
+                    )))
+                    .execute(&mut *self.conn)
+                    .await;
+                    if let Err(error) = detached {
+                        return Err(self.failed_waiting(step("detaching"), error).await);
+                    }
+                    self.stop
+                        .reached(self.conn, Step::Detached)
+                        .await
+                        .map_err(failed(step("dropping")))?;
+                }
+                Partition::DetachPending => {
+                    let finalized = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "ALTER TABLE idem_claims DETACH PARTITION {partition} FINALIZE"
+                    )))
+                    .execute(&mut *self.conn)
+                    .await;
+                    if let Err(error) = finalized {
+                        return Err(self
+                            .failed_waiting(step("finishing the detach of"), error)
+                            .await);
+                    }
+                }
+                Partition::Detached => {
+                    // A run cut short after the detach copied before it; the
+                    // copy is repeated all the same (it is idempotent), so
+                    // that no state, whoever left it, loses a kept claim.
+                    if !copied {
+                        self.copy_kept(generation)
+                            .await
+                            .map_err(failed(step("copying the kept claims of")))?;
+                    }
+                    let bytes = self.drop_and_forget(generation).await;
+                    let bytes = match bytes {
+                        Ok(bytes) => bytes,
+                        Err(error) => {
+                            return Err(self.failed_waiting(step("dropping"), error).await);
+                        }
+                    };
+                    self.expired(generation, bytes);
+                    return Ok(());
+                }
+                Partition::Gone => {
+                    sqlx::query("DELETE FROM idem_generations WHERE gen = $1")
+                        .bind(generation)
+                        .execute(&mut *self.conn)
+                        .await
+                        .map_err(failed(step("forgetting")))?;
+                    self.expired(generation, 0);
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Copies generation `generation`'s claims of handlers without
+    /// retention into the kept partition (those already there are skipped).
+    async fn copy_kept(&mut self, generation: i32) -> Result<(), sqlx::Error> {
+        let kept = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO idem_claims (key, gen, handler_id, claimed_at, result)
+             SELECT key, 0, handler_id, claimed_at, result FROM {}
+              WHERE handler_id IN (SELECT id FROM idem_handlers WHERE retention IS NULL)
+             ON CONFLICT DO NOTHING",
             partition_name(generation)
         )))
-        .execute(&mut *conn)
-        .await?;
-        drop_detached(conn, generation, report).await?;
+        .execute(&mut *self.conn)
+        .await?
+        .rows_affected();
+        self.report.kept += kept;
+        Ok(())
     }
+
+    /// Drops generation `generation`'s detached partition and forgets the
+    /// generation, in one transaction; returns the bytes it held.
+    async fn drop_and_forget(&mut self, generation: i32) -> Result<u64, sqlx::Error> {
+        let partition = partition_name(generation);
+        let bytes: Option<i64> =
+            sqlx::query_scalar("SELECT pg_total_relation_size(to_regclass($1))")
+                .bind(&partition)
+                .fetch_one(&mut *self.conn)
+                .await?;
+        let mut tx = self.conn.begin().await?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP TABLE IF EXISTS {partition}"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("DELETE FROM idem_generations WHERE gen = $1")
+            .bind(generation)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(bytes.unwrap_or(0).max(0).unsigned_abs())
+    }
+
+    fn expired(&mut self, generation: i32, bytes: u64) {
+        self.report.expired.push(generation);
+        self.report.freed_bytes += bytes;
+        tracing::info!(generation, bytes, "claims generation expired");
+    }
+}
+
+/// Keeps the first of a run's failures.
+fn keep_first(failure: &mut Option<Error>, outcome: Result<(), Error>) {
+    if let Err(error) = outcome {
+        failure.get_or_insert(error);
+    }
+}
+
+/// Wraps a failed statement of `step` with what the purge was doing.
+fn failed(step: impl Into<String>) -> impl FnOnce(sqlx::Error) -> Error {
+    let step = step.into();
+    move |source| {
+        Error::Purge(PurgeFailure {
+            step,
+            source,
+            lock_holders: Vec::new(),
+        })
+    }
+}
+
+/// The claims table and its partitions, as a subquery of OIDs.
+const CLAIMS_RELATIONS: &str = "(SELECT 'idem_claims'::regclass::oid
+                                 UNION ALL SELECT inhrelid FROM pg_inherits
+                                            WHERE inhparent = 'idem_claims'::regclass)";
+
+/// The lock modes a transaction holds on a table it writes (or may write).
+const WRITE_MODES: &str =
+    "('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')";
+
+/// This database's OID, as a subquery.
+const THIS_DATABASE: &str = "(SELECT oid FROM pg_database WHERE datname = current_database())";
+
+/// Backends of a database that cannot run a claim: autovacuum's. (A
+/// logical replication connection can run SQL, so a `walsender` counts.)
+const NOT_CLAIMING: &str = "('autovacuum worker', 'autovacuum launcher')";
+
+/// Records the transactions of this database running now, which the
+/// transition waits for unless they cannot claim into the older generation
+/// (see [`still_blocking`]). Taken after the rotation committed: a claim that saw
+/// the old state began before that, so it is among them unless it has
+/// ended. Prepared transactions holding a write lock on the claims table
+/// are recorded too.
+async fn record_running_transactions(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE idem_dedup_state
+            SET waiting_for = (
+                SELECT coalesce(array_agg(DISTINCT l.virtualtransaction), '{{}}')
+                  FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+                 WHERE (l.locktype = 'virtualxid' AND l.pid <> pg_backend_pid()
+                        AND a.datid = {THIS_DATABASE} AND a.backend_type NOT IN {NOT_CLAIMING})
+                    OR (l.pid IS NULL AND l.locktype = 'relation'
+                        AND l.database = {THIS_DATABASE} AND l.relation IN {CLAIMS_RELATIONS}
+                        AND l.mode IN {WRITE_MODES}))
+          WHERE transition AND waiting_for IS NULL"
+    )))
+    .execute(&mut *conn)
+    .await?;
     Ok(())
+}
+
+/// The recorded transactions that still hold the transition, each with its
+/// backend (none for a prepared transaction) and why: those still running
+/// that hold a write lock on the claims table, or whose backend holds a
+/// snapshot that may predate the rotation. The snapshots are read first:
+/// a transaction without a snapshot then and without a lock after began no
+/// claim before the first read, and any it begins later sees the rotation.
+pub(crate) async fn still_blocking(
+    conn: &mut PgConnection,
+) -> Result<Vec<(String, Option<i32>, Holds)>, sqlx::Error> {
+    // A snapshot predates the rotation's commit only if the rotating
+    // transaction was running when it was taken: then its xmin is at or
+    // before that transaction's id. `age` compares the two around the
+    // 32-bit wraparound. Without a recorded id for the current generation
+    // (an older runtime rotated to it), every snapshot counts.
+    let old_snapshots: Vec<i32> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT a.pid FROM pg_stat_activity a
+          WHERE a.datid = {THIS_DATABASE} AND a.pid <> pg_backend_pid()
+            AND a.backend_type NOT IN {NOT_CLAIMING}
+            AND a.backend_xmin IS NOT NULL
+            AND coalesce((SELECT age(a.backend_xmin) >= age(e.rotated_xid::xid)
+                            FROM idem_dedup_state s, idem_expiry_state e
+                           WHERE e.rotated_gen = s.current_gen),
+                         true)"
+    )))
+    .fetch_all(&mut *conn)
+    .await?;
+    let recorded: Vec<(String, Option<i32>, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT w.vxid, min(l.pid),
+                coalesce(bool_or(l.locktype = 'relation' AND l.database = {THIS_DATABASE}
+                                 AND l.relation IN {CLAIMS_RELATIONS}
+                                 AND l.mode IN {WRITE_MODES}), false)
+           FROM unnest((SELECT waiting_for FROM idem_dedup_state)) AS w(vxid)
+           JOIN pg_locks l ON l.virtualtransaction = w.vxid
+          GROUP BY w.vxid
+          ORDER BY w.vxid"
+    )))
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(recorded
+        .into_iter()
+        .filter_map(|(vxid, pid, claims)| {
+            let holds = if claims {
+                Holds::Claims
+            } else if pid.is_some_and(|pid| old_snapshots.contains(&pid)) {
+                Holds::Snapshot
+            } else {
+                return None;
+            };
+            Some((vxid, pid, holds))
+        })
+        .collect())
+}
+
+/// What the database shows of each transaction in `still` (from
+/// [`still_blocking`]).
+pub(crate) async fn describe_blockers(
+    conn: &mut PgConnection,
+    still: &[(String, Option<i32>, Holds)],
+) -> Result<Vec<Blocker>, sqlx::Error> {
+    let vxids: Vec<&str> = still.iter().map(|(vxid, ..)| vxid.as_str()).collect();
+    let rows = details(conn, &vxids).await?;
+    Ok(still
+        .iter()
+        .map(|(vxid, pid, holds)| {
+            let mut blocker = rows
+                .iter()
+                .find(|(row_vxid, ..)| row_vxid == vxid)
+                .map(|(_, blocker)| blocker.clone())
+                .unwrap_or_else(|| Blocker::ended(*pid));
+            blocker.holds = *holds;
+            blocker
+        })
+        .collect())
+}
+
+type DetailRow = (
+    String,
+    Option<i32>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<f64>,
+    Option<f64>,
+    Option<String>,
+);
+
+/// `pg_stat_activity`'s view of the backends running `vxids` (or
+/// `pg_prepared_xacts`'s, for prepared transactions).
+async fn details(
+    conn: &mut PgConnection,
+    vxids: &[&str],
+) -> Result<Vec<(String, Blocker)>, sqlx::Error> {
+    let rows: Vec<DetailRow> = sqlx::query_as(
+        "SELECT v.vxid, a.pid, p.gid, coalesce(a.datname, p.database), a.application_name, a.state,
+                extract(epoch FROM now() - coalesce(a.xact_start, p.prepared))::float8,
+                extract(epoch FROM now() - a.query_start)::float8,
+                left(a.query, 120)
+           FROM unnest($1::text[]) AS v(vxid)
+           LEFT JOIN LATERAL (SELECT pid, transactionid FROM pg_locks l
+                               WHERE l.virtualtransaction = v.vxid
+                               ORDER BY l.locktype = 'transactionid' DESC LIMIT 1) l ON true
+           LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+           LEFT JOIN pg_prepared_xacts p ON l.pid IS NULL AND p.transaction = l.transactionid",
+    )
+    .bind(vxids)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(vxid, pid, prepared, database, application_name, state, xact, query_age, query)| {
+                let blocker = Blocker {
+                    pid,
+                    prepared,
+                    database,
+                    application_name,
+                    state,
+                    transaction_age: xact.map(non_negative),
+                    query_age: query_age.map(non_negative),
+                    query,
+                    holds: Holds::Claims,
+                };
+                (vxid, blocker)
+            },
+        )
+        .collect())
+}
+
+/// The transactions, older than the lock timeout, that hold locks on the
+/// claims table: what a purge statement that timed out on a lock waited
+/// for, most likely.
+async fn lock_holders(conn: &mut PgConnection) -> Result<Vec<Blocker>, sqlx::Error> {
+    let vxids: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT DISTINCT l.virtualtransaction FROM pg_locks l
+           LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+          WHERE l.locktype = 'relation' AND l.database = {THIS_DATABASE}
+            AND l.relation IN {CLAIMS_RELATIONS} AND l.granted
+            AND l.pid IS DISTINCT FROM pg_backend_pid()
+            AND (a.xact_start IS NULL OR a.xact_start < now() - $1::bigint * interval '1 millisecond')
+          ORDER BY 1"
+    )))
+    .bind(millis(LOCK_TIMEOUT))
+    .fetch_all(&mut *conn)
+    .await?;
+    let vxids: Vec<&str> = vxids.iter().map(String::as_str).collect();
+    Ok(details(conn, &vxids)
+        .await?
+        .into_iter()
+        .map(|(_, mut blocker)| {
+            blocker.holds = Holds::Lock;
+            blocker
+        })
+        .collect())
+}
+
+impl Blocker {
+    /// A transaction that ended between two reads.
+    fn ended(pid: Option<i32>) -> Self {
+        Blocker {
+            pid,
+            prepared: None,
+            database: None,
+            application_name: None,
+            state: None,
+            transaction_age: None,
+            query_age: None,
+            query: None,
+            holds: Holds::Claims,
+        }
+    }
+}
+
+fn non_negative(seconds: f64) -> Duration {
+    Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX)
+}
+
+/// Ends the transition to generation `current` and seals the one before;
+/// false if it had ended already (another purge, between the reads).
+async fn seal(conn: &mut PgConnection, current: i32) -> Result<bool, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let ended = sqlx::query(
+        "UPDATE idem_dedup_state SET transition = false, waiting_for = NULL
+          WHERE transition AND current_gen = $1",
+    )
+    .bind(current)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if ended {
+        sqlx::query("UPDATE idem_generations SET sealed_at = now() WHERE gen = $1 - 1")
+            .bind(current)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(ended)
 }
 
 /// The partition of generation `generation` (a number: nothing to quote).
@@ -350,19 +1157,35 @@ fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Runs [`purge`] every `interval` until the task is dropped; a failed run
-/// is logged and the next one tries again.
-pub(crate) async fn run_in_background(pool: PgPool, interval: Duration) {
+/// Runs [`purge`] every `interval` until `shutdown` fires, and after each
+/// run reads the expiry's figures into the metrics. A failed run is logged
+/// and counted, and the next one tries again. Shutdown is checked between
+/// runs only: a run in progress is never cut short (the router waits for it
+/// within its grace period, then leaves it to finish).
+pub(crate) async fn run_in_background(
+    pool: PgPool,
+    interval: Duration,
+    mut shutdown: crate::shutdown::Signal,
+) {
     let mut ticks = tokio::time::interval(interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        ticks.tick().await;
+        tokio::select! {
+            biased;
+            _ = shutdown.fired() => return,
+            _ = ticks.tick() => {}
+        }
         match purge(&pool).await {
             Ok(report) if report.skipped => {}
             Ok(report) => tracing::debug!(?report, "claims purge ran"),
             Err(error) => {
-                tracing::warn!(%error, "claims purge failed; trying again at its next run")
+                crate::metrics::purge_failed();
+                tracing::warn!(%error, "claims purge failed; the next run resumes where it stopped");
             }
+        }
+        match crate::status::expiry_figures(&pool).await {
+            Ok(status) => crate::metrics::expiry(&status),
+            Err(error) => tracing::debug!(%error, "expiry figures unreadable for metrics"),
         }
     }
 }
@@ -388,6 +1211,46 @@ mod tests {
         assert_eq!(
             purge_interval(Duration::from_secs(2)),
             Duration::from_millis(250)
+        );
+    }
+
+    #[test]
+    fn a_transition_is_warned_about_after_a_generation_at_most_a_minute() {
+        assert_eq!(
+            transition_warn_after(Some(Duration::from_secs(7 * 86_400))),
+            Duration::from_secs(60)
+        );
+        assert_eq!(
+            transition_warn_after(Some(Duration::from_secs(10))),
+            Duration::from_secs(5)
+        );
+        assert_eq!(transition_warn_after(None), Duration::from_secs(60));
+    }
+
+    #[test]
+    fn a_blocker_names_its_backend_and_why() {
+        let blocker = Blocker {
+            pid: Some(4242),
+            prepared: None,
+            database: Some("app".into()),
+            application_name: Some("psql".into()),
+            state: Some("idle in transaction".into()),
+            transaction_age: Some(Duration::from_millis(183_250)),
+            query_age: Some(Duration::from_secs(180)),
+            query: Some("SELECT count(*)\n  FROM orders".into()),
+            holds: Holds::Snapshot,
+        };
+        assert_eq!(
+            blocker.to_string(),
+            "pid 4242 in database `app` (application `psql`, idle in transaction, transaction 183.2 s old, query started 180.0 s ago: `SELECT count(*) FROM orders`): holds a snapshot that may predate the rotation"
+        );
+        let prepared = Blocker {
+            prepared: Some("tx-7".into()),
+            ..Blocker::ended(None)
+        };
+        assert_eq!(
+            prepared.to_string(),
+            "prepared transaction `tx-7`: holds claims not yet committed"
         );
     }
 }

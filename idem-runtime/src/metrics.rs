@@ -39,7 +39,15 @@
 //! | `idem_outbox_publish_failures_total` | counter | | relay publishes that failed (their rows stay pending) |
 //! | `idem_outbox_failing_rows` | gauge | | pending rows whose last publish failed while NATS answered (no stream, too big, not permitted): each waits out its own back-off; the reasons are in `outbox::lag` and `idem status` |
 //! | `idem_outbox_nats_unreachable` | gauge | | 1 while a relay of this process backs off because nothing went out and JetStream does not answer, else 0 |
+//! | `idem_purge_failures_total` | counter | | runs of a router's claims purge that failed (each is logged at `warn`; the next run resumes) |
+//! | `idem_purge_last_success_timestamp_seconds` | gauge | | Unix time of the last purge run that succeeded, in any process |
+//! | `idem_expiry_due_generations` | gauge | | claims generations past the retention and not yet dropped |
+//! | `idem_expiry_overdue_seconds` | gauge | | how long past its expiry the oldest of those is (0 when none) |
+//! | `idem_expiry_transition_seconds` | gauge | | how long the rotation in transition has lasted (0 when none) |
+//! | `idem_expiry_transition_blocking_transactions` | gauge | | transactions that rotation still waits for, as the last purge run found them |
 //!
+//! The expiry gauges are read by a router's purge after each of its runs
+//! (one cheap query; every router on a database reports the same figures).
 //! The consumer and outbox gauges are read by one task per router every
 //! [`POLL_INTERVAL`], not per message: one consumer-info request per route
 //! and one `count(*)` of the outbox; a relay also sets the outbox gauges
@@ -122,6 +130,19 @@ pub const OUTBOX_PUBLISH_FAILURES: &str = "idem_outbox_publish_failures_total";
 pub const OUTBOX_FAILING: &str = "idem_outbox_failing_rows";
 /// Whether a relay of this process finds NATS away.
 pub const OUTBOX_NATS_UNREACHABLE: &str = "idem_outbox_nats_unreachable";
+
+/// Purge runs that failed.
+pub const PURGE_FAILURES: &str = "idem_purge_failures_total";
+/// When a purge run last succeeded.
+pub const PURGE_LAST_SUCCESS: &str = "idem_purge_last_success_timestamp_seconds";
+/// Claims generations due to be dropped.
+pub const EXPIRY_DUE: &str = "idem_expiry_due_generations";
+/// How long past its expiry the oldest due generation is.
+pub const EXPIRY_OVERDUE: &str = "idem_expiry_overdue_seconds";
+/// How long the rotation in transition has lasted.
+pub const TRANSITION_SECONDS: &str = "idem_expiry_transition_seconds";
+/// Transactions the rotation in transition waits for.
+pub const TRANSITION_BLOCKERS: &str = "idem_expiry_transition_blocking_transactions";
 
 /// The label every per-route metric carries: the durable consumer's name
 /// (a request route's subject).
@@ -271,6 +292,36 @@ pub fn describe() {
     describe_gauge!(
         OUTBOX_NATS_UNREACHABLE,
         "1 while a relay of this process backs off because nothing went out and JetStream does not answer; 0 otherwise."
+    );
+    describe_counter!(
+        PURGE_FAILURES,
+        Unit::Count,
+        "Runs of the router's claims purge that failed; the next run resumes where it stopped."
+    );
+    describe_gauge!(
+        PURGE_LAST_SUCCESS,
+        Unit::Seconds,
+        "Unix time of the last claims purge run that succeeded, in any process."
+    );
+    describe_gauge!(
+        EXPIRY_DUE,
+        Unit::Count,
+        "Claims generations past the retention and not yet dropped."
+    );
+    describe_gauge!(
+        EXPIRY_OVERDUE,
+        Unit::Seconds,
+        "How long past its expiry the oldest claims generation not yet dropped is (0 when none)."
+    );
+    describe_gauge!(
+        TRANSITION_SECONDS,
+        Unit::Seconds,
+        "How long the claims rotation in transition has lasted (0 when none); claims go into two generations meanwhile."
+    );
+    describe_gauge!(
+        TRANSITION_BLOCKERS,
+        Unit::Count,
+        "Transactions the claims rotation in transition still waits for."
     );
 }
 
@@ -478,6 +529,25 @@ pub(crate) fn outbox_nats_unreachable(away: bool) {
     metrics::gauge!(OUTBOX_NATS_UNREACHABLE).set(if away { 1.0 } else { 0.0 });
 }
 
+/// A purge run failed.
+pub(crate) fn purge_failed() {
+    metrics::counter!(PURGE_FAILURES).increment(1);
+}
+
+/// Where expiry stands, into its gauges.
+pub(crate) fn expiry(status: &crate::status::ExpiryStatus) {
+    if let Some(at) = status.last_success {
+        metrics::gauge!(PURGE_LAST_SUCCESS).set((at.unix_timestamp_nanos() as f64) / 1e9);
+    }
+    metrics::gauge!(EXPIRY_DUE).set(status.due as f64);
+    metrics::gauge!(EXPIRY_OVERDUE).set(status.overdue.as_secs_f64());
+    let (waited, blocking) = status.transition.as_ref().map_or((0.0, 0.0), |t| {
+        (t.waited.as_secs_f64(), t.waiting_for as f64)
+    });
+    metrics::gauge!(TRANSITION_SECONDS).set(waited);
+    metrics::gauge!(TRANSITION_BLOCKERS).set(blocking);
+}
+
 /// Reads each route's consumer info and the outbox's lag every
 /// [`POLL_INTERVAL`] until shutdown, into the gauges. A read that fails
 /// leaves its gauges as they were (and is logged at debug): the next poll
@@ -681,6 +751,58 @@ mod tests {
     }
 
     #[test]
+    fn the_expiry_figures_set_their_gauges() {
+        let recorder = Recording::default();
+        let at = time::OffsetDateTime::from_unix_timestamp(1_764_500_000).unwrap();
+        let status = crate::status::ExpiryStatus {
+            retention: Some(Duration::from_secs(10)),
+            current_generation: 7,
+            generations: 3,
+            due: 2,
+            oldest_due_sealed: Some(Duration::from_secs(30)),
+            overdue: Duration::from_secs(20),
+            transition: Some(crate::expiry::Transition {
+                generation: 7,
+                waited: Duration::from_millis(4500),
+                waiting_for: 3,
+                blockers: Vec::new(),
+            }),
+            last_success: Some(at),
+            last_success_age: Some(Duration::from_secs(40)),
+            failures: 4,
+            last_error: Some("lock timeout".into()),
+            last_failure_age: Some(Duration::from_secs(1)),
+        };
+        metrics::with_local_recorder(&recorder, || {
+            expiry(&status);
+            purge_failed();
+            purge_failed();
+        });
+        assert_eq!(recorder.gauge("idem_expiry_due_generations{}"), 2.0);
+        assert_eq!(recorder.gauge("idem_expiry_overdue_seconds{}"), 20.0);
+        assert_eq!(recorder.gauge("idem_expiry_transition_seconds{}"), 4.5);
+        assert_eq!(
+            recorder.gauge("idem_expiry_transition_blocking_transactions{}"),
+            3.0
+        );
+        assert_eq!(
+            recorder.gauge("idem_purge_last_success_timestamp_seconds{}"),
+            1_764_500_000.0
+        );
+        assert_eq!(recorder.counter("idem_purge_failures_total{}"), 2);
+        let ended = crate::status::ExpiryStatus {
+            transition: None,
+            ..status
+        };
+        metrics::with_local_recorder(&recorder, || expiry(&ended));
+        assert_eq!(recorder.gauge("idem_expiry_transition_seconds{}"), 0.0);
+        assert_eq!(
+            recorder.gauge("idem_expiry_transition_blocking_transactions{}"),
+            0.0
+        );
+    }
+
+    #[test]
     fn names_follow_prometheus_conventions() {
         let counters = [
             RECEIVED,
@@ -697,6 +819,7 @@ mod tests {
             ABANDONED_TRANSACTIONS,
             OUTBOX_PUBLISHED,
             OUTBOX_PUBLISH_FAILURES,
+            PURGE_FAILURES,
         ];
         for name in counters {
             assert!(
@@ -704,7 +827,14 @@ mod tests {
                 "{name}"
             );
         }
-        for name in [HANDLER_DURATION, END_TO_END_DURATION, OUTBOX_OLDEST_AGE] {
+        for name in [
+            HANDLER_DURATION,
+            END_TO_END_DURATION,
+            OUTBOX_OLDEST_AGE,
+            PURGE_LAST_SUCCESS,
+            EXPIRY_OVERDUE,
+            TRANSITION_SECONDS,
+        ] {
             assert!(name.ends_with("_seconds"), "{name}");
         }
         for (_, buckets) in HISTOGRAM_BUCKETS {

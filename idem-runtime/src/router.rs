@@ -425,6 +425,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                 tokio::spawn(crate::expiry::run_in_background(
                     pool.clone(),
                     crate::expiry::purge_interval(retention),
+                    self.signal.clone(),
                 ))
             });
 
@@ -535,12 +536,10 @@ impl<S: Send + Sync + 'static> Router<S> {
                 true
             }
         };
-        if let Some(purging) = purging {
-            // Its own session: cut short, it leaves no pooled connection
-            // halfway through a statement (a detach left pending is finished
-            // by the next purge).
-            purging.abort();
-        }
+        // The purge stops by itself after the run it is in (it checks the
+        // signal between runs); it is waited for last, within the grace
+        // period counted from here.
+        let shutdown_began = tokio::time::Instant::now();
         tracing::info!("shutting down: no new messages; waiting for in-flight ones");
         let mut abandoned = 0;
         while let Some(finished) = running.join_next().await {
@@ -571,6 +570,21 @@ impl<S: Send + Sync + 'static> Router<S> {
                 Err(_) => tracing::warn!(
                     grace_ms = self.grace.as_millis() as u64,
                     "the outbox relay did not stop within the grace period; left to finish its cycle, its rows stay pending for the next relay"
+                ),
+            }
+        }
+        if let Some(purging) = purging {
+            // Not cut short: a run cut short leaves its step for the next
+            // run to resume, and this one may be about to finish it. Past
+            // the grace period it is left to finish on its own (or to end
+            // with the process); every step of it can be resumed.
+            let left = self.grace.saturating_sub(shutdown_began.elapsed());
+            match tokio::time::timeout(left, purging).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::error!(%error, "the claims purge task failed"),
+                Err(_) => tracing::warn!(
+                    grace_ms = self.grace.as_millis() as u64,
+                    "the claims purge did not finish its run within the grace period; left to finish it, and the next purge resumes whatever step it has not"
                 ),
             }
         }

@@ -52,6 +52,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "outbox retries",
         include_str!("../migrations/0005_outbox_retries.sql"),
     ),
+    (
+        6,
+        "expiry state",
+        include_str!("../migrations/0006_expiry_state.sql"),
+    ),
 ];
 
 fn migrator() -> Migrator {

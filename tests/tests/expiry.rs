@@ -7,100 +7,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::claims::*;
 use common::*;
 use idem_runtime::__private::CLAIM_SQL;
-use idem_runtime::expiry::{self, PurgeReport};
-use idem_runtime::{Delivery, Route, Router, Unbounded, idempotent};
+use idem_runtime::expiry;
+use idem_runtime::{Delivery, Route, Router, idempotent};
 use sqlx::{Connection, PgConnection, PgPool};
-
-/// Registers handler `name` with `retention` by hand (a router does it at
-/// start-up), returning its id.
-async fn register(pool: &PgPool, name: &str, retention: Duration) -> i32 {
-    sqlx::query_scalar(
-        "INSERT INTO idem_handlers (name, retention)
-         VALUES ($1, $2::bigint * interval '1 millisecond') RETURNING id",
-    )
-    .bind(name)
-    .bind(retention.as_millis() as i64)
-    .fetch_one(pool)
-    .await
-    .unwrap()
-}
-
-/// The current generation and whether it is in transition.
-async fn state(pool: &PgPool) -> (i32, bool) {
-    sqlx::query_as("SELECT current_gen, transition FROM idem_dedup_state")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-/// Runs the purge until `done` says its report is the one awaited.
-async fn purge_until(
-    pool: &PgPool,
-    what: &str,
-    mut done: impl FnMut(&PurgeReport) -> bool,
-) -> PurgeReport {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let report = expiry::purge(pool).await.unwrap();
-        if done(&report) {
-            return report;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// The runtime's claim of `key` for handler `handler`, as one statement
-/// with its parameters written in.
-fn claim_sql(handler: i32, key: &str) -> sqlx::AssertSqlSafe<String> {
-    assert!(key.chars().all(|c| c.is_ascii_hexdigit() || c == '-'));
-    let sql = CLAIM_SQL
-        .replace("$1", &handler.to_string())
-        .replace("$2", &format!("'{key}'::uuid"))
-        .replace("$3", "NULL::bigint");
-    sqlx::AssertSqlSafe(sql)
-}
-
-/// A connection with a claim of `key` in an open transaction.
-async fn claim_held(env: &idem_tests::TestEnv, handler: i32, key: &str) -> PgConnection {
-    let mut conn = PgConnection::connect(env.database_url()).await.unwrap();
-    sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
-    sqlx::raw_sql(claim_sql(handler, key))
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    conn
-}
-
-/// Claims `key` in a transaction of its own and commits: `Ok(true)` if it
-/// was fresh, `Ok(false)` if it was claimed before.
-async fn claim_once(pool: &PgPool, handler: i32, key: &str) -> bool {
-    let mut tx = pool.begin().await.unwrap();
-    let claimed = sqlx::raw_sql(claim_sql(handler, key))
-        .execute(&mut *tx)
-        .await;
-    match claimed {
-        Ok(_) => {
-            tx.commit().await.unwrap();
-            true
-        }
-        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("23505") => false,
-        Err(other) => panic!("the claim failed: {other}"),
-    }
-}
-
-/// Whether backend `pid` is waiting for a lock.
-async fn waiting_on_a_lock(pool: &PgPool, pid: i32) -> bool {
-    sqlx::query_scalar("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1")
-        .bind(pid)
-        .fetch_optional(pool)
-        .await
-        .unwrap()
-        .flatten()
-        .unwrap_or(false)
-}
 
 const KEY: &str = "8707f5fa-2bfe-0af8-7913-c57c557603d3";
 
@@ -117,7 +29,7 @@ async fn a_claim_in_progress_across_a_rotation_still_conflicts() {
     prepare_database(&pool).await;
     let handler = register(&pool, "across", Duration::from_secs(2)).await;
 
-    let mut first = claim_held(&env, handler, KEY).await;
+    let mut first = claim_held(env.database_url(), handler, KEY).await;
     let first_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut first)
         .await
@@ -182,7 +94,7 @@ async fn a_claim_rolled_back_across_a_rotation_lets_the_waiting_one_proceed() {
     prepare_database(&pool).await;
     let handler = register(&pool, "across-rollback", Duration::from_secs(2)).await;
 
-    let mut first = claim_held(&env, handler, KEY).await;
+    let mut first = claim_held(env.database_url(), handler, KEY).await;
     purge_until(&pool, "the table rotates", |r| r.rotated_to.is_some()).await;
     let second = tokio::spawn({
         let pool = pool.clone();
@@ -223,11 +135,7 @@ async fn claims_conflict_across_generations_until_they_expire() {
     let pool = env.pool().await;
     prepare_database(&pool).await;
     let expiring = register(&pool, "expiring", Duration::from_secs(2)).await;
-    let forever: i32 =
-        sqlx::query_scalar("INSERT INTO idem_handlers (name) VALUES ('forever') RETURNING id")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let forever = register_forever(&pool, "forever").await;
     const OTHER: &str = "00000000-0000-0000-0000-000000000001";
     assert!(claim_once(&pool, expiring, KEY).await);
     assert!(claim_once(&pool, forever, OTHER).await);
@@ -437,21 +345,6 @@ async fn two_purgers_at_once_do_no_work_twice() {
         attached, known,
         "every attached partition is a known generation, plus the kept one"
     );
-}
-
-/// A route whose retention floor is about 9 s with a publisher-retry
-/// horizon of up to 1 s: a 1 s handler timeout, ack_wait 1 s, max_deliver
-/// 3, NAK delays of 100 and 200 ms; the test streams keep messages forever
-/// and the tests replay none, so it accepts that term.
-fn short_retention_route(stream: &str, horizon: Duration, retention: Duration) -> Route {
-    Route::new(stream, "c")
-        .ack_wait(Duration::from_secs(1))
-        .handler_timeout(Duration::from_secs(1))
-        .max_deliver(3)
-        .backoff(Duration::from_millis(100), Duration::from_millis(200))
-        .publisher_retry_horizon(horizon)
-        .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
-        .retention(retention)
 }
 
 #[idempotent(name = "flowing")]

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod claims;
 pub mod pg_proxy;
 
 use std::sync::atomic::{AtomicU64, Ordering};
