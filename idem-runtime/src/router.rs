@@ -347,8 +347,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             );
         }
         schema::verify(&pool).await?;
-        let check_client_connection =
-            crate::transaction::server_checks_client_connection(&pool).await;
+        let session = crate::transaction::Session::probe(&pool).await?;
 
         let js = jetstream::new(nats.clone());
         let mut bound = Vec::with_capacity(self.routes.len());
@@ -435,7 +434,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                 nats: nats.clone(),
                 pool: pool.clone(),
                 keep_connections: share,
-                check_client_connection,
+                session,
                 shutdown: self.signal.clone(),
                 grace: self.grace,
                 #[cfg(feature = "fault-injection")]
@@ -453,7 +452,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                     nats: nats.clone(),
                     pool: pool.clone(),
                     keep_connections: share,
-                    check_client_connection,
+                    session,
                     shutdown: self.signal.clone(),
                     grace: self.grace,
                     #[cfg(feature = "fault-injection")]
@@ -687,7 +686,7 @@ struct Start {
     nats: async_nats::Client,
     pool: PgPool,
     keep_connections: usize,
-    check_client_connection: bool,
+    session: crate::transaction::Session,
     shutdown: Signal,
     grace: Duration,
     #[cfg(feature = "fault-injection")]
@@ -738,7 +737,7 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
     stats: Arc<Stats>,
     start: Start,
 ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
-    let begin = Begin::new(route.handler_timeout, start.check_client_connection);
+    let begin = Begin::new(route.handler_timeout, start.session);
     let metrics = crate::metrics::RouteMetrics::new(&route.durable);
     let heartbeats = Heartbeats::start(start.nats.clone(), route.heartbeat_interval());
     let pipeline = Arc::new(Pipeline {
