@@ -36,6 +36,7 @@
 //! | `idem_outbox_oldest_age_seconds` | gauge | | how long ago the oldest pending row was queued (0 when none) |
 //! | `idem_outbox_published_total` | counter | | messages a relay published and deleted (JetStream duplicates included) |
 //! | `idem_outbox_publish_failures_total` | counter | | relay publishes that failed (their rows stay pending) |
+//! | `idem_startup_retries_total` | counter | `server` | start-up attempts that failed because `postgresql` or `nats` could not be reached (the router tries again; it takes no message until then) |
 //!
 //! The consumer and outbox gauges are read by one task per router every
 //! [`POLL_INTERVAL`], not per message: one consumer-info request per route
@@ -113,12 +114,16 @@ pub const OUTBOX_OLDEST_AGE: &str = "idem_outbox_oldest_age_seconds";
 pub const OUTBOX_PUBLISHED: &str = "idem_outbox_published_total";
 /// Relay publishes that failed.
 pub const OUTBOX_PUBLISH_FAILURES: &str = "idem_outbox_publish_failures_total";
+/// Start-up attempts that failed on a server that could not be reached.
+pub const STARTUP_RETRIES: &str = "idem_startup_retries_total";
 
 /// The label every per-route metric carries: the durable consumer's name
 /// (a request route's subject).
 pub const ROUTE_LABEL: &str = "route";
 /// The label of [`DEAD_LETTERED`]: the dead letter's `Idem-Failure`.
 pub const REASON_LABEL: &str = "reason";
+/// The label of [`STARTUP_RETRIES`]: `postgresql` or `nats`.
+pub const SERVER_LABEL: &str = "server";
 
 /// How often each router reads its consumers' info and the outbox's lag.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
@@ -248,6 +253,11 @@ pub fn describe() {
         OUTBOX_PUBLISH_FAILURES,
         Unit::Count,
         "Relay publishes that failed; their rows stay pending."
+    );
+    describe_counter!(
+        STARTUP_RETRIES,
+        Unit::Count,
+        "Router start-up attempts that failed because a server (label server: postgresql or nats) could not be reached; the router tries again and takes no message until then."
     );
 }
 
@@ -428,6 +438,11 @@ impl Drop for InFlight {
     }
 }
 
+/// A start-up attempt that failed on a server that could not be reached.
+pub(crate) fn start_up_retry(server: crate::router::Unreachable) {
+    metrics::counter!(STARTUP_RETRIES, SERVER_LABEL => server.label()).increment(1);
+}
+
 /// What one relay cycle did, counted.
 pub(crate) fn outbox_cycle(published: usize, failed: usize) {
     metrics::counter!(OUTBOX_PUBLISHED).increment(published as u64);
@@ -446,7 +461,8 @@ pub(crate) fn outbox_lag(lag: &crate::outbox::Lag) {
 /// [`POLL_INTERVAL`] until shutdown, into the gauges. A read that fails
 /// leaves its gauges as they were (and is logged at debug): the next poll
 /// tries again. Shutdown is checked between polls only, so that a query is
-/// never cut off halfway.
+/// not cut off halfway; a router whose run future is dropped aborts the
+/// task (the pool checks a connection it gets back that way).
 pub(crate) async fn poll(
     consumers: Vec<(String, PullConsumer)>,
     pool: PgPool,
@@ -661,6 +677,7 @@ mod tests {
             ABANDONED_TRANSACTIONS,
             OUTBOX_PUBLISHED,
             OUTBOX_PUBLISH_FAILURES,
+            STARTUP_RETRIES,
         ];
         for name in counters {
             assert!(
