@@ -300,8 +300,18 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     let oldest = handlers[0]["oldest_claim_age_seconds"].as_f64().unwrap();
     assert!((0.0..600.0).contains(&oldest), "oldest claim age {oldest}");
     assert_eq!(status["outbox"]["pending"], 0);
+    let durability = &status["database_durability"];
+    assert_eq!(durability["synchronous_commit"], "on", "{status:#}");
+    assert_eq!(durability["idem_commits_with"], "on", "{status:#}");
+    assert_eq!(durability["warnings"], serde_json::json!([]), "{status:#}");
     let text = idem(&env, &["status"]).await;
     assert!(text.text().contains(&format!("{stream}/{DURABLE}")));
+    assert!(
+        text.text().contains(
+            "database durability: synchronous_commit on (idem commits with on), no standby"
+        ),
+        "{text:#?}"
+    );
 
     // `idem dead-letters list`: the three, with their reasons.
     let listed = idem(

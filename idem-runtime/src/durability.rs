@@ -136,6 +136,15 @@ pub(crate) struct Settings {
 /// commits idem acks after (see the module docs), and returns the level
 /// idem's transactions commit with.
 pub(crate) async fn check(pool: &PgPool) -> Result<Level, sqlx::Error> {
+    let settings = read(pool).await?;
+    for warning in warnings(&settings) {
+        tracing::warn!("{warning}");
+    }
+    Ok(settings.commit_level())
+}
+
+/// The server's durability settings, as the pool's sessions see them.
+pub(crate) async fn read(pool: &PgPool) -> Result<Settings, sqlx::Error> {
     let (synchronous_commit, standby_names): (String, String) = sqlx::query_as(
         "SELECT current_setting('synchronous_commit'), current_setting('synchronous_standby_names')",
     )
@@ -151,20 +160,23 @@ pub(crate) async fn check(pool: &PgPool) -> Result<Level, sqlx::Error> {
     )
     .fetch_all(pool)
     .await?;
-    let settings = Settings {
+    Ok(Settings {
         synchronous_commit,
         standby_names,
         standbys: standbys
             .into_iter()
             .map(|(name, state)| (name.unwrap_or_default(), state))
             .collect(),
-    };
-    for warning in warnings(&settings) {
-        tracing::warn!("{warning}");
+    })
+}
+
+impl Settings {
+    /// The level idem's transactions commit with under these settings.
+    pub(crate) fn commit_level(&self) -> Level {
+        Level::parse(&self.synchronous_commit)
+            .unwrap_or(Level::Off)
+            .for_idem()
     }
-    Ok(Level::parse(&settings.synchronous_commit)
-        .unwrap_or(Level::Off)
-        .for_idem())
 }
 
 /// What can still lose commits idem acks after, or stop them, one sentence

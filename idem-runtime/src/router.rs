@@ -312,7 +312,80 @@ impl<S: Send + Sync + 'static> Router<S> {
         pool: PgPool,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), Error> {
-        self.validate(&pool)?;
+        let mut durables = std::collections::HashSet::new();
+        let mut handlers = HashMap::new();
+        for bound in &self.routes {
+            let route = bound.route();
+            route.validate()?;
+            if !durables.insert((route.stream.clone(), route.durable.clone())) {
+                return Err(Error::DuplicateRoute(route.durable.clone()));
+            }
+            let name = bound.handler_name();
+            if name.is_empty() || name.contains(|c: char| c.is_control()) {
+                return Err(Error::Config {
+                    route: route.durable.clone(),
+                    reason: format!(
+                        "the handler name {name:?} is empty or holds a control character; it is stored with every claim and sent in dead-letter headers"
+                    ),
+                });
+            }
+            // The partitions of one consumer share its handler, and with it
+            // its dedup rows, as one consumer would.
+            let partition_of = |durable: &str| {
+                self.routes
+                    .iter()
+                    .find(|b| b.route().durable == durable)
+                    .and_then(|b| b.route().partition_of.clone())
+            };
+            if let Some(other) = handlers.insert(name, route.durable.clone())
+                && (route.partition_of.is_none() || partition_of(&other) != route.partition_of)
+            {
+                return Err(Error::Config {
+                    route: route.durable.clone(),
+                    reason: format!(
+                        "the handler name `{name}` is also used by route `{other}`: two handlers with one name share dedup rows, so a message processed by one would be skipped by the other; give each a name of its own (`#[idempotent(name = ...)]`)"
+                    ),
+                });
+            }
+        }
+        for reply in &self.replies {
+            reply.route().validate()?;
+            let subject = &reply.route().subject;
+            let name = reply.handler_name();
+            if name.is_empty() || name.contains(|c: char| c.is_control()) {
+                return Err(Error::Config {
+                    route: subject.clone(),
+                    reason: format!(
+                        "the handler name {name:?} is empty or holds a control character; it is stored with every claim"
+                    ),
+                });
+            }
+            if let Some(other) = handlers.insert(name, subject.clone()) {
+                return Err(Error::Config {
+                    route: subject.clone(),
+                    reason: format!(
+                        "the handler name `{name}` is also used by route `{other}`: two handlers with one name share dedup rows; give each a name of its own (`#[idempotent(name = ...)]`)"
+                    ),
+                });
+            }
+        }
+        let in_flight: usize = self
+            .routes
+            .iter()
+            .map(|bound| bound.route().concurrency)
+            .chain(self.replies.iter().map(|reply| reply.route().concurrency))
+            .sum();
+        // A relay holds its LISTEN connection and takes one per cycle.
+        let relay_connections = if self.relay.is_some() { 2 } else { 0 };
+        let pool_size = pool.options().get_max_connections() as usize;
+        if pool_size < in_flight + relay_connections {
+            tracing::warn!(
+                pool_size,
+                in_flight,
+                relay_connections,
+                "the pool has fewer connections than the routes' messages (or batches) in flight plus the outbox relay's; messages wait for connections, and a wait past the pool's acquire timeout holds them as if the database were away"
+            );
+        }
         let js = jetstream::new(nats.clone());
         crate::metrics::describe();
         let mut shutdown = std::pin::pin!(shutdown);
@@ -500,86 +573,6 @@ struct SetUp {
 }
 
 impl<S: Send + Sync + 'static> Router<S> {
-    /// The checks that need no server: each route's settings, and names that
-    /// two routes must not share. Warns about a pool too small for them.
-    fn validate(&self, pool: &PgPool) -> Result<(), Error> {
-        let mut durables = std::collections::HashSet::new();
-        let mut handlers = HashMap::new();
-        for bound in &self.routes {
-            let route = bound.route();
-            route.validate()?;
-            if !durables.insert((route.stream.clone(), route.durable.clone())) {
-                return Err(Error::DuplicateRoute(route.durable.clone()));
-            }
-            let name = bound.handler_name();
-            if name.is_empty() || name.contains(|c: char| c.is_control()) {
-                return Err(Error::Config {
-                    route: route.durable.clone(),
-                    reason: format!(
-                        "the handler name {name:?} is empty or holds a control character; it is stored with every claim and sent in dead-letter headers"
-                    ),
-                });
-            }
-            // The partitions of one consumer share its handler, and with it
-            // its dedup rows, as one consumer would.
-            let partition_of = |durable: &str| {
-                self.routes
-                    .iter()
-                    .find(|b| b.route().durable == durable)
-                    .and_then(|b| b.route().partition_of.clone())
-            };
-            if let Some(other) = handlers.insert(name, route.durable.clone())
-                && (route.partition_of.is_none() || partition_of(&other) != route.partition_of)
-            {
-                return Err(Error::Config {
-                    route: route.durable.clone(),
-                    reason: format!(
-                        "the handler name `{name}` is also used by route `{other}`: two handlers with one name share dedup rows, so a message processed by one would be skipped by the other; give each a name of its own (`#[idempotent(name = ...)]`)"
-                    ),
-                });
-            }
-        }
-        for reply in &self.replies {
-            reply.route().validate()?;
-            let subject = &reply.route().subject;
-            let name = reply.handler_name();
-            if name.is_empty() || name.contains(|c: char| c.is_control()) {
-                return Err(Error::Config {
-                    route: subject.clone(),
-                    reason: format!(
-                        "the handler name {name:?} is empty or holds a control character; it is stored with every claim"
-                    ),
-                });
-            }
-            if let Some(other) = handlers.insert(name, subject.clone()) {
-                return Err(Error::Config {
-                    route: subject.clone(),
-                    reason: format!(
-                        "the handler name `{name}` is also used by route `{other}`: two handlers with one name share dedup rows; give each a name of its own (`#[idempotent(name = ...)]`)"
-                    ),
-                });
-            }
-        }
-        let in_flight: usize = self
-            .routes
-            .iter()
-            .map(|bound| bound.route().concurrency)
-            .chain(self.replies.iter().map(|reply| reply.route().concurrency))
-            .sum();
-        // A relay holds its LISTEN connection and takes one per cycle.
-        let relay_connections = if self.relay.is_some() { 2 } else { 0 };
-        let pool_size = pool.options().get_max_connections() as usize;
-        if pool_size < in_flight + relay_connections {
-            tracing::warn!(
-                pool_size,
-                in_flight,
-                relay_connections,
-                "the pool has fewer connections than the routes' messages (or batches) in flight plus the outbox relay's; messages wait for connections, and a wait past the pool's acquire timeout holds them as if the database were away"
-            );
-        }
-        Ok(())
-    }
-
     /// Sets up what the routes need on the servers ([`Router::set_up`]),
     /// trying again while a server cannot be reached, with a growing pause
     /// and a warning naming it, until it works or the router is shut down

@@ -456,11 +456,15 @@ async fn blackhole_relay(
             let length = client_read.read_u32().await?;
             let mut body = vec![0; length as usize - 4];
             client_read.read_exact(&mut body).await?;
+            // A statement that is COMMIT (not one that only names
+            // `synchronous_commit`).
             let is_commit = kind == b'Q'
                 && body
-                    .to_ascii_uppercase()
-                    .windows(6)
-                    .any(|window| window == b"COMMIT");
+                    .split(|&byte| byte == b';' || byte == 0)
+                    .any(|statement| {
+                        let statement = statement.trim_ascii().to_ascii_uppercase();
+                        statement == b"COMMIT" || statement.starts_with(b"COMMIT ")
+                    });
             if is_commit && armed.swap(false, Ordering::SeqCst) {
                 up_frozen.store(true, Ordering::SeqCst);
                 swallowed.fetch_add(1, Ordering::SeqCst);

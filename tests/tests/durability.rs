@@ -23,6 +23,7 @@ use bytes::Bytes;
 use common::*;
 use idem_runtime::{Delivery, ReplyRoute, Route, Router, Transient, idempotent};
 use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
 
 /// The settings of a server that loses recent commits in a crash.
 const UNSAFE_SERVER: &[&str] = &["synchronous_commit=off", "wal_writer_delay=10s"];
@@ -571,4 +572,132 @@ async fn start_up_warns_about_what_can_lose_acked_commits() {
     .await;
     handle.shutdown();
     let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
+
+    // What `idem status` shows: the same, as a standing condition.
+    let status = idem_runtime::status::durability(&pool).await.unwrap();
+    assert_eq!(
+        (
+            status.synchronous_commit.as_str(),
+            status.idem_commits_with.as_str()
+        ),
+        ("off", "on")
+    );
+    assert_eq!(
+        status.standbys,
+        [("replica_a".to_owned(), Some("async".to_owned()))]
+    );
+    for expected in ["is off", "asynchronously to standby replica_a", "'nobody'"] {
+        assert!(
+            status
+                .warnings
+                .iter()
+                .any(|warning| warning.contains(expected)),
+            "{expected}: {:#?}",
+            status.warnings
+        );
+    }
+}
+
+/// A measurement, not a check: what committing with `synchronous_commit` at
+/// least `on` costs. Each transaction has idem's shape (BEGIN with its
+/// settings in one message, one INSERT, the check and COMMIT in one
+/// message), with the two transaction-local `set_config`s of
+/// `idem-runtime/src/durability.rs` or without, the two kinds alternating
+/// transaction by transaction, at 1 and 8 connections, on a server with the default
+/// `synchronous_commit` and on one with `off`. Put the servers on disk, or
+/// a flush costs nothing:
+///
+/// ```text
+/// IDEM_TEST_TMPDIR=/var/tmp cargo test -p idem-tests --test durability -- \
+///     --ignored --nocapture cost_of_durable_commits
+/// ```
+///
+/// (`IDEM_DURABILITY_TRANSACTIONS`, default 4,000 per kind and run.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement; run by hand"]
+async fn cost_of_durable_commits() {
+    let transactions: usize = std::env::var("IDEM_DURABILITY_TRANSACTIONS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(4_000);
+    for (server, settings) in [
+        ("default (on)", &[][..]),
+        ("off", &["synchronous_commit=off"][..]),
+    ] {
+        let pg = idem_tests::Postgres::start_with(settings).await;
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .connect(pg.url())
+            .await
+            .unwrap();
+        sqlx::raw_sql("CREATE TABLE t (id bigserial PRIMARY KEY, v text NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        for connections in [1usize, 8] {
+            let mut elapsed = [Duration::ZERO; 2];
+            let per_task = transactions / connections;
+            let tasks: Vec<_> = (0..connections)
+                .map(|_| {
+                    let url = pg.url().to_owned();
+                    tokio::spawn(async move {
+                        let mut connection = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+                            .await
+                            .unwrap();
+                        sqlx::raw_sql(
+                            "PREPARE d(text) AS SELECT set_config('synchronous_commit', \
+                             CASE WHEN current_setting('synchronous_commit') = 'remote_apply' \
+                             THEN 'remote_apply' ELSE $1 END, true); \
+                             PREPARE c(text) AS SELECT 1, set_config('synchronous_commit', \
+                             CASE WHEN current_setting('synchronous_commit') = 'remote_apply' \
+                             THEN 'remote_apply' ELSE $1 END, true); \
+                             PREPARE c0 AS SELECT 1; \
+                             PREPARE b(text, text) AS SELECT set_config('statement_timeout', $1, true), \
+                             set_config('idle_in_transaction_session_timeout', $2, true)",
+                        )
+                        .execute(&mut connection)
+                        .await
+                        .unwrap();
+                        let mut spent = [Duration::ZERO; 2];
+                        for i in 0..per_task {
+                            let durable = i % 2;
+                            let (begin, commit) = if durable == 1 {
+                                (
+                                    "BEGIN; EXECUTE b('30000', '31000'); EXECUTE d('on')",
+                                    "EXECUTE c('on'); COMMIT",
+                                )
+                            } else {
+                                ("BEGIN; EXECUTE b('30000', '31000')", "EXECUTE c0; COMMIT")
+                            };
+                            let started = std::time::Instant::now();
+                            sqlx::raw_sql(begin).execute(&mut connection).await.unwrap();
+                            sqlx::query("INSERT INTO t (v) VALUES ($1)")
+                                .bind("effect")
+                                .execute(&mut connection)
+                                .await
+                                .unwrap();
+                            sqlx::raw_sql(commit).execute(&mut connection).await.unwrap();
+                            spent[durable] += started.elapsed();
+                        }
+                        spent
+                    })
+                })
+                .collect();
+            for task in tasks {
+                let spent = task.await.unwrap();
+                elapsed[0] += spent[0];
+                elapsed[1] += spent[1];
+            }
+            // Per transaction, as one connection sees it.
+            let per = |spent: Duration| {
+                spent.as_secs_f64() * 1e6 / (per_task as f64 / 2.0 * connections as f64)
+            };
+            eprintln!(
+                "server {server}, {connections} connection(s): without {:.0} µs, with {:.0} µs per transaction: {:.2}x",
+                per(elapsed[0]),
+                per(elapsed[1]),
+                elapsed[1].as_secs_f64() / elapsed[0].as_secs_f64()
+            );
+        }
+    }
 }

@@ -69,7 +69,7 @@ async fn wait_for_warning(
 /// PostgreSQL is down when the router starts (the application made its pool
 /// with `connect_lazy`): the router warns that PostgreSQL is unreachable and
 /// keeps trying; once the server is up it processes the waiting message,
-/// once.
+/// once. A second router shut down while it waits returns `Ok`.
 #[tokio::test]
 #[cfg_attr(
     idem_external_servers,
@@ -102,6 +102,21 @@ async fn a_router_started_while_postgres_is_down_waits_for_it_and_processes_once
     );
     // It keeps waiting: a second attempt fails the same way.
     wait_for_warning(&logs, &["WARN", "PostgreSQL", "start-up"], 2, &mut task).await;
+    // A router shut down while it waits returns Ok, once its attempt ends
+    // (the pool's 2 s acquire timeout).
+    let (waiting, mut waiting_task) = spawn(
+        Router::new().route(Route::new(&stream, "other"), deposit),
+        env.nats().await,
+        lazy.clone(),
+    );
+    wait_for_warning(
+        &logs,
+        &["WARN", "PostgreSQL", "start-up"],
+        3,
+        &mut waiting_task,
+    )
+    .await;
+    stop(waiting, waiting_task).await;
 
     env.postgres_mut().start_again().await;
     wait_all_acked(&js, &stream, "c").await;
