@@ -132,13 +132,15 @@ pub(crate) struct Settings {
     pub(crate) standbys: Vec<(String, Option<String>)>,
 }
 
-/// Reads the server's durability settings, warns about what can lose
-/// commits idem acks after (see the module docs), and returns the level
-/// idem's transactions commit with.
-pub(crate) async fn check(pool: &PgPool) -> Result<Level, sqlx::Error> {
+/// Reads the server's durability settings, warns (if `warn`) about what
+/// can lose commits idem acks after (see the module docs), and returns the
+/// level idem's transactions commit with.
+pub(crate) async fn check(pool: &PgPool, warn: bool) -> Result<Level, sqlx::Error> {
     let settings = read(pool).await?;
-    for warning in warnings(&settings) {
-        tracing::warn!("{warning}");
+    if warn {
+        for warning in warnings(&settings) {
+            tracing::warn!("{warning}");
+        }
     }
     Ok(settings.commit_level())
 }

@@ -589,8 +589,10 @@ impl<S: Send + Sync + 'static> Router<S> {
     ) -> Result<Option<SetUp>, Error> {
         let mut stopped = self.signal.clone();
         let mut pause = START_UP_FIRST_PAUSE;
+        // The durability warnings once, not at every attempt.
+        let mut warned = false;
         loop {
-            let error = match self.set_up(pool, js, nats).await {
+            let error = match self.set_up(pool, js, nats, &mut warned).await {
                 Ok(set_up) => return Ok(Some(set_up)),
                 Err(error) => error,
             };
@@ -620,15 +622,19 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// the sessions' settings, each route's dead-letter stream, advisory
     /// watcher and consumer, the handlers' registration, and the request
     /// routes' subscriptions. Every step can be repeated: a later attempt
-    /// finds what an earlier one made.
+    /// finds what an earlier one made. The sessions' durability is warned
+    /// about unless `warned` (then set), before anything is written: with
+    /// synchronous standbys that are all away, the first write waits.
     async fn set_up(
         &self,
         pool: &PgPool,
         js: &jetstream::Context,
         nats: &async_nats::Client,
+        warned: &mut bool,
     ) -> Result<SetUp, Error> {
         schema::verify(pool).await?;
-        let session = crate::transaction::Session::probe(pool).await?;
+        let session = crate::transaction::Session::probe(pool, !*warned).await?;
+        *warned = true;
         let mut consumers = Vec::with_capacity(self.routes.len());
         for route in &self.routes {
             crate::dead_letter::ensure_stream(js, route.route()).await?;

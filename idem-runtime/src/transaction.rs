@@ -147,12 +147,12 @@ pub(crate) struct Session {
 
 impl Session {
     /// Asks the server (see [`server_checks_client_connection`] and
-    /// [`durability::check`](crate::durability::check), which warns about
-    /// what can lose acked commits).
-    pub(crate) async fn probe(pool: &sqlx::PgPool) -> Result<Session, sqlx::Error> {
+    /// [`durability::check`](crate::durability::check), which warns, if
+    /// `warn`, about what can lose acked commits).
+    pub(crate) async fn probe(pool: &sqlx::PgPool, warn: bool) -> Result<Session, sqlx::Error> {
         Ok(Session {
             check_client_connection: server_checks_client_connection(pool).await?,
-            commit_level: crate::durability::check(pool).await?,
+            commit_level: crate::durability::check(pool, warn).await?,
         })
     }
 }

@@ -419,8 +419,9 @@ async fn set_synchronous_standby_names(pool: &PgPool, names: &str) {
 /// local`) with a synchronous standby: a message is acked only once the
 /// standby has its commit. With the standby stopped, the COMMIT waits (seen
 /// in `pg_stat_activity` as `SyncRep`), past three handler timeouts, and
-/// nothing is acked; once the standby is back, the message is acked, its
-/// effect applied once and on the standby too.
+/// nothing is acked, also once the watchdog has stopped waiting for it
+/// (`Stats::abandoned_transactions`); once the standby is back, the message
+/// is acked, its effect applied once and on the standby too.
 #[tokio::test]
 #[cfg_attr(
     idem_external_servers,
@@ -490,6 +491,19 @@ async fn with_a_synchronous_standby_the_ack_waits_until_the_standby_has_the_comm
         (1, 1),
         "its effect is not visible yet"
     );
+    // Past the transaction's bounds the watchdog stops waiting for it (the
+    // message settled as of unknown outcome, never acked); the redeliveries
+    // wait on its claim.
+    let stats = handle.stats("durable").unwrap();
+    eventually(
+        "the watchdog gives up waiting for the COMMIT",
+        Duration::from_secs(60),
+        || async { stats.abandoned_transactions() >= 1 },
+    )
+    .await;
+    let info = consumer_info(&js, &stream, "durable").await;
+    assert_eq!(info.ack_floor.stream_sequence, 1, "still not acked");
+    assert_eq!(effects(&pool).await, (1, 1), "still not visible");
 
     standby.start_again().await;
     wait_all_acked(&js, &stream, "durable").await;
