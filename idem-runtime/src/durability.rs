@@ -38,8 +38,9 @@
 //! locally, but might not have been replicated to the standby"), which
 //! would let the ack come before the standby's copy. The statement timeout
 //! the handler timeout sets cannot do that: PostgreSQL stops it before the
-//! commit itself runs (a COMMIT waited 3.1 s for a stopped standby under a
-//! 1 s statement timeout, and was acked only once the standby was back:
+//! commit itself runs (a COMMIT under a 1 s statement timeout waited for a
+//! stopped standby past three of them and past the watchdog, and its
+//! message was acked only once the standby was back:
 //! `with_a_synchronous_standby_the_ack_waits_until_the_standby_has_the_commit`).
 //! A `pg_cancel_backend` of a backend waiting for its standby (shown with
 //! `wait_event` `SyncRep`) can: do not cancel those. A COMMIT that waits for
@@ -55,7 +56,11 @@
 //! or `remote_write` while synchronous standbys are named (the same for
 //! replication), a standby that replicates asynchronously (a failover to it
 //! loses), and synchronous standby names that no connected standby matches
-//! (every COMMIT waits until one connects: the routes stop).
+//! (every COMMIT waits until one connects: the routes stop). The warnings
+//! come once per start-up, before anything is written (with every
+//! synchronous standby away, the first write would wait), and
+//! [`status::durability`](crate::status::durability) (`idem status`) shows
+//! them while they last.
 
 use sqlx::PgPool;
 
