@@ -22,6 +22,7 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
     let handlers = status::handlers(pool).await.map_err(database_error)?;
     let lag = outbox::lag(pool).await.map_err(database_error)?;
     let expiry = status::expiry(pool).await.map_err(database_error)?;
+    let durability = status::durability(pool).await.map_err(database_error)?;
 
     let handler = |name: Option<&str>| {
         name.and_then(|name| handlers.iter().find(|handler| handler.name == name))
@@ -75,6 +76,16 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
             })).collect::<Vec<_>>(),
         },
         "expiry": expiry_json(&expiry),
+        "database_durability": {
+            "synchronous_commit": durability.synchronous_commit,
+            "idem_commits_with": durability.idem_commits_with,
+            "synchronous_standby_names": durability.synchronous_standby_names,
+            "standbys": durability.standbys.iter().map(|(name, state)| json!({
+                "name": name,
+                "sync_state": state,
+            })).collect::<Vec<_>>(),
+            "warnings": durability.warnings,
+        },
     });
 
     let mut text = String::new();
@@ -164,6 +175,29 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
                 lag.failing - listed
             ));
         }
+    }
+    text.push_str(&format!(
+        "\ndatabase durability: synchronous_commit {} (idem commits with {}), {}",
+        durability.synchronous_commit,
+        durability.idem_commits_with,
+        if durability.standbys.is_empty() {
+            "no standby".to_owned()
+        } else {
+            let standbys: Vec<String> = durability
+                .standbys
+                .iter()
+                .map(|(name, state)| {
+                    format!(
+                        "{name} {}",
+                        state.as_deref().unwrap_or("(state unreadable)")
+                    )
+                })
+                .collect();
+            format!("standbys: {}", standbys.join(", "))
+        }
+    ));
+    for warning in &durability.warnings {
+        text.push_str(&format!("\n  warning: {warning}"));
     }
     Ok(Report::done(json, text))
 }

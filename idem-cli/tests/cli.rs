@@ -300,8 +300,18 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     let oldest = handlers[0]["oldest_claim_age_seconds"].as_f64().unwrap();
     assert!((0.0..600.0).contains(&oldest), "oldest claim age {oldest}");
     assert_eq!(status["outbox"]["pending"], 0);
+    let durability = &status["database_durability"];
+    assert_eq!(durability["synchronous_commit"], "on", "{status:#}");
+    assert_eq!(durability["idem_commits_with"], "on", "{status:#}");
+    assert_eq!(durability["warnings"], serde_json::json!([]), "{status:#}");
     let text = idem(&env, &["status"]).await;
     assert!(text.text().contains(&format!("{stream}/{DURABLE}")));
+    assert!(
+        text.text().contains(
+            "database durability: synchronous_commit on (idem commits with on), no standby"
+        ),
+        "{text:#?}"
+    );
 
     // `idem dead-letters list`: the three, with their reasons.
     let listed = idem(
@@ -803,4 +813,49 @@ async fn purge_and_status_say_what_holds_expiry_back() {
     assert_eq!(purged["expired"], serde_json::json!([1]), "{purged:#}");
     let status = idem(&env, &["status"]).await;
     assert!(status.text().contains("on time; last purge"), "{status:#?}");
+}
+
+/// A URL's password or token never reaches stderr: a connect error names
+/// the server it tried (host and port), with the credentials replaced by
+/// `***`, for NATS (user and password, or a token) and PostgreSQL alike.
+#[tokio::test]
+async fn credentials_in_urls_never_appear_in_errors() {
+    // A port nothing listens on: connections are refused at once.
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let server = format!("127.0.0.1:{closed}");
+    let secret = "s3cret-pass";
+    let database = format!("postgres://alice:{secret}@{server}/ledger");
+    for nats in [
+        format!("nats://alice:{secret}@{server}"),
+        format!("nats://{secret}@{server}"),
+        format!("nats://127.0.0.1:1,nats://bob:{secret}@{server}"),
+    ] {
+        let run = idem_with(Some(&nats), &database, &["dead-letters", "list"]).await;
+        assert_eq!(run.code, 1, "{run:#?}");
+        assert!(run.stderr.contains(&server), "names the server: {run:#?}");
+        assert!(!run.stderr.contains(secret), "no secret: {run:#?}");
+        assert!(run.stderr.contains("***"), "says it hid one: {run:#?}");
+    }
+    for database in [
+        database.clone(),
+        format!("postgres://{server}/ledger?user=alice&password={secret}"),
+    ] {
+        let run = idem_with(None, &database, &["verify"]).await;
+        assert_eq!(run.code, 1, "{run:#?}");
+        assert!(run.stderr.contains(&server), "names the server: {run:#?}");
+        assert!(!run.stderr.contains(secret), "no secret: {run:#?}");
+        assert!(run.stderr.contains("***"), "says it hid one: {run:#?}");
+    }
+    // A URL that does not parse is not echoed with its password either.
+    let run = idem_with(
+        None,
+        &format!("postgres://alice:{secret}@[::1/x"),
+        &["verify"],
+    )
+    .await;
+    assert_eq!(run.code, 2, "{run:#?}");
+    assert!(!run.stderr.contains(secret), "no secret: {run:#?}");
 }

@@ -274,7 +274,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 return Err(BatchFailure::Handler(error));
             }
         }
-        let (ended, reusable) = transaction::finish(tx).await;
+        let (ended, reusable) = transaction::finish(tx, &self.begin).await;
         if reusable {
             connection.keep();
         }

@@ -45,6 +45,7 @@ pub mod codec;
 mod connections;
 pub mod dead_letter;
 mod delivery;
+mod durability;
 mod error;
 pub mod expiry;
 mod failure;

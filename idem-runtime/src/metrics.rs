@@ -45,6 +45,7 @@
 //! | `idem_expiry_overdue_seconds` | gauge | | how long past its expiry the oldest of those is (0 when none) |
 //! | `idem_expiry_transition_seconds` | gauge | | how long the rotation in transition has lasted (0 when none) |
 //! | `idem_expiry_transition_blocking_transactions` | gauge | | transactions that rotation still waits for, as the last purge run found them |
+//! | `idem_startup_retries_total` | counter | `server` | start-up attempts that failed because `postgresql` or `nats` could not be reached (the router tries again; it takes no message until then) |
 //!
 //! The expiry gauges are read by a router's purge after each of its runs
 //! (one cheap query; every router on a database reports the same figures).
@@ -144,11 +145,16 @@ pub const TRANSITION_SECONDS: &str = "idem_expiry_transition_seconds";
 /// Transactions the rotation in transition waits for.
 pub const TRANSITION_BLOCKERS: &str = "idem_expiry_transition_blocking_transactions";
 
+/// Start-up attempts that failed on a server that could not be reached.
+pub const STARTUP_RETRIES: &str = "idem_startup_retries_total";
+
 /// The label every per-route metric carries: the durable consumer's name
 /// (a request route's subject).
 pub const ROUTE_LABEL: &str = "route";
 /// The label of [`DEAD_LETTERED`]: the dead letter's `Idem-Failure`.
 pub const REASON_LABEL: &str = "reason";
+/// The label of [`STARTUP_RETRIES`]: `postgresql` or `nats`.
+pub const SERVER_LABEL: &str = "server";
 
 /// How often each router reads its consumers' info and the outbox's lag.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
@@ -322,6 +328,11 @@ pub fn describe() {
         TRANSITION_BLOCKERS,
         Unit::Count,
         "Transactions the claims rotation in transition still waits for."
+    );
+    describe_counter!(
+        STARTUP_RETRIES,
+        Unit::Count,
+        "Router start-up attempts that failed because a server (label server: postgresql or nats) could not be reached; the router tries again and takes no message until then."
     );
 }
 
@@ -508,6 +519,11 @@ impl Drop for InFlight {
     }
 }
 
+/// A start-up attempt that failed on a server that could not be reached.
+pub(crate) fn start_up_retry(server: crate::router::Unreachable) {
+    metrics::counter!(STARTUP_RETRIES, SERVER_LABEL => server.label()).increment(1);
+}
+
 /// What one relay cycle did, counted.
 pub(crate) fn outbox_cycle(published: usize, failed: usize) {
     metrics::counter!(OUTBOX_PUBLISHED).increment(published as u64);
@@ -552,7 +568,8 @@ pub(crate) fn expiry(status: &crate::status::ExpiryStatus) {
 /// [`POLL_INTERVAL`] until shutdown, into the gauges. A read that fails
 /// leaves its gauges as they were (and is logged at debug): the next poll
 /// tries again. Shutdown is checked between polls only, so that a query is
-/// never cut off halfway.
+/// not cut off halfway; a router whose run future is dropped aborts the
+/// task (the pool checks a connection it gets back that way).
 pub(crate) async fn poll(
     consumers: Vec<(String, PullConsumer)>,
     pool: PgPool,
@@ -820,6 +837,7 @@ mod tests {
             OUTBOX_PUBLISHED,
             OUTBOX_PUBLISH_FAILURES,
             PURGE_FAILURES,
+            STARTUP_RETRIES,
         ];
         for name in counters {
             assert!(

@@ -518,7 +518,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         };
         match outcome {
             Ok(result) => {
-                let (ended, reusable) = transaction::finish(tx).await;
+                let (ended, reusable) = transaction::finish(tx, &self.begin).await;
                 if reusable {
                     connection.keep();
                 }

@@ -581,7 +581,7 @@ pub(crate) struct Serve {
     pub(crate) nats: async_nats::Client,
     pub(crate) pool: sqlx::PgPool,
     pub(crate) keep_connections: usize,
-    pub(crate) check_client_connection: bool,
+    pub(crate) session: crate::transaction::Session,
     pub(crate) shutdown: Signal,
     pub(crate) grace: Duration,
     #[cfg(feature = "fault-injection")]
@@ -625,7 +625,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> BindReply for BoundReply<H, S> {
     ) -> Pin<Box<dyn Future<Output = usize> + Send>> {
         let route = self.route.as_route();
         let pipeline = Arc::new(Pipeline {
-            begin: Begin::new(route.handler_timeout, serve.check_client_connection),
+            begin: Begin::new(route.handler_timeout, serve.session),
             route,
             handler: self.handler,
             state: self.state,

@@ -254,11 +254,36 @@ impl<S: Send + Sync + 'static> Router<S> {
     }
 
     /// Runs until Ctrl-C or SIGTERM, then shuts down gracefully.
+    ///
+    /// NATS or PostgreSQL may be down when it starts: it waits for them (see
+    /// [`Router::run_until`]), provided the client and the pool can be made
+    /// without them, with
+    /// [`async_nats::ConnectOptions::retry_on_initial_connect`] and
+    /// [`PgPoolOptions::connect_lazy`](sqlx::postgres::PgPoolOptions::connect_lazy):
+    ///
+    /// ```no_run
+    /// # use idem_runtime::{Route, Router, idempotent};
+    /// # #[derive(serde::Deserialize)] struct Credit {}
+    /// # #[idempotent] async fn credit(tx: &mut sqlx::PgTransaction<'_>, c: Credit) -> Result<(), sqlx::Error> { Ok(()) }
+    /// # async fn start() -> Result<(), Box<dyn std::error::Error>> {
+    /// let nats = async_nats::ConnectOptions::new()
+    ///     .retry_on_initial_connect() // a client at once, connected when the server is up
+    ///     .connect("nats://127.0.0.1:4222")
+    ///     .await?;
+    /// let pool = sqlx::postgres::PgPoolOptions::new()
+    ///     .max_connections(20)
+    ///     .connect_lazy("postgres://app@127.0.0.1/app")?; // connects on first use
+    /// Router::new()
+    ///     .route(Route::new("LEDGER", "credit"), credit)
+    ///     .run(nats, pool)
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn run(self, nats: async_nats::Client, pool: PgPool) -> Result<(), Error> {
-        let listener = shutdown::fire_on_os_signal(self.trigger.clone());
-        let result = self.run_until(nats, pool, std::future::pending()).await;
-        listener.abort();
-        result
+        // Aborted when `run` returns, or when its future is dropped.
+        let _listener = shutdown::Owned(shutdown::fire_on_os_signal(self.trigger.clone()));
+        self.run_until(nats, pool, std::future::pending()).await
     }
 
     /// Runs until `shutdown` resolves (or [`RouterHandle::shutdown`] is
@@ -270,6 +295,21 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// route's retention is below its [retention floor](crate::retention_floor)
     /// on its stream (a reply route's: below its client-retry horizon plus
     /// a transaction), or two reply routes' subjects overlap.
+    ///
+    /// If a server cannot be reached at start-up (no PostgreSQL, no NATS,
+    /// JetStream not answering), start-up is tried again, with a pause that
+    /// grows from 0.5 s to 30 s and a warning that names what is down, until
+    /// it succeeds or the router is shut down (then `run_until` returns
+    /// `Ok(())`). An attempt is never cut short, so a shutdown during one
+    /// waits for it to fail: up to the pool's `acquire_timeout`, or the
+    /// JetStream requests' timeout. See [`Router::run`] for a client and a
+    /// pool that can be made while their servers are down.
+    ///
+    /// Dropping the returned future stops everything the router started:
+    /// its routes' tasks, the purge and the metrics poll are aborted (their
+    /// connections closed or checked by the pool), and the relay stops after
+    /// the cycle it is in. Messages in flight are redelivered after
+    /// ack_wait, as after a crash.
     pub async fn run_until(
         self,
         nats: async_nats::Client,
@@ -377,100 +417,56 @@ impl<S: Send + Sync + 'static> Router<S> {
                 "the pool has fewer connections than the routes' messages (or batches) in flight plus the outbox relay's; messages wait for connections, and a wait past the pool's acquire timeout holds them as if the database were away"
             );
         }
-        schema::verify(&pool).await?;
-        let check_client_connection =
-            crate::transaction::server_checks_client_connection(&pool).await;
-
         let js = jetstream::new(nats.clone());
-        let mut bound = Vec::with_capacity(self.routes.len());
-        // idem's own streams follow the replicas of the routes' streams.
-        let routes: Vec<&Route> = self.routes.iter().map(|route| route.route()).collect();
-        let replicas = crate::dead_letter::Replicas::of(&js, &routes).await;
-        for route in self.routes {
-            crate::dead_letter::ensure_stream(&js, route.route(), &replicas).await?;
-            // Before the route pulls, so that nothing it gives up on from
-            // now on is missed.
-            let advisories = undeliverable::bind(&js, route.route(), &replicas).await?;
-            let (consumer, copy_spread) =
-                bind_consumer(&js, route.route(), route.handler_name()).await?;
-            bound.push((route, consumer, advisories, copy_spread));
-        }
-        // Registered only once every route is bound, which checks its
-        // retention floor: a refused route's retention is never recorded
-        // (the purge reads the handlers' retentions), and no purge is left
-        // running after a failed start-up.
-        let reply_names: Vec<String> = self
-            .replies
+        crate::metrics::describe();
+        let mut shutdown = std::pin::pin!(shutdown);
+        let Some(SetUp {
+            session,
+            consumers,
+            handler_ids,
+            requests,
+        }) = self.start_up(&pool, &js, &nats, shutdown.as_mut()).await?
+        else {
+            tracing::info!("shut down during start-up, before any message was taken");
+            return Ok(());
+        };
+        let bound: Vec<_> = self.routes.into_iter().zip(consumers).collect();
+        // Claims of routes with a retention expire: the purge runs beside
+        // the router (one at a time across all routers, see expiry.rs).
+        let purging = bound
             .iter()
-            .map(|reply| reply.route().dedup_name())
-            .collect();
-        let registered: Vec<(&str, Option<Duration>)> = bound
-            .iter()
-            .map(|(route, ..)| (route.handler_name(), route.route().retention))
+            .filter_map(|(route, _)| route.route().retention)
             .chain(
                 self.replies
                     .iter()
-                    .zip(&reply_names)
-                    .map(|(reply, name)| (name.as_str(), reply.route().retention)),
+                    .filter_map(|reply| reply.route().retention),
             )
-            .collect();
-        let handler_ids = crate::claim::register(&pool, &registered).await?;
-        // Claims of routes with a retention expire: the purge runs beside
-        // the router (one at a time across all routers, see expiry.rs).
-        let purging = registered
-            .iter()
-            .filter_map(|&(_, retention)| retention)
             .max()
             .map(|retention| {
-                tokio::spawn(crate::expiry::run_in_background(
+                shutdown::Owned(tokio::spawn(crate::expiry::run_in_background(
                     pool.clone(),
                     crate::expiry::purge_interval(retention),
                     self.signal.clone(),
-                ))
+                )))
             });
-
-        // Subscribed once every route could be set up, so that no request
-        // waits on a router that does not start.
-        let mut serving = Vec::with_capacity(self.replies.len());
-        for reply in self.replies {
-            let subject = reply.route().subject.clone();
-            let group = reply.route().group().to_owned();
-            // Not when a JetStream route of this router registered the name
-            // itself.
-            if !handlers.contains_key(reply.handler_name()) {
-                crate::reply::warn_of_claims_under_handler_name(
-                    &pool,
-                    reply.route(),
-                    reply.handler_name(),
-                )
-                .await;
-            }
-            let requests = nats
-                .queue_subscribe(subject.clone(), group.clone())
-                .await
-                .map_err(|source| Error::Subscribe {
-                    subject: subject.clone(),
-                    source: source.into(),
-                })?;
-            serving.push((reply, requests, subject, group));
-        }
+        let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
         // Each route may keep at most its share of the pool's connections
         // between messages (see connections.rs).
         let routes = bound.len() + serving.len();
         let share = (pool.options().get_max_connections() as usize / routes.max(1)).max(1);
         // The consumers' and the outbox's gauges, polled beside the routes;
         // the task ends by itself at shutdown.
-        crate::metrics::describe();
         let polled = bound
             .iter()
-            .map(|(route, consumer, ..)| (route.route().durable.clone(), consumer.clone()));
-        tokio::spawn(crate::metrics::poll(
+            .map(|(route, (consumer, ..))| (route.route().durable.clone(), consumer.clone()));
+        let _polling = shutdown::Owned(tokio::spawn(crate::metrics::poll(
             polled.collect(),
             pool.clone(),
             self.signal.clone(),
-        ));
+        )));
+        // Dropped with this future, the set aborts every route's task.
         let mut running = JoinSet::new();
-        for (route, consumer, advisories, copy_spread) in bound {
+        for (route, (consumer, advisories, copy_spread)) in bound {
             tracing::info!(
                 route = route.route().durable,
                 stream = route.route().stream,
@@ -486,7 +482,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                 nats: nats.clone(),
                 pool: pool.clone(),
                 keep_connections: share,
-                check_client_connection,
+                session,
                 shutdown: self.signal.clone(),
                 grace: self.grace,
                 #[cfg(feature = "fault-injection")]
@@ -494,7 +490,8 @@ impl<S: Send + Sync + 'static> Router<S> {
             }));
         }
 
-        for (reply, requests, subject, group) in serving {
+        for (reply, (requests, group)) in serving {
+            let subject = reply.route().subject.clone();
             tracing::info!(subject, queue_group = group, "request route started");
             let handler_id = handler_ids[&reply.route().dedup_name()];
             running.spawn(reply.start(
@@ -504,7 +501,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                     nats: nats.clone(),
                     pool: pool.clone(),
                     keep_connections: share,
-                    check_client_connection,
+                    session,
                     shutdown: self.signal.clone(),
                     grace: self.grace,
                     #[cfg(feature = "fault-injection")]
@@ -514,7 +511,9 @@ impl<S: Send + Sync + 'static> Router<S> {
         }
 
         // Stopped only after the routes have settled (below), so that it
-        // publishes what their last messages queued.
+        // publishes what their last messages queued. Not aborted if this
+        // future is dropped: the dropped sender stops it after its cycle,
+        // which is never cut short (sqlx#4393).
         let (stop_relay, relay_stopped) = tokio::sync::oneshot::channel::<()>();
         let relaying = self.relay.map(|relay| {
             tracing::info!("outbox relay started");
@@ -525,7 +524,7 @@ impl<S: Send + Sync + 'static> Router<S> {
 
         let mut stopped = self.signal.clone();
         let client_gone = tokio::select! {
-            _ = shutdown => {
+            _ = shutdown.as_mut() => {
                 self.trigger.fire();
                 false
             }
@@ -573,18 +572,19 @@ impl<S: Send + Sync + 'static> Router<S> {
                 ),
             }
         }
-        if let Some(purging) = purging {
-            // Not cut short: a run cut short leaves its step for the next
-            // run to resume, and this one may be about to finish it. Past
-            // the grace period it is left to finish on its own (or to end
-            // with the process); every step of it can be resumed.
+        if let Some(mut purging) = purging {
+            // Not cut short at once: a run cut short leaves its step for the
+            // next run to resume, and this one may be about to finish it.
+            // Past the grace period it is aborted (its own session: no
+            // pooled connection is left halfway through a statement), and
+            // the next purge resumes whatever step it has not finished.
             let left = self.grace.saturating_sub(shutdown_began.elapsed());
-            match tokio::time::timeout(left, purging).await {
+            match tokio::time::timeout(left, &mut purging.0).await {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => tracing::error!(%error, "the claims purge task failed"),
                 Err(_) => tracing::warn!(
                     grace_ms = self.grace.as_millis() as u64,
-                    "the claims purge did not finish its run within the grace period; left to finish it, and the next purge resumes whatever step it has not"
+                    "the claims purge did not finish its run within the grace period; it is stopped, and the next purge resumes whatever step it has not finished"
                 ),
             }
         }
@@ -605,6 +605,278 @@ impl<S: Send + Sync + 'static> Router<S> {
             return Err(Error::NatsClientGone);
         }
         Ok(())
+    }
+}
+
+/// What start-up made on the servers, in the order of the router's routes
+/// and request routes.
+struct SetUp {
+    session: crate::transaction::Session,
+    /// Per route: its consumer, its advisory watcher's consumer, and how far
+    /// apart copies of one message can be stored.
+    consumers: Vec<(PullConsumer, PullConsumer, Option<Duration>)>,
+    handler_ids: HashMap<String, i32>,
+    /// Per request route: its subscription and queue group.
+    requests: Vec<(async_nats::Subscriber, String)>,
+}
+
+impl<S: Send + Sync + 'static> Router<S> {
+    /// Sets up what the routes need on the servers ([`Router::set_up`]),
+    /// trying again while a server cannot be reached, with a growing pause
+    /// and a warning naming it, until it works or the router is shut down
+    /// (`None`). Any other failure is returned at once.
+    ///
+    /// An attempt is never raced against the shutdown, so that no statement
+    /// of it is cut off halfway; only the pause between attempts is.
+    async fn start_up(
+        &self,
+        pool: &PgPool,
+        js: &jetstream::Context,
+        nats: &async_nats::Client,
+        mut shutdown: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> Result<Option<SetUp>, Error> {
+        let mut stopped = self.signal.clone();
+        let mut pause = START_UP_FIRST_PAUSE;
+        // The durability warnings once, not at every attempt.
+        let mut warned = false;
+        loop {
+            let error = match self.set_up(pool, js, nats, &mut warned).await {
+                Ok(set_up) => return Ok(Some(set_up)),
+                Err(error) => error,
+            };
+            let Some(down) = unreachable(&error, js).await else {
+                return Err(error);
+            };
+            crate::metrics::start_up_retry(down);
+            tracing::warn!(
+                %error,
+                retry_in_ms = pause.as_millis() as u64,
+                "{} at start-up; the router takes no message until it can set up its routes, and tries again until then or until it is shut down",
+                down.describe()
+            );
+            tokio::select! {
+                _ = shutdown.as_mut() => {
+                    self.trigger.fire();
+                    return Ok(None);
+                }
+                _ = stopped.fired() => return Ok(None),
+                _ = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(START_UP_MAX_PAUSE);
+        }
+    }
+
+    /// One attempt at what start-up needs on the servers: the dedup schema,
+    /// the sessions' settings, each route's dead-letter stream, advisory
+    /// watcher and consumer, the handlers' registration, and the request
+    /// routes' subscriptions. Every step can be repeated: a later attempt
+    /// finds what an earlier one made. The sessions' durability is warned
+    /// about unless `warned` (then set), before anything is written: with
+    /// synchronous standbys that are all away, the first write waits.
+    async fn set_up(
+        &self,
+        pool: &PgPool,
+        js: &jetstream::Context,
+        nats: &async_nats::Client,
+        warned: &mut bool,
+    ) -> Result<SetUp, Error> {
+        schema::verify(pool).await?;
+        let session = crate::transaction::Session::probe(pool, !*warned).await?;
+        *warned = true;
+        let mut consumers = Vec::with_capacity(self.routes.len());
+        // idem's own streams follow the replicas of the routes' streams.
+        let routes: Vec<&Route> = self.routes.iter().map(|route| route.route()).collect();
+        let replicas = crate::dead_letter::Replicas::of(js, &routes).await;
+        for route in &self.routes {
+            crate::dead_letter::ensure_stream(js, route.route(), &replicas).await?;
+            // Before the route pulls, so that nothing it gives up on from
+            // now on is missed.
+            let advisories = undeliverable::bind(js, route.route(), &replicas).await?;
+            let (consumer, copy_spread) =
+                bind_consumer(js, route.route(), route.handler_name()).await?;
+            consumers.push((consumer, advisories, copy_spread));
+        }
+        // Registered only once every route is bound, which checks its
+        // retention floor: a refused route's retention is never recorded
+        // (the purge reads the handlers' retentions).
+        let reply_names: Vec<String> = self
+            .replies
+            .iter()
+            .map(|reply| reply.route().dedup_name())
+            .collect();
+        let registered: Vec<(&str, Option<Duration>)> = self
+            .routes
+            .iter()
+            .map(|route| (route.handler_name(), route.route().retention))
+            .chain(
+                self.replies
+                    .iter()
+                    .zip(&reply_names)
+                    .map(|(reply, name)| (name.as_str(), reply.route().retention)),
+            )
+            .collect();
+        let handler_ids = crate::claim::register(pool, &registered).await?;
+        // Subscribed once every route could be set up, so that no request
+        // waits on a router that does not start.
+        let mut requests = Vec::with_capacity(self.replies.len());
+        for reply in &self.replies {
+            let subject = reply.route().subject.clone();
+            let group = reply.route().group().to_owned();
+            // Not when a JetStream route of this router registered the name
+            // itself.
+            if !self
+                .routes
+                .iter()
+                .any(|route| route.handler_name() == reply.handler_name())
+            {
+                crate::reply::warn_of_claims_under_handler_name(
+                    pool,
+                    reply.route(),
+                    reply.handler_name(),
+                )
+                .await;
+            }
+            let subscription = nats
+                .queue_subscribe(subject.clone(), group.clone())
+                .await
+                .map_err(|source| Error::Subscribe {
+                    subject,
+                    source: source.into(),
+                })?;
+            requests.push((subscription, group));
+        }
+        Ok(SetUp {
+            session,
+            consumers,
+            handler_ids,
+            requests,
+        })
+    }
+}
+
+/// The first pause between two start-up attempts; it doubles up to
+/// [`START_UP_MAX_PAUSE`].
+const START_UP_FIRST_PAUSE: Duration = Duration::from_millis(500);
+
+/// The longest pause between two start-up attempts.
+const START_UP_MAX_PAUSE: Duration = Duration::from_secs(30);
+
+/// A server that start-up could not reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unreachable {
+    /// No connection to PostgreSQL, or it is starting or stopping.
+    Postgres,
+    /// NATS is not connected, or JetStream does not answer.
+    Nats,
+}
+
+impl Unreachable {
+    /// Its label on [`crate::metrics::STARTUP_RETRIES`].
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Unreachable::Postgres => "postgresql",
+            Unreachable::Nats => "nats",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Unreachable::Postgres => "PostgreSQL cannot be reached",
+            Unreachable::Nats => "NATS (JetStream) does not answer",
+        }
+    }
+}
+
+/// Which server `error` says could not be reached, if it says so: then
+/// retrying can help. A failure the servers answered (a missing stream or
+/// schema, a consumer conflict, a refused setting) cannot, and is `None`.
+///
+/// A JetStream error that is not itself a timeout or a missing responder
+/// counts as one if JetStream does not answer an account-info request now:
+/// some errors (a dead-letter stream looked up by subject) do not keep
+/// their cause.
+async fn unreachable(error: &Error, js: &jetstream::Context) -> Option<Unreachable> {
+    let nats_source = match error {
+        Error::Database(error) => {
+            return database_unreachable(error).then_some(Unreachable::Postgres);
+        }
+        Error::JetStream { source, .. }
+        | Error::StreamMissing { source, .. }
+        | Error::Subscribe { source, .. } => Some(source),
+        Error::DeadLetterStreamMissing { .. } => None,
+        _ => return None,
+    };
+    if nats_source.is_some_and(jetstream_unanswered) || !jetstream_answers(js).await {
+        return Some(Unreachable::Nats);
+    }
+    None
+}
+
+/// Whether a database error means the server cannot be reached (or is
+/// starting up, or shutting down), rather than an answer to what was asked.
+fn database_unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        // The pool could not connect within its acquire timeout.
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            // connection exception; too many connections; shutting down,
+            // crashed, starting up
+            code.starts_with("08") || matches!(&*code, "53300" | "57P01" | "57P02" | "57P03")
+        }),
+        _ => false,
+    }
+}
+
+/// Whether a JetStream error is a request that got no answer: a timeout,
+/// no responders (JetStream not enabled yet), or a request the client could
+/// not make.
+fn jetstream_unanswered(source: &async_nats::Error) -> bool {
+    use async_nats::jetstream::context::{
+        ConsumerInfoError, ConsumerInfoErrorKind, CreateStreamError, CreateStreamErrorKind,
+        GetStreamError, GetStreamErrorKind, RequestError, RequestErrorKind,
+    };
+    use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+    if let Some(error) = source.downcast_ref::<CreateStreamError>() {
+        return matches!(
+            error.kind(),
+            CreateStreamErrorKind::TimedOut
+                | CreateStreamErrorKind::JetStreamUnavailable
+                | CreateStreamErrorKind::Response
+        );
+    }
+    if let Some(error) = source.downcast_ref::<GetStreamError>() {
+        return matches!(error.kind(), GetStreamErrorKind::Request);
+    }
+    if let Some(error) = source.downcast_ref::<RequestError>() {
+        return matches!(
+            error.kind(),
+            RequestErrorKind::TimedOut | RequestErrorKind::NoResponders | RequestErrorKind::Other
+        );
+    }
+    if let Some(error) = source.downcast_ref::<ConsumerInfoError>() {
+        return matches!(
+            error.kind(),
+            ConsumerInfoErrorKind::TimedOut
+                | ConsumerInfoErrorKind::NoResponders
+                | ConsumerInfoErrorKind::Request
+        );
+    }
+    if let Some(error) = source.downcast_ref::<ConsumerError>() {
+        return matches!(
+            error.kind(),
+            ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request
+        );
+    }
+    false
+}
+
+/// Whether JetStream answers now: an account-info request gets a reply,
+/// even one that is an error of JetStream's own.
+async fn jetstream_answers(js: &jetstream::Context) -> bool {
+    use async_nats::jetstream::context::AccountErrorKind;
+    match js.query_account().await {
+        Ok(_) => true,
+        Err(error) => matches!(error.kind(), AccountErrorKind::JetStream(_)),
     }
 }
 
@@ -751,7 +1023,7 @@ struct Start {
     nats: async_nats::Client,
     pool: PgPool,
     keep_connections: usize,
-    check_client_connection: bool,
+    session: crate::transaction::Session,
     shutdown: Signal,
     grace: Duration,
     #[cfg(feature = "fault-injection")]
@@ -802,7 +1074,7 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
     stats: Arc<Stats>,
     start: Start,
 ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
-    let begin = Begin::new(route.handler_timeout, start.check_client_connection);
+    let begin = Begin::new(route.handler_timeout, start.session);
     let metrics = crate::metrics::RouteMetrics::new(&route.durable);
     let heartbeats = Heartbeats::start(start.nats.clone(), route.heartbeat_interval());
     let pipeline = Arc::new(Pipeline {
@@ -823,16 +1095,18 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
         #[cfg(feature = "fault-injection")]
         faults: start.faults,
     });
-    let watcher = tokio::spawn(undeliverable::watch(
+    // Aborted when the route ends, or when its task is (the router's run
+    // future dropped).
+    let watcher = shutdown::Owned(tokio::spawn(undeliverable::watch(
         pipeline.clone(),
         start.js,
         start.advisories,
-    ));
+    )));
     Box::pin(async move {
         let abandoned =
             crate::pull::pull_until_shutdown(start.consumer, pipeline, start.shutdown, start.grace)
                 .await;
-        watcher.abort();
+        drop(watcher);
         abandoned
     })
 }

@@ -1,6 +1,16 @@
-//! Graceful shutdown: a signal every part of the router can wait on.
+//! Graceful shutdown: a signal every part of the router can wait on, and the
+//! guard that ends a task when its owner goes away.
+//!
+//! The signal stops every part gracefully. It is not enough when the
+//! router's `run` future is dropped instead (a `select!` in the application,
+//! an aborted task): a `RouterHandle` may still hold the trigger, so the
+//! signal never fires, and a task spawned with a bare `tokio::spawn` would
+//! run on forever. Every task the router spawns is therefore [`Owned`] by
+//! the future that spawned it (or sits in its `JoinSet`), and aborted when
+//! that future is dropped.
 
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 /// Triggers shutdown. Cloned into every [`RouterHandle`](crate::RouterHandle).
 #[derive(Debug, Clone)]
@@ -27,6 +37,18 @@ impl Signal {
         // An error means every trigger is gone, which only happens when the
         // router is being torn down: treat it as shutdown.
         let _ = self.0.wait_for(|fired| *fired).await;
+    }
+}
+
+/// A spawned task that is aborted when this is dropped, unless it ended
+/// before. For tasks that can be cut off at any await: their connections are
+/// their own sessions, guarded (see `connections.rs`), or checked by the
+/// pool when it gets them back.
+pub(crate) struct Owned<T>(pub(crate) JoinHandle<T>);
+
+impl<T> Drop for Owned<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -6,7 +6,8 @@
 //! (`idem.handler`) and its dead-letter subject (`idem.dead_letters`), so
 //! that [`consumers`] finds every idem consumer on a server and ties it to
 //! its handler and its dead letters without knowing the application's
-//! routes.
+//! routes. [`durability`] reads how durable PostgreSQL makes the commits
+//! idem acks after.
 //!
 //! ```no_run
 //! # async fn f(js: async_nats::jetstream::Context, pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -402,5 +403,47 @@ pub(crate) async fn expiry_figures(pool: &PgPool) -> Result<ExpiryStatus, sqlx::
         failures: failures.max(0).unsigned_abs(),
         last_error,
         last_failure_age: last_failure_age.map(seconds),
+    })
+}
+
+/// How durable PostgreSQL makes the commits idem acks after, as the pool's
+/// sessions see it (see the README's "Durability of the database"), with
+/// the warnings a router gives at start-up about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Durability {
+    /// The sessions' `synchronous_commit` (server, database, role and
+    /// connection settings together).
+    pub synchronous_commit: String,
+    /// What idem's transactions commit with: at least `on`.
+    pub idem_commits_with: String,
+    /// `synchronous_standby_names` (empty: none).
+    pub synchronous_standby_names: String,
+    /// The physical standbys streaming from the server: each
+    /// `application_name` and `sync_state` (`None` where the role may not
+    /// read it: grant `pg_monitor`).
+    pub standbys: Vec<(String, Option<String>)>,
+    /// What can still lose acked commits, or stop them: empty when nothing.
+    pub warnings: Vec<String>,
+}
+
+/// Reads [`Durability`].
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+/// for warning in idem_runtime::status::durability(&pool).await?.warnings {
+///     eprintln!("{warning}");
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub async fn durability(pool: &PgPool) -> Result<Durability, sqlx::Error> {
+    let settings = crate::durability::read(pool).await?;
+    Ok(Durability {
+        idem_commits_with: settings.commit_level().as_str().to_owned(),
+        warnings: crate::durability::warnings(&settings),
+        synchronous_commit: settings.synchronous_commit,
+        synchronous_standby_names: settings.standby_names,
+        standbys: settings.standbys,
     })
 }

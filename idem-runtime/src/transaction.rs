@@ -4,14 +4,19 @@
 //! at-least-once consumer does (BEGIN, its write, COMMIT): three, plus the
 //! handler's own statements beyond the first.
 //!
-//! **BEGIN** goes out in one simple-query message with the route's bounds and
-//! the claim:
+//! **BEGIN** goes out in one simple-query message with the route's bounds,
+//! the commit level and the claim:
 //!
 //! ```sql
 //! BEGIN;
 //! EXECUTE idem_bounds_v1('300000', '301000');
+//! EXECUTE idem_durable_v1('on');  -- synchronous_commit, at least on
 //! EXECUTE idem_claim_v4(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')  -- handler id, claim key
 //! ```
+//!
+//! The commit level (`synchronous_commit`, transaction-local, at least `on`,
+//! `remote_apply` kept): the COMMIT that precedes the ack is durable
+//! whatever the server's default; see [`durability`](crate::durability).
 //!
 //! The bounds (`set_config(.., true)`, transaction-local): a statement stuck
 //! on a lock is cancelled by the server at the handler timeout, and a backend
@@ -29,11 +34,15 @@
 //! **COMMIT** goes out in one simple-query message with a check:
 //!
 //! ```sql
-//! EXECUTE idem_check_v1;  -- SELECT 1 / coalesce(current_setting('idem.claim', true)
-//!                         --   = pg_current_xact_id_if_assigned()::xid::text, false)::int
+//! EXECUTE idem_check_v2('on');  -- SELECT 1 / coalesce(current_setting('idem.claim', true)
+//!                               --   = pg_current_xact_id_if_assigned()::xid::text, false)::int,
+//!                               -- and synchronous_commit at least on, again
 //! COMMIT;
 //! BEGIN
 //! ```
+//!
+//! The commit level is set again here because the handler may have lowered
+//! it for its own transaction (see [`durability`](crate::durability)).
 //!
 //! PostgreSQL turns the COMMIT of an aborted transaction (a statement failed
 //! and the handler ignored the error) into a rollback that it reports as
@@ -75,6 +84,7 @@ use sqlx::{AssertSqlSafe, PgTransaction};
 
 use crate::claim::CLAIM_SQL;
 use crate::connections::Leased;
+use crate::durability::{Level, at_least};
 use crate::error::HandlerError;
 use crate::schema::CLAIMS_TABLE;
 
@@ -92,9 +102,24 @@ macro_rules! still_claiming {
 /// never executes an older one a session still holds.
 const CLAIM: (&str, &str, &str) = ("idem_claim_v4", "(integer, uuid, bigint)", CLAIM_SQL);
 const CHECK: (&str, &str, &str) = (
-    "idem_check_v1",
-    "",
-    concat!("SELECT 1 / ", still_claiming!(), "::int"),
+    "idem_check_v2",
+    "(text)",
+    concat!(
+        "SELECT 1 / ",
+        still_claiming!(),
+        "::int, set_config('synchronous_commit', ",
+        at_least!(),
+        ", true)"
+    ),
+);
+const DURABLE: (&str, &str, &str) = (
+    "idem_durable_v1",
+    "(text)",
+    concat!(
+        "SELECT set_config('synchronous_commit', ",
+        at_least!(),
+        ", true)"
+    ),
 );
 const BOUNDS: (&str, &str, &str) = (
     "idem_bounds_v1",
@@ -110,24 +135,52 @@ const BOUNDS_AND_CLIENT_CHECK: (&str, &str, &str) = (
      set_config('client_connection_check_interval', $3, true)",
 );
 
-/// How a route begins its transactions.
+/// What the router found out about the pool's sessions at start-up, which
+/// decides how its routes begin and commit.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Session {
+    /// Whether the server accepts `client_connection_check_interval`.
+    pub(crate) check_client_connection: bool,
+    /// The `synchronous_commit` idem's transactions commit with.
+    pub(crate) commit_level: Level,
+}
+
+impl Session {
+    /// Asks the server (see [`server_checks_client_connection`] and
+    /// [`durability::check`](crate::durability::check), which warns, if
+    /// `warn`, about what can lose acked commits).
+    pub(crate) async fn probe(pool: &sqlx::PgPool, warn: bool) -> Result<Session, sqlx::Error> {
+        Ok(Session {
+            check_client_connection: server_checks_client_connection(pool).await?,
+            commit_level: crate::durability::check(pool, warn).await?,
+        })
+    }
+}
+
+/// How a route begins and commits its transactions.
 #[derive(Debug, Clone)]
 pub(crate) struct Begin {
-    /// The bounds, through the prepared statements, to follow `BEGIN`.
+    /// The bounds and the commit level, through the prepared statements, to
+    /// follow `BEGIN`.
     bounds: String,
     /// A `DO` block that prepares the statements this route uses, where the
     /// session lacks them.
     prepare: String,
+    /// The checked COMMIT message (see the module docs).
+    commit: String,
 }
 
 impl Begin {
     /// `BEGIN` with the bounds derived from the handler timeout: statements
     /// end at it, and a transaction left idle longer (its client gone) is
     /// ended by the server shortly after. Without a handler timeout there are
-    /// no bounds.
-    pub(crate) fn new(handler_timeout: Option<Duration>, check_client_connection: bool) -> Self {
+    /// no bounds. Every transaction commits with `session.commit_level` (at
+    /// least: a stronger level of its own is kept).
+    pub(crate) fn new(handler_timeout: Option<Duration>, session: Session) -> Self {
+        let check_client_connection = session.check_client_connection;
+        let level = session.commit_level.as_str();
         let mut bounds = String::new();
-        let mut statements = vec![CLAIM, CHECK];
+        let mut statements = vec![CLAIM, CHECK, DURABLE];
         if let Some(timeout) = handler_timeout {
             let millis = timeout.as_millis().max(1);
             // The idle bound waits a little longer than the handler may take,
@@ -147,6 +200,8 @@ impl Begin {
                 statements.push(BOUNDS);
             }
         }
+        bounds.push_str(&format!("; EXECUTE {}('{level}')", DURABLE.0));
+        let commit = format!("EXECUTE {}('{level}'); COMMIT; BEGIN", CHECK.0);
         let prepare = statements
             .iter()
             .map(|(name, parameters, sql)| {
@@ -159,7 +214,11 @@ impl Begin {
             .collect::<Vec<_>>()
             .join(" ");
         let prepare = format!("DO {}", literal(&format!("BEGIN {prepare} END")));
-        Self { bounds, prepare }
+        Self {
+            bounds,
+            prepare,
+            commit,
+        }
     }
 
     /// The statement that begins a transaction, and claims `key` for the
@@ -266,20 +325,22 @@ const IDLE_MARGIN: Duration = Duration::from_secs(1);
 const CLIENT_CHECK: Duration = Duration::from_secs(1);
 
 /// Whether the server accepts `client_connection_check_interval` (PostgreSQL
-/// 14 or newer, on a platform that supports it).
-pub(crate) async fn server_checks_client_connection(pool: &sqlx::PgPool) -> bool {
-    let Ok(mut connection) = pool.acquire().await else {
-        return false;
-    };
-    let Ok(mut tx) = sqlx::Connection::begin(&mut *connection).await else {
-        return false;
-    };
-    let supported = sqlx::query("SET LOCAL client_connection_check_interval = 1000")
-        .execute(&mut *tx)
+/// 14 or newer, on a platform that supports it). An error other than the
+/// server's refusal (the database cannot be reached) is returned.
+pub(crate) async fn server_checks_client_connection(
+    pool: &sqlx::PgPool,
+) -> Result<bool, sqlx::Error> {
+    // Transaction-local in the statement's own implicit transaction: it
+    // changes nothing, and needs no BEGIN.
+    match sqlx::query("SELECT set_config('client_connection_check_interval', '1000', true)")
+        .execute(pool)
         .await
-        .is_ok();
-    let _ = tx.rollback().await;
-    supported
+    {
+        Ok(_) => Ok(true),
+        // Unknown before 14 (42704), refused where unsupported (22023).
+        Err(sqlx::Error::Database(_)) => Ok(false),
+        Err(error) => Err(error),
+    }
 }
 
 /// Why a transaction did not commit.
@@ -309,10 +370,11 @@ pub(crate) enum Ended {
     Unknown(sqlx::Error),
 }
 
-/// Commits `tx` (see [`commit`]) or rolls back what is left of it. Also says
-/// whether its connection ended in a known, clean state and may be kept.
-pub(crate) async fn finish(mut tx: PgTransaction<'_>) -> (Ended, bool) {
-    match commit(&mut tx).await {
+/// Commits `tx` as `begin` says (see [`commit`]) or rolls back what is left
+/// of it. Also says whether its connection ended in a known, clean state and
+/// may be kept.
+pub(crate) async fn finish(mut tx: PgTransaction<'_>, begin: &Begin) -> (Ended, bool) {
+    match commit(&mut tx, begin).await {
         // Dropping `tx` queues the ROLLBACK of the empty transaction the
         // commit statement began.
         Ok(()) => (Ended::Committed, true),
@@ -343,13 +405,15 @@ pub(crate) async fn rollback(tx: PgTransaction<'_>) -> bool {
     }
 }
 
-/// Commits `tx` if it is still the transaction that claimed, in one round
-/// trip (see the module docs).
+/// Commits `tx` if it is still the transaction that claimed, durably (see
+/// [`durability`](crate::durability)), in one round trip (see the module
+/// docs).
 ///
 /// On `Ok`, drop `tx`: its trailing empty transaction is rolled back with
 /// the connection's next statement.
-pub(crate) async fn commit(tx: &mut PgTransaction<'_>) -> Result<(), CommitError> {
-    match sqlx::raw_sql(CHECKED_COMMIT).execute(&mut **tx).await {
+pub(crate) async fn commit(tx: &mut PgTransaction<'_>, begin: &Begin) -> Result<(), CommitError> {
+    let checked_commit = AssertSqlSafe(begin.commit.as_str());
+    match sqlx::raw_sql(checked_commit).execute(&mut **tx).await {
         Ok(_) => Ok(()),
         Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25P02") => {
             Err(CommitError::Aborted)
@@ -365,10 +429,6 @@ pub(crate) async fn commit(tx: &mut PgTransaction<'_>) -> Result<(), CommitError
         Err(error) => Err(CommitError::Unknown(error)),
     }
 }
-
-/// The check, COMMIT, and the BEGIN that keeps sqlx's view true, in one
-/// message (see the module docs).
-const CHECKED_COMMIT: &str = "EXECUTE idem_check_v1; COMMIT; BEGIN";
 
 /// Whether the claims are still this transaction's own, uncommitted: asked
 /// on the way to a rollback after a handler failed, so that a handler that
@@ -413,36 +473,67 @@ mod tests {
         );
     }
 
+    fn session(check_client_connection: bool) -> Session {
+        Session {
+            check_client_connection,
+            commit_level: Level::On,
+        }
+    }
+
     #[test]
-    fn begin_carries_the_bounds_of_the_handler_timeout_and_the_claim() {
+    fn begin_carries_the_bounds_of_the_handler_timeout_the_commit_level_and_the_claim() {
         const KEY: &str = "8707f5fa-2bfe-0af8-7913-c57c557603d3";
         let claim = Some(Claim {
             handler_id: 3,
             key: KEY,
             since: None,
         });
-        let unbounded = Begin::new(None, true);
-        assert_eq!(unbounded.statement(None, true), "BEGIN");
+        let unbounded = Begin::new(None, session(true));
+        assert_eq!(
+            unbounded.statement(None, true),
+            "BEGIN; EXECUTE idem_durable_v1('on')"
+        );
         assert_eq!(
             unbounded.statement(claim, true),
-            format!("BEGIN; EXECUTE idem_claim_v4(3, '{KEY}', NULL)")
-        );
-        let begin = Begin::new(Some(Duration::from_secs(2)), false);
-        assert_eq!(
-            begin.statement(claim, true),
             format!(
-                "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); EXECUTE idem_claim_v4(3, '{KEY}', NULL)"
+                "BEGIN; EXECUTE idem_durable_v1('on'); EXECUTE idem_claim_v4(3, '{KEY}', NULL)"
             )
         );
         assert_eq!(
-            Begin::new(Some(Duration::from_secs(2)), true).statement(None, true),
-            "BEGIN; EXECUTE idem_bounds_client_check_v1('2000', '3000', '1000')"
+            unbounded.commit,
+            "EXECUTE idem_check_v2('on'); COMMIT; BEGIN"
+        );
+        let begin = Begin::new(Some(Duration::from_secs(2)), session(false));
+        assert_eq!(
+            begin.statement(claim, true),
+            format!(
+                "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); EXECUTE idem_durable_v1('on'); EXECUTE idem_claim_v4(3, '{KEY}', NULL)"
+            )
+        );
+        assert_eq!(begin.commit, "EXECUTE idem_check_v2('on'); COMMIT; BEGIN");
+        assert_eq!(
+            Begin::new(Some(Duration::from_secs(2)), session(true)).statement(None, true),
+            "BEGIN; EXECUTE idem_bounds_client_check_v1('2000', '3000', '1000'); EXECUTE idem_durable_v1('on')"
+        );
+        let stronger = Session {
+            check_client_connection: false,
+            commit_level: Level::RemoteApply,
+        };
+        let begin = Begin::new(None, stronger);
+        assert_eq!(
+            begin.statement(None, true),
+            "BEGIN; EXECUTE idem_durable_v1('remote_apply')"
+        );
+        assert!(
+            begin
+                .commit
+                .starts_with("EXECUTE idem_check_v2('remote_apply')")
         );
     }
 
     #[test]
     fn an_unprepared_session_prepares_what_the_route_uses_first() {
-        let begin = Begin::new(Some(Duration::from_secs(2)), false);
+        let begin = Begin::new(Some(Duration::from_secs(2)), session(false));
         let claim = Claim {
             handler_id: 3,
             key: "8707f5fa-2bfe-0af8-7913-c57c557603d3",
@@ -456,7 +547,12 @@ mod tests {
             prefix.starts_with("BEGIN; DO $idem1$BEGIN IF NOT EXISTS"),
             "{prefix}"
         );
-        for name in ["idem_claim_v4", "idem_check_v1", "idem_bounds_v1"] {
+        for name in [
+            "idem_claim_v4",
+            "idem_check_v2",
+            "idem_durable_v1",
+            "idem_bounds_v1",
+        ] {
             assert!(
                 prefix.contains(&format!(
                     "WHERE name = '{name}') THEN EXECUTE $idem$PREPARE {name}"
@@ -468,6 +564,6 @@ mod tests {
         assert!(rest.ends_with(
             "EXECUTE idem_claim_v4(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3', 1764500000)"
         ));
-        assert!(CHECKED_COMMIT.starts_with(&format!("EXECUTE {}; ", CHECK.0)));
+        assert!(begin.commit.starts_with(&format!("EXECUTE {}(", CHECK.0)));
     }
 }

@@ -50,6 +50,7 @@
 
 mod cluster;
 pub mod fault_proxy;
+mod logs;
 mod nats;
 mod postgres;
 mod process;
@@ -66,6 +67,7 @@ use tokio::sync::OnceCell;
 
 pub use crate::cluster::{ClusterEnv, NatsCluster, create_idem_streams_r3};
 pub use crate::fault_proxy::FaultProxy;
+pub use crate::logs::{Logs, capture_logs};
 pub use crate::nats::NatsServer;
 pub use crate::postgres::Postgres;
 
@@ -101,6 +103,22 @@ impl TestEnv {
     pub async fn start() -> TestEnv {
         init_tracing();
         let (nats, postgres) = tokio::join!(NatsServer::start(), Postgres::start());
+        TestEnv {
+            client: OnceCell::new(),
+            nats,
+            postgres,
+        }
+    }
+
+    /// As [`TestEnv::start`], with a PostgreSQL server of the test's own run
+    /// with `settings` (see [`Postgres::start_with`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`TestEnv::start`], and if `DATABASE_URL` is set.
+    pub async fn start_with_postgres(settings: &[&str]) -> TestEnv {
+        init_tracing();
+        let (nats, postgres) = tokio::join!(NatsServer::start(), Postgres::start_with(settings));
         TestEnv {
             client: OnceCell::new(),
             nats,

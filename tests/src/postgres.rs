@@ -35,7 +35,9 @@ const TEMPLATE_LAYOUT: u32 = 1;
 ///
 /// If the `DATABASE_URL` environment variable is set, no server is started:
 /// a database with a unique name is created on that server for this test,
-/// and dropped (best effort) on drop. The restart methods then panic.
+/// and dropped (best effort) on drop. The restart methods then panic, and so
+/// do [`Postgres::start_with`] and [`Postgres::start_standby`], which need a
+/// server of their own.
 ///
 /// ```no_run
 /// # async fn demo() {
@@ -56,6 +58,8 @@ enum Kind {
     Owned {
         process: Option<ServerProcess>,
         port: u16,
+        /// `-c` settings the server runs with, on every start.
+        settings: Vec<String>,
         data_dir: PathBuf,
         log: PathBuf,
         dir: TempDir,
@@ -76,19 +80,83 @@ impl Postgres {
         if let Ok(admin_url) = std::env::var("DATABASE_URL") {
             return Self::create_database(admin_url).await;
         }
-        // Copying the template is blocking file work (~40 MB); keep it off
-        // the runtime so the NATS server can start meanwhile.
-        let dir = tokio::task::spawn_blocking(|| {
-            let dir = temp_dir("pg");
+        Self::start_owned(Vec::new(), None).await
+    }
+
+    /// Starts a cluster of its own for this test, with server settings
+    /// (`name=value`, as `postgres -c` takes them) that it keeps across
+    /// restarts, for example `["synchronous_commit=off"]`.
+    ///
+    /// # Panics
+    ///
+    /// As [`Postgres::start`], and if `DATABASE_URL` is set (the settings
+    /// need a server of the test's own).
+    pub async fn start_with(settings: &[&str]) -> Postgres {
+        if let Ok(admin_url) = std::env::var("DATABASE_URL") {
+            panic!(
+                "Postgres::start_with() needs a PostgreSQL server owned by the test harness, but \
+                 DATABASE_URL is set ({admin_url}); run this test without DATABASE_URL"
+            );
+        }
+        let settings = settings.iter().map(|s| (*s).to_owned()).collect();
+        Self::start_owned(settings, None).await
+    }
+
+    /// Starts a streaming-replication standby of this server: a base backup
+    /// (`pg_basebackup -R`) in a temp dir of its own, run on another port,
+    /// connected with `application_name` set to `name` (the name
+    /// `synchronous_standby_names` and `pg_stat_replication` know it by).
+    /// Returns once the standby accepts connections (read-only). Stop and
+    /// start it with [`Postgres::stop_immediate`] and
+    /// [`Postgres::start_again`].
+    ///
+    /// # Panics
+    ///
+    /// If the backup or the start fails, or if `DATABASE_URL` is set.
+    pub async fn start_standby(&self, name: &str) -> Postgres {
+        let primary_port = match &self.kind {
+            Kind::Owned { port, .. } => *port,
+            Kind::External { admin_url, .. } => panic!(
+                "Postgres::start_standby() needs a PostgreSQL server owned by the test harness, \
+                 but DATABASE_URL is set ({admin_url}); run this test without DATABASE_URL"
+            ),
+        };
+        assert!(
+            name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'),
+            "a standby name is letters, digits and `_`: {name:?}"
+        );
+        let name = name.to_owned();
+        let dir = tokio::task::spawn_blocking(move || {
+            let dir = temp_dir("pgstandby");
             chown_to_postgres_user(dir.path());
-            copy_template(&dir.path().join("data"));
+            base_backup(primary_port, &dir.path().join("data"), &name);
             dir
         })
         .await
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        Self::start_owned(Vec::new(), Some(dir)).await
+    }
+
+    /// Starts a server on `dir`'s data dir (a copy of the template if no
+    /// dir is given) on a free port.
+    async fn start_owned(settings: Vec<String>, dir: Option<TempDir>) -> Postgres {
+        let dir = match dir {
+            Some(dir) => dir,
+            // Copying the template is blocking file work (~40 MB); keep it
+            // off the runtime so the NATS server can start meanwhile.
+            None => tokio::task::spawn_blocking(|| {
+                let dir = temp_dir("pg");
+                chown_to_postgres_user(dir.path());
+                copy_template(&dir.path().join("data"));
+                dir
+            })
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())),
+        };
         let mut kind = Kind::Owned {
             process: None,
             port: 0,
+            settings,
             data_dir: dir.path().join("data"),
             log: dir.path().join("postgres.log"),
             dir,
@@ -96,6 +164,7 @@ impl Postgres {
         let Kind::Owned {
             process,
             port,
+            settings,
             data_dir,
             log,
             dir,
@@ -108,7 +177,7 @@ impl Postgres {
         for attempt in 1.. {
             *port = free_port();
             let url = url_for(*port);
-            let mut server = spawn(data_dir, dir.path(), *port, log);
+            let mut server = spawn(data_dir, dir.path(), *port, log, settings);
             match wait_until_ready(&url, &mut server).await {
                 Ok(()) => {
                     *process = Some(server);
@@ -216,12 +285,12 @@ impl Postgres {
     /// `DATABASE_URL` is set.
     pub async fn start_again(&mut self) {
         let url = self.url.clone();
-        let (process, port, data_dir, log, dir) = self.owned_mut("start_again");
+        let (process, port, settings, data_dir, log, dir) = self.owned_mut("start_again");
         assert!(process.is_none(), "PostgreSQL is already running");
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let mut server = spawn(data_dir, dir, port, log);
+            let mut server = spawn(data_dir, dir, port, log, settings);
             match wait_until_ready(&url, &mut server).await {
                 Ok(()) => {
                     *process = Some(server);
@@ -255,15 +324,27 @@ impl Postgres {
         self.start_again().await;
     }
 
-    fn owned_mut(&mut self, what: &str) -> (&mut Option<ServerProcess>, u16, &Path, &Path, &Path) {
+    #[allow(clippy::type_complexity)]
+    fn owned_mut(
+        &mut self,
+        what: &str,
+    ) -> (
+        &mut Option<ServerProcess>,
+        u16,
+        &[String],
+        &Path,
+        &Path,
+        &Path,
+    ) {
         match &mut self.kind {
             Kind::Owned {
                 process,
                 port,
+                settings,
                 data_dir,
                 log,
                 dir,
-            } => (process, *port, data_dir, log, dir.path()),
+            } => (process, *port, settings, data_dir, log, dir.path()),
             Kind::External { admin_url, .. } => panic!(
                 "Postgres::{what}() needs a PostgreSQL server owned by the test harness, but \
                  DATABASE_URL is set ({admin_url}); run this test without DATABASE_URL"
@@ -338,7 +419,13 @@ fn bin(tool: &str) -> PathBuf {
     path
 }
 
-fn spawn(data_dir: &Path, socket_dir: &Path, port: u16, log: &Path) -> ServerProcess {
+fn spawn(
+    data_dir: &Path,
+    socket_dir: &Path,
+    port: u16,
+    log: &Path,
+    settings: &[String],
+) -> ServerProcess {
     let mut cmd = Command::new(bin("postgres"));
     cmd.arg("-D")
         .arg(data_dir)
@@ -352,6 +439,10 @@ fn spawn(data_dir: &Path, socket_dir: &Path, port: u16, log: &Path) -> ServerPro
         // tight for concurrency tests.
         .args(["-c", "max_connections=200"])
         .current_dir(socket_dir);
+    // After the harness's own, so that a test's setting wins.
+    for setting in settings {
+        cmd.args(["-c", setting]);
+    }
     as_postgres_user(&mut cmd);
     // SIGQUIT is an immediate shutdown: no checkpoint, quick.
     ServerProcess::spawn("postgres", cmd, log, libc::SIGQUIT)
@@ -374,6 +465,37 @@ async fn wait_until_ready(url: &str, server: &mut ServerProcess) -> Result<(), S
         }
         tokio::time::sleep(POLL).await;
     }
+}
+
+/// A base backup of the server on `primary_port` into `target`, set up to
+/// stream from it as a standby called `name`.
+fn base_backup(primary_port: u16, target: &Path, name: &str) {
+    let mut cmd = Command::new(bin("pg_basebackup"));
+    cmd.args(["-h", "127.0.0.1", "-p", &primary_port.to_string()])
+        .args(["-U", "postgres", "-D"])
+        .arg(target)
+        // -R: standby.signal and primary_conninfo; fast checkpoint, WAL
+        // streamed alongside.
+        .args(["-R", "-X", "stream", "-c", "fast"]);
+    as_postgres_user(&mut cmd);
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run pg_basebackup: {e}"));
+    assert!(
+        out.status.success(),
+        "pg_basebackup failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The later line wins: the same connection, under the standby's name.
+    let auto_conf = target.join("postgresql.auto.conf");
+    let mut conf = std::fs::read_to_string(&auto_conf)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", auto_conf.display()));
+    conf.push_str(&format!(
+        "primary_conninfo = 'host=127.0.0.1 port={primary_port} user=postgres application_name={name}'\n"
+    ));
+    std::fs::write(&auto_conf, conf)
+        .unwrap_or_else(|e| panic!("cannot write {}: {e}", auto_conf.display()));
 }
 
 /// Copies the template cluster to `target` (`cp -a` keeps the postgres

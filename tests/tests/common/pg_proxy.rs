@@ -187,12 +187,14 @@ async fn client_to_server(
         let mut body = vec![0; length as usize - 4];
         from.read_exact(&mut body).await?;
         // A simple query that commits: `COMMIT`, or several statements one
-        // of which is.
+        // of which is (not one that only names `synchronous_commit`).
         let is_commit = kind == b'Q'
             && body
-                .to_ascii_uppercase()
-                .windows(6)
-                .any(|window| window == b"COMMIT");
+                .split(|&byte| byte == b';' || byte == 0)
+                .any(|statement| {
+                    let statement = statement.trim_ascii().to_ascii_uppercase();
+                    statement == b"COMMIT" || statement.starts_with(b"COMMIT ")
+                });
         if is_commit && control.orphan.swap(false, Ordering::SeqCst) {
             control.orphaned.lock().unwrap().push(to);
             return Ok(());
