@@ -231,6 +231,7 @@ fn expiry_json(expiry: &ExpiryStatus) -> Value {
         "failures": expiry.failures,
         "last_error": expiry.last_error,
         "last_failure_age_seconds": expiry.last_failure_age.map(|a| a.as_secs_f64()),
+        "rotation_overdue_seconds": expiry.rotation_overdue().as_secs_f64(),
     })
 }
 
@@ -254,13 +255,22 @@ fn expiry_lines(expiry: &ExpiryStatus) -> Vec<String> {
     if expiry.retention.is_none() {
         lines.push("expiry: no handler lets its claims expire".to_owned());
     } else if expiry.behind() {
-        let mut line = format!(
-            "expiry behind: {} generation{} due, the oldest sealed {} ago, retention {}",
-            expiry.due,
-            if expiry.due == 1 { "" } else { "s" },
-            or_dash(expiry.oldest_due_sealed.map(human)),
-            retention(expiry.retention)
-        );
+        let mut line = if expiry.due > 0 {
+            format!(
+                "expiry behind: {} generation{} due, the oldest sealed {} ago, retention {}",
+                expiry.due,
+                if expiry.due == 1 { "" } else { "s" },
+                or_dash(expiry.oldest_due_sealed.map(human)),
+                retention(expiry.retention)
+            )
+        } else {
+            format!(
+                "expiry behind: generation {} is {} past its rotation, so nothing comes due, retention {}",
+                expiry.current_generation,
+                human(expiry.rotation_overdue()),
+                retention(expiry.retention)
+            )
+        };
         match &failing {
             Some(failing) => line.push_str(&format!("; {failing}")),
             None => line.push_str(&format!(

@@ -92,15 +92,33 @@ pub(crate) fn key(handler: &str, message_id: &str) -> String {
     key
 }
 
+/// How long registering waits for a lock on `idem_handlers` before start-up
+/// gives up the attempt (and tries again, naming the holders): a session
+/// left open after `UPDATE idem_handlers ...` must not hang start-up, or a
+/// shutdown during it.
+pub(crate) const REGISTER_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Registers the router's handlers, with the retention each asked for
 /// (`None`: keep its claims forever), and returns the id each claim of a
 /// handler stores.
+///
+/// In one transaction, in name order (two routers registering the same
+/// handlers take their row locks in one order, and cannot deadlock), with a
+/// [`REGISTER_LOCK_TIMEOUT`]: a lock held elsewhere fails the attempt with
+/// `lock_not_available` (55P03) instead of waiting forever.
 pub(crate) async fn register(
     pool: &PgPool,
     handlers: &[(&str, Option<Duration>)],
 ) -> Result<HashMap<String, i32>, sqlx::Error> {
-    let mut ids = HashMap::with_capacity(handlers.len());
-    for &(name, retention) in handlers {
+    let mut ordered = handlers.to_vec();
+    ordered.sort_by_key(|&(name, _)| name);
+    let mut ids = HashMap::with_capacity(ordered.len());
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+        .bind(format!("{}ms", REGISTER_LOCK_TIMEOUT.as_millis()))
+        .execute(&mut *tx)
+        .await?;
+    for (name, retention) in ordered {
         let millis = retention.map(|period| i64::try_from(period.as_millis()).unwrap_or(i64::MAX));
         let id: i32 = sqlx::query_scalar(
             "INSERT INTO idem_handlers (name, retention)
@@ -111,11 +129,56 @@ pub(crate) async fn register(
         )
         .bind(name)
         .bind(millis)
-        .fetch_one(pool)
+        .fetch_one(&mut *tx)
         .await?;
         ids.insert(name.to_owned(), id);
     }
+    tx.commit().await?;
     Ok(ids)
+}
+
+/// A session holding a lock: pid, `application_name`, state, seconds its
+/// transaction has run, the start of its query.
+type LockHolderRow = (
+    i32,
+    Option<String>,
+    Option<String>,
+    Option<f64>,
+    Option<String>,
+);
+
+/// The sessions that hold a lock on `idem_handlers`, each described (pid,
+/// application name, state, how long its transaction has run, the start of
+/// its query): what a [`register`] that timed out on a lock waited for,
+/// most likely. Empty if none is found (the holder ended meanwhile).
+pub(crate) async fn handlers_lock_holders(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
+    let rows: Vec<LockHolderRow> = sqlx::query_as(
+        "SELECT DISTINCT a.pid, a.application_name, a.state,
+                    extract(epoch FROM now() - a.xact_start)::float8, left(a.query, 120)
+               FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+              WHERE l.locktype = 'relation' AND l.granted
+                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                AND l.relation = 'idem_handlers'::regclass
+                AND l.pid <> pg_backend_pid()
+              ORDER BY a.pid",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(pid, application, state, age, query)| {
+            format!(
+                "pid {pid} ({}, {}{}): {}",
+                application
+                    .filter(|name| !name.is_empty())
+                    .unwrap_or_else(|| "no application_name".into()),
+                state.unwrap_or_else(|| "state unknown".into()),
+                age.map(|seconds| format!(", transaction open {seconds:.0}s"))
+                    .unwrap_or_default(),
+                query.unwrap_or_default()
+            )
+        })
+        .collect())
 }
 
 /// Claims many keys in one statement, for batch mode. Returns the keys this

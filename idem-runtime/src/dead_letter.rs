@@ -604,7 +604,7 @@ pub enum ReplayError {
     /// original was within a few hundred bytes of the limit, and a replay
     /// adds its own headers.
     #[error(
-        "dead letter {sequence}: its replay would be {size} bytes ({replay_headers} of them the replay's own headers), more than the {limit} bytes {what} takes; it was not published. Raise the limit, or publish its original (`idem dead-letters show {sequence}`) by hand"
+        "dead letter {sequence}: its replay would be {size} bytes ({replay_headers} of them the replay's own headers), more than the {limit} bytes {what} takes; it was not published. Raise the limit, or publish its original (`idem dead-letters show {sequence}`) by hand with the headers `Nats-Msg-Id` (the id it was deduplicated by) and `Idem-Replay-For: <its handler>`: without the second, every other route on its subject runs it too"
     )]
     TooLarge {
         /// The dead letter's sequence.
@@ -621,7 +621,7 @@ pub enum ReplayError {
     },
     /// No stream captures the subject the replay would go to.
     #[error(
-        "dead letter {sequence}: no stream captures `{subject}`, where its replay would go; if its stream is partitioned (created by an older idem with a transform idem cannot map back), add that subject to the stream (`nats stream edit <stream> --subjects ...`), or publish the original by hand"
+        "dead letter {sequence}: no stream captures `{subject}`, where its replay would go; if its stream is partitioned (created by an older idem with a transform idem cannot map back), add that subject to the stream (`nats stream edit <stream> --subjects ...`), or publish the original by hand with the headers `Nats-Msg-Id` (the id it was deduplicated by) and `Idem-Replay-For: <its handler>`: without the second, every other route on its subject runs it too"
     )]
     NoStreamForSubject {
         /// The dead letter's sequence.

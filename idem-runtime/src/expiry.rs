@@ -421,14 +421,26 @@ async fn purge_with(pool: &PgPool, stop: &Stop) -> Result<PurgeReport, Error> {
     outcome.map(|()| report)
 }
 
+/// How long the server keeps a purge's session that sends nothing, idle
+/// or idle in a transaction, before it ends it: a session whose process
+/// froze, or whose network went away without a reset, would otherwise hold
+/// the purge's advisory lock (and every later purge would be skipped)
+/// until TCP keepalive gives up, hours later. A run never pauses between
+/// its statements for anywhere near this long.
+pub(crate) const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// The pool's connect options, with the purge's `application_name` (after
-/// the application's own, if it set one).
+/// the application's own, if it set one), and [`SESSION_IDLE_TIMEOUT`].
 fn purge_options(options: &PgConnectOptions) -> PgConnectOptions {
     let name = match options.get_application_name() {
         Some(own) if !own.is_empty() => format!("{own} ({APPLICATION_NAME})"),
         _ => APPLICATION_NAME.to_owned(),
     };
-    options.clone().application_name(&name)
+    let idle = format!("{}ms", SESSION_IDLE_TIMEOUT.as_millis());
+    options.clone().application_name(&name).options([
+        ("idle_session_timeout", idle.as_str()),
+        ("idle_in_transaction_session_timeout", idle.as_str()),
+    ])
 }
 
 /// Records how a run ended in `idem_expiry_state`, on the purge's session,
@@ -1176,7 +1188,7 @@ pub(crate) async fn run_in_background(
             _ = ticks.tick() => {}
         }
         match purge(&pool).await {
-            Ok(report) if report.skipped => {}
+            Ok(report) if report.skipped => warn_if_held_back(&pool).await,
             Ok(report) => tracing::debug!(?report, "claims purge ran"),
             Err(error) => {
                 crate::metrics::purge_failed();
@@ -1188,6 +1200,47 @@ pub(crate) async fn run_in_background(
             Err(error) => tracing::debug!(%error, "expiry figures unreadable for metrics"),
         }
     }
+}
+
+/// After a run skipped because another session holds the purge's lock:
+/// that is how purges take turns, unless expiry is behind meanwhile (the
+/// holder is stuck, or its process froze). Then warns, naming the holder.
+async fn warn_if_held_back(pool: &PgPool) {
+    let Ok(status) = crate::status::expiry_figures(pool).await else {
+        return;
+    };
+    if !status.behind() {
+        return;
+    }
+    /// pid, `application_name`, state, seconds since it connected.
+    type Holder = (i32, Option<String>, Option<String>, Option<f64>);
+    let holder: Result<Option<Holder>, _> = sqlx::query_as(
+        "SELECT a.pid, a.application_name, a.state,
+                    extract(epoch FROM now() - a.backend_start)::float8
+               FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+              WHERE l.locktype = 'advisory' AND l.granted
+                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                AND l.objsubid = 1 AND ((l.classid::bigint << 32) | l.objid::bigint) = $1
+              LIMIT 1",
+    )
+    .bind(PURGE_LOCK)
+    .fetch_optional(pool)
+    .await;
+    let holder = match holder {
+        Ok(Some((pid, application, state, age))) => format!(
+            "pid {pid} ({}, {}, connected {:.0}s ago)",
+            application.unwrap_or_default(),
+            state.unwrap_or_default(),
+            age.unwrap_or_default()
+        ),
+        Ok(None) => "a session that has ended since".to_owned(),
+        Err(error) => format!("a session that could not be read ({error})"),
+    };
+    tracing::warn!(
+        holder,
+        "expiry is behind while another session holds the purge's lock, so this router's purge runs are skipped; if that session is stuck, end it (pg_terminate_backend): the server ends it by itself after {}s without a statement",
+        SESSION_IDLE_TIMEOUT.as_secs()
+    );
 }
 
 #[cfg(test)]

@@ -43,6 +43,7 @@
 //! | `idem_purge_last_success_timestamp_seconds` | gauge | | Unix time of the last purge run that succeeded, in any process |
 //! | `idem_expiry_due_generations` | gauge | | claims generations past the retention and not yet dropped |
 //! | `idem_expiry_overdue_seconds` | gauge | | how long past its expiry the oldest of those is (0 when none) |
+//! | `idem_expiry_rotation_overdue_seconds` | gauge | | how long past its rotation the current generation is, with no transition under way (0 when not): above a few purge intervals, no purge is running |
 //! | `idem_expiry_transition_seconds` | gauge | | how long the rotation in transition has lasted (0 when none) |
 //! | `idem_expiry_transition_blocking_transactions` | gauge | | transactions that rotation still waits for, as the last purge run found them |
 //! | `idem_startup_retries_total` | counter | `server` | start-up attempts that failed because `postgresql` or `nats` could not be reached (the router tries again; it takes no message until then) |
@@ -140,6 +141,8 @@ pub const PURGE_LAST_SUCCESS: &str = "idem_purge_last_success_timestamp_seconds"
 pub const EXPIRY_DUE: &str = "idem_expiry_due_generations";
 /// How long past its expiry the oldest due generation is.
 pub const EXPIRY_OVERDUE: &str = "idem_expiry_overdue_seconds";
+/// How long past its rotation the current generation is.
+pub const EXPIRY_ROTATION_OVERDUE: &str = "idem_expiry_rotation_overdue_seconds";
 /// How long the rotation in transition has lasted.
 pub const TRANSITION_SECONDS: &str = "idem_expiry_transition_seconds";
 /// Transactions the rotation in transition waits for.
@@ -318,6 +321,11 @@ pub fn describe() {
         EXPIRY_OVERDUE,
         Unit::Seconds,
         "How long past its expiry the oldest claims generation not yet dropped is (0 when none)."
+    );
+    describe_gauge!(
+        EXPIRY_ROTATION_OVERDUE,
+        Unit::Seconds,
+        "How long past its rotation the current claims generation is, with no transition under way (0 when not); above a few purge intervals, no purge is running."
     );
     describe_gauge!(
         TRANSITION_SECONDS,
@@ -557,6 +565,7 @@ pub(crate) fn expiry(status: &crate::status::ExpiryStatus) {
     }
     metrics::gauge!(EXPIRY_DUE).set(status.due as f64);
     metrics::gauge!(EXPIRY_OVERDUE).set(status.overdue.as_secs_f64());
+    metrics::gauge!(EXPIRY_ROTATION_OVERDUE).set(status.rotation_overdue().as_secs_f64());
     let (waited, blocking) = status.transition.as_ref().map_or((0.0, 0.0), |t| {
         (t.waited.as_secs_f64(), t.waiting_for as f64)
     });
@@ -789,6 +798,7 @@ mod tests {
             failures: 4,
             last_error: Some("lock timeout".into()),
             last_failure_age: Some(Duration::from_secs(1)),
+            current_generation_age: Some(Duration::from_millis(4500)),
         };
         metrics::with_local_recorder(&recorder, || {
             expiry(&status);
@@ -851,6 +861,7 @@ mod tests {
             OUTBOX_OLDEST_AGE,
             PURGE_LAST_SUCCESS,
             EXPIRY_OVERDUE,
+            EXPIRY_ROTATION_OVERDUE,
             TRANSITION_SECONDS,
         ] {
             assert!(name.ends_with("_seconds"), "{name}");

@@ -648,8 +648,17 @@ impl<S: Send + Sync + 'static> Router<S> {
                 return Err(error);
             };
             crate::metrics::start_up_retry(down);
+            let holders = if down == Unreachable::HandlersLocked {
+                crate::claim::handlers_lock_holders(pool).await.map_or_else(
+                    |error| format!("(could not read them: {error})"),
+                    |holders| holders.join("; "),
+                )
+            } else {
+                String::new()
+            };
             tracing::warn!(
                 %error,
+                holders,
                 retry_in_ms = pause.as_millis() as u64,
                 "{} at start-up; the router takes no message until it can set up its routes, and tries again until then or until it is shut down",
                 down.describe()
@@ -768,13 +777,17 @@ pub(crate) enum Unreachable {
     Postgres,
     /// NATS is not connected, or JetStream does not answer.
     Nats,
+    /// PostgreSQL answers, but registering the handlers waited past its
+    /// lock timeout for a lock on `idem_handlers` another session holds (a
+    /// transaction left open after an `UPDATE` of it, say).
+    HandlersLocked,
 }
 
 impl Unreachable {
     /// Its label on [`crate::metrics::STARTUP_RETRIES`].
     pub(crate) fn label(self) -> &'static str {
         match self {
-            Unreachable::Postgres => "postgresql",
+            Unreachable::Postgres | Unreachable::HandlersLocked => "postgresql",
             Unreachable::Nats => "nats",
         }
     }
@@ -783,6 +796,9 @@ impl Unreachable {
         match self {
             Unreachable::Postgres => "PostgreSQL cannot be reached",
             Unreachable::Nats => "NATS (JetStream) does not answer",
+            Unreachable::HandlersLocked => {
+                "another session holds a lock on idem_handlers (a transaction left open?), so the handlers cannot be registered"
+            }
         }
     }
 }
@@ -797,6 +813,9 @@ impl Unreachable {
 /// their cause.
 async fn unreachable(error: &Error, js: &jetstream::Context) -> Option<Unreachable> {
     let nats_source = match error {
+        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
+            return Some(Unreachable::HandlersLocked);
+        }
         Error::Database(error) => {
             return database_unreachable(error).then_some(Unreachable::Postgres);
         }

@@ -298,18 +298,39 @@ pub struct ExpiryStatus {
     pub last_error: Option<String>,
     /// How long ago it failed.
     pub last_failure_age: Option<Duration>,
+    /// How long the current generation has been open.
+    pub current_generation_age: Option<Duration>,
 }
 
 impl ExpiryStatus {
-    /// Whether expiry is behind: a generation is past its expiry by more
-    /// than two runs of a router's purge (plus a second), so the purge is
-    /// failing, blocked, or not running.
+    /// Whether expiry is behind, so the purge is failing, blocked, or not
+    /// running: a generation is past its expiry, or the current generation
+    /// is past its rotation (with no transition under way), by more than two
+    /// runs of a router's purge (plus a second). The second catches a purge
+    /// that stopped altogether: then nothing rotates, and nothing is ever
+    /// sealed to come due.
     pub fn behind(&self) -> bool {
         let Some(retention) = self.retention else {
             return false;
         };
-        self.due > 0
-            && self.overdue > 2 * crate::expiry::purge_interval(retention) + Duration::from_secs(1)
+        let slack = 2 * crate::expiry::purge_interval(retention) + Duration::from_secs(1);
+        (self.due > 0 && self.overdue > slack) || self.rotation_overdue() > slack
+    }
+
+    /// How long past its rotation the current generation is (zero when not
+    /// yet due, or while a transition is under way: that is shown by
+    /// itself).
+    pub fn rotation_overdue(&self) -> Duration {
+        match (
+            self.retention,
+            self.current_generation_age,
+            &self.transition,
+        ) {
+            (Some(retention), Some(age), None) => {
+                age.saturating_sub(crate::expiry::generation_length(retention))
+            }
+            _ => Duration::ZERO,
+        }
     }
 }
 
@@ -403,6 +424,7 @@ pub(crate) async fn expiry_figures(pool: &PgPool) -> Result<ExpiryStatus, sqlx::
         failures: failures.max(0).unsigned_abs(),
         last_error,
         last_failure_age: last_failure_age.map(seconds),
+        current_generation_age: transition_age.map(seconds),
     })
 }
 

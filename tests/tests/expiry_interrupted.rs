@@ -562,3 +562,90 @@ async fn a_purge_that_keeps_failing_is_warned_counted_and_shown() {
     assert!(!generation_known(&pool, 1).await);
     stop(handle, task).await;
 }
+
+/// A purge that stopped altogether (no router with a retention runs, a
+/// cron job was removed) seals nothing, so nothing ever comes due: expiry
+/// must show as behind all the same, because the current generation is past
+/// its rotation. And a session that holds the purge's lock while expiry is
+/// behind (a purge whose process froze) is named in a warning by the
+/// routers whose purge runs it makes skip; once it is gone, they catch up.
+#[tokio::test]
+async fn a_stopped_purge_shows_as_behind_and_a_held_purge_lock_is_named() {
+    const ROUTE_RETENTION: Duration = Duration::from_secs(10);
+    /// The key of the purge's session advisory lock ("idem_exp").
+    const PURGE_LOCK: i64 = 0x6964_656d_5f65_7870;
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js: _js,
+        stream,
+        subject: _subject,
+    } = scenario("STOPPED", Duration::from_millis(100)).await;
+    register(&pool, "flowing", ROUTE_RETENTION).await;
+    let status = idem_runtime::status::expiry(&pool).await.unwrap();
+    assert!(
+        !status.behind(),
+        "a fresh generation is on time: {status:?}"
+    );
+    // No purge has run for an hour: generation 1 should have rotated long ago.
+    sqlx::query("UPDATE idem_generations SET opened_at = now() - interval '1 hour' WHERE gen = 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let status = idem_runtime::status::expiry(&pool).await.unwrap();
+    assert_eq!(status.due, 0, "nothing sealed, so nothing due: {status:?}");
+    assert!(status.behind(), "{status:?}");
+    assert!(
+        status.rotation_overdue() > Duration::from_secs(3000),
+        "{status:?}"
+    );
+
+    let mut stuck = PgConnection::connect(env.database_url()).await.unwrap();
+    sqlx::raw_sql("SET application_name = 'stuck-purge'")
+        .execute(&mut stuck)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(PURGE_LOCK)
+        .execute(&mut stuck)
+        .await
+        .unwrap();
+    let metrics = MetricsCapture::start();
+    let logs = LogCapture::start();
+    let route = short_retention_route(&stream, Duration::ZERO, ROUTE_RETENTION);
+    let (handle, task) = spawn(Router::new().route(route, flowing), nats, pool.clone());
+    eventually(
+        "a warning naming the lock's holder",
+        Duration::from_secs(30),
+        || async {
+            !logs
+                .lines_with(&["WARN", "holds the purge's lock", "stuck-purge"])
+                .is_empty()
+        },
+    )
+    .await;
+    assert_eq!(
+        state(&pool).await,
+        (1, false),
+        "the held lock kept the purge from rotating"
+    );
+    assert!(
+        metrics
+            .value("idem_expiry_rotation_overdue_seconds")
+            .unwrap_or(0.0)
+            > 3000.0
+    );
+
+    stuck.close().await.unwrap();
+    eventually(
+        "the router's purge catches up",
+        Duration::from_secs(20),
+        || async {
+            let status = idem_runtime::status::expiry(&pool).await.unwrap();
+            !status.behind() && status.current_generation > 1
+        },
+    )
+    .await;
+    stop(handle, task).await;
+}

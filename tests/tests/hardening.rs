@@ -654,8 +654,8 @@ async fn a_statement_stuck_on_a_lock_is_stopped_at_the_handler_timeout() {
         || async { backends_waiting_on_a_lock(&pool).await == 1 },
     )
     .await;
-    let stuck: i32 = sqlx::query_scalar(
-        "SELECT pid FROM pg_stat_activity
+    let (stuck, stuck_since): (i32, f64) = sqlx::query_as(
+        "SELECT pid, extract(epoch FROM query_start)::float8 FROM pg_stat_activity
          WHERE datname = current_database() AND wait_event_type = 'Lock'
            AND pid <> pg_backend_pid()",
     )
@@ -671,19 +671,24 @@ async fn a_statement_stuck_on_a_lock_is_stopped_at_the_handler_timeout() {
     )
     .await;
     assert!(stats.failed() >= 1, "the locked message timed out");
-    // The backend that waited is gone, while the lock is still held: the
-    // server cancelled its statement (statement_timeout) and ended it (its
-    // client closed the connection). Its retries each wait on a backend of
-    // their own.
+    // The statement that waited is gone, while the lock is still held: the
+    // server cancelled it (statement_timeout), or the watchdog ended its
+    // backend (its client closed the connection). Its backend may be back
+    // in the pool, and its retries may wait on the lock again, but each
+    // in a statement of its own.
     eventually(
-        "the stuck backend is gone",
+        "the stuck statement is gone",
         Duration::from_secs(10),
         || async {
-            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE pid = $1")
-                .bind(stuck)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE pid = $1 AND extract(epoch FROM query_start)::float8 = $2",
+            )
+            .bind(stuck)
+            .bind(stuck_since)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
                 == 0
         },
     )

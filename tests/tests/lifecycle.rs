@@ -179,6 +179,84 @@ async fn a_router_started_while_nats_is_down_waits_for_it_and_processes_once() {
     assert_eq!(handle.stats("c").unwrap().processed(), 2);
 }
 
+/// A session left open after an `UPDATE idem_handlers ...` (a psql session
+/// someone forgot) holds the row the router registers its handler in: the
+/// router does not hang on it. Each start-up attempt gives up after its lock
+/// timeout with a warning that names the session holding the lock, the
+/// router takes no message meanwhile, a router shut down while it waits
+/// returns, and once the session commits the waiting message is processed
+/// once.
+#[tokio::test]
+async fn a_router_started_while_a_session_holds_its_handler_row_names_it_and_processes_once() {
+    let logs = idem_tests::capture_logs();
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("HANDLERLOCK", Duration::from_secs(120)).await;
+    sqlx::query("INSERT INTO idem_handlers (name) VALUES ('lifecycle.deposit.v1')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let options: sqlx::postgres::PgConnectOptions = env.database_url().parse().unwrap();
+    let mut forgotten = <sqlx::PgConnection as sqlx::Connection>::connect_with(
+        &options.application_name("forgotten-psql"),
+    )
+    .await
+    .unwrap();
+    sqlx::raw_sql(
+        "BEGIN; UPDATE idem_handlers SET updated_at = now() WHERE name = 'lifecycle.deposit.v1'",
+    )
+    .execute(&mut forgotten)
+    .await
+    .unwrap();
+    publish(&js, &subject, &one(), Some("waiting-1")).await;
+
+    let (handle, mut task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), deposit),
+        nats,
+        pool.clone(),
+    );
+    let parts = ["WARN", "idem_handlers", "forgotten-psql", "start-up"];
+    // It keeps trying: a second attempt is held the same way.
+    wait_for_warning(&logs, &parts, 2, &mut task).await;
+    assert_eq!(
+        ledger(&pool, "lifecycle.deposit.v1").await,
+        Ledger::once_each(0),
+        "no message is taken while the handlers cannot be registered"
+    );
+    // A router shut down while it waits returns Ok, once its attempt has
+    // given up (5 s lock timeout).
+    let (waiting, mut waiting_task) = spawn(
+        Router::new().route(Route::new(&stream, "other"), deposit),
+        env.nats().await,
+        pool.clone(),
+    );
+    wait_for_warning(&logs, &parts, 3, &mut waiting_task).await;
+    let asked = tokio::time::Instant::now();
+    stop(waiting, waiting_task).await;
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "shut down within a lock timeout and a pause: {:?}",
+        asked.elapsed()
+    );
+
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut forgotten)
+        .await
+        .unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(
+        ledger(&pool, "lifecycle.deposit.v1").await,
+        Ledger::once_each(1)
+    );
+    assert_eq!(handle.stats("c").unwrap().processed(), 1);
+}
+
 /// With both servers up, what retrying cannot fix fails at once, with its
 /// own message: a missing stream, a missing schema, a consumer conflict.
 #[tokio::test]

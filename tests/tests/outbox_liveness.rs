@@ -350,6 +350,9 @@ impl RestrictedNats {
                  {{ user: admin, password: admin }}\n\
                  {{ user: relay, password: relay, permissions: {{\n\
                  publish: {{ allow: [\"OK.>\", \"$JS.API.>\"] }}\n\
+                 subscribe: {{ allow: [\"_INBOX.>\"] }}\n  }} }}\n\
+                 {{ user: noinfo, password: noinfo, permissions: {{\n\
+                 publish: {{ allow: [\">\"], deny: [\"$JS.API.INFO\"] }}\n\
                  subscribe: {{ allow: [\"_INBOX.>\"] }}\n  }} }}\n    ]\n  }}\n}}\n",
                 store = dir.path().join("js").display().to_string(),
             ),
@@ -495,6 +498,69 @@ async fn rows_the_relay_may_not_publish_do_not_block_or_slow_the_rows_after_them
         pending_rows(&pool).await,
         BATCH as i64 + 4,
         "the refused rows stay"
+    );
+}
+
+/// A relay whose NATS user may publish its rows but not request
+/// JetStream's account info (`$JS.API.INFO`, which the relay's probe asks
+/// for): when a cycle's rows all fail on their own fault (no stream), the
+/// unanswered probe must not be taken for NATS being away, or the relay
+/// would take the same head rows for ever. The rows are recorded as
+/// failing, with why, the row after them goes out, and the relay says why
+/// it could not tell.
+#[tokio::test]
+async fn rows_no_stream_stores_do_not_block_a_relay_that_may_not_ask_for_account_info() {
+    let logs = idem_tests::capture_logs();
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let server = RestrictedNats::start("").await;
+    let admin = jetstream::new(server.client("admin").await);
+    let ok = unique("OBNOINFO_OK");
+    create_stream(&admin, &ok, &format!("OK.{ok}.>"), Duration::from_secs(120)).await;
+    let missing = format!("OK.{}.paid", unique("OBNOINFO_MISSING"));
+    queue(&pool, "missing", &missing, BATCH as i64).await;
+    let good = queue(&pool, "good", &format!("OK.{ok}.paid"), 1).await;
+
+    let client = server.client("noinfo").await;
+    // The fault is real: this user's account-info request goes unanswered.
+    let probe = tokio::time::timeout(
+        Duration::from_secs(3),
+        jetstream::new(client.clone()).query_account(),
+    )
+    .await;
+    assert!(
+        !matches!(probe, Ok(Ok(_))),
+        "the noinfo user must not get JetStream's account info: {probe:?}"
+    );
+    let relay = Relay::new()
+        .batch_size(BATCH)
+        .poll_interval(Duration::from_millis(100))
+        .max_backoff(Duration::from_millis(400));
+    let stats = relay.stats();
+    let (stop, task) = spawn_relay(relay, client, pool.clone());
+    let took = wait_stored(&admin, &pool, &ok, 1, &stats, Duration::from_secs(30)).await;
+    println!("the good row went out {took:?} after the relay started");
+    assert_eq!(stored_ids(&admin, &ok).await, good);
+    let failing = wait_failing(&stats, &missing, BATCH as i64).await;
+    assert!(failing.error.contains("no stream"), "{failing:?}");
+    assert!(
+        !logs
+            .matching(&["WARN", "did not answer the relay's probe", "$JS.API.INFO"])
+            .is_empty(),
+        "the relay says why it cannot tell NATS away from failing rows: {:#?}",
+        logs.lines()
+    );
+    let log = server.log_text();
+    assert!(
+        log.contains("Violation"),
+        "the server refused the probe:\n{log}"
+    );
+    stop_relay(stop, task).await;
+    assert_eq!(
+        pending_rows(&pool).await,
+        BATCH as i64,
+        "the 8 rows stay, none lost"
     );
 }
 

@@ -337,6 +337,13 @@ pub enum RelayError {
     Database(#[from] sqlx::Error),
 }
 
+/// A cycle's `idle_in_transaction_session_timeout` and `statement_timeout`
+/// (see [`Relay::cycle`](Relay)): far above a cycle's longest pause (its
+/// PubAcks' timeout, 5 s by default, and a 2 s probe of JetStream), so that
+/// only a cycle whose process or network is gone reaches it; its rows are
+/// then released to the other relays, and to this one's next cycle.
+const CYCLE_SERVER_TIMEOUT_SETTING: &str = "60s";
+
 /// The first wait of a lane's back-off.
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -752,6 +759,18 @@ impl Relay {
     ) -> Result<Cycle, RelayError> {
         let limit = if alone { 1 } else { self.batch_size };
         let mut tx = pool.begin().await?;
+        // Bounded on the server: a cycle whose process froze, or whose
+        // network went away without a reset, must not keep its rows locked
+        // (every relay skips them) until TCP keepalive gives up, hours
+        // later. A cycle is idle in its transaction only while it waits for
+        // PubAcks, which time out far sooner.
+        sqlx::query(
+            "SELECT set_config('idle_in_transaction_session_timeout', $1, true),
+                    set_config('statement_timeout', $1, true)",
+        )
+        .bind(CYCLE_SERVER_TIMEOUT_SETTING)
+        .execute(&mut *tx)
+        .await?;
         let rows: Vec<Row> = sqlx::query_as(lane.take_sql())
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(i64::try_from(self.max_cycle_bytes).unwrap_or(i64::MAX))
@@ -888,10 +907,26 @@ impl Relay {
                 }
             }
         } else if !published && failures {
-            away = nats_answers(js).await.err();
-            if away.is_some() {
-                answered.clear();
-                unanswered.clear();
+            match probe(js).await {
+                Probe::Answers => {}
+                // Connected, but JetStream's account info went unanswered,
+                // while the server did answer for some of these rows (no
+                // stream, say): a NATS user that may not request
+                // `$JS.API.INFO` looks like this, and taking the rows'
+                // answers for an outage would retake the same head rows for
+                // ever. The rows keep their failures; the relay says why it
+                // cannot tell.
+                Probe::Unanswered(cause) if !answered.is_empty() => {
+                    tracing::warn!(
+                        cause,
+                        "JetStream did not answer the relay's probe, though it answered for the rows that failed: their failures are recorded on them, as when NATS answers. Allow the relay's NATS user to request $JS.API.INFO, so that the relay can tell NATS being away from rows that fail"
+                    );
+                }
+                Probe::Away(cause) | Probe::Unanswered(cause) => {
+                    away = Some(cause);
+                    answered.clear();
+                    unanswered.clear();
+                }
             }
         }
 
@@ -1140,14 +1175,36 @@ async fn await_acks(
 /// when nothing of a cycle went out, to tell NATS being away (the rows keep
 /// their state) from the rows' own failures (recorded on them).
 async fn nats_answers(js: &jetstream::Context) -> Result<(), String> {
+    match probe(js).await {
+        Probe::Answers => Ok(()),
+        Probe::Away(cause) | Probe::Unanswered(cause) => Err(cause),
+    }
+}
+
+/// What [`probe`] found.
+enum Probe {
+    /// Connected, and JetStream gave its account info.
+    Answers,
+    /// Not connected, or JetStream answered with an error (no responders:
+    /// JetStream is not enabled, or not up yet).
+    Away(String),
+    /// Connected, but no answer within [`PROBE_TIMEOUT`]: NATS is away
+    /// (JetStream without a leader, a connection not yet seen as lost), or
+    /// the relay's NATS user may not request `$JS.API.INFO` (the server
+    /// drops a request it refuses without an answer).
+    Unanswered(String),
+}
+
+/// Asks whether NATS and JetStream answer now (see [`nats_answers`]).
+async fn probe(js: &jetstream::Context) -> Probe {
     let state = js.client().connection_state();
     if state != State::Connected {
-        return Err(format!("the NATS client is {state}"));
+        return Probe::Away(format!("the NATS client is {state}"));
     }
     match tokio::time::timeout(PROBE_TIMEOUT, js.query_account()).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(error)) => Err(format!("JetStream's account info failed: {error}")),
-        Err(_) => Err(format!(
+        Ok(Ok(_)) => Probe::Answers,
+        Ok(Err(error)) => Probe::Away(format!("JetStream's account info failed: {error}")),
+        Err(_) => Probe::Unanswered(format!(
             "JetStream did not answer an account info request within {PROBE_TIMEOUT:?} (NATS is away, or the relay's NATS user may not request $JS.API.INFO)"
         )),
     }
