@@ -35,8 +35,9 @@
 //! messages the relay got stored, and the purge's state. The purge makes
 //! progress when a rotation or the end of a transition happens while nothing
 //! is overdue (no generation sealed longer than the retention plus a
-//! generation plus 2 s, and no partition left detached or half-detached by
-//! an interrupted expiry). After each accident ends, every part must make
+//! generation plus 2 s) or left half done by an interrupted expiry (no
+//! partition detached or half-detached, no generation without its
+//! partition). After each accident ends, every part must make
 //! progress within the bound (15 s; the purge within two generations plus
 //! 2 s); while an accident stands (the subject without a stream, the foreign
 //! transaction, the overlap of a rename; and during the NATS outage, the
@@ -59,7 +60,7 @@
 //!
 //! # Modes
 //!
-//! Quick by default (1,500 credits, each accident once; about a minute),
+//! Quick by default (2,000 credits, each accident once; about a minute),
 //! which CI runs:
 //!
 //! ```sh
@@ -77,9 +78,11 @@
 //! default 1), `IDEM_CHAOS_ACCIDENTS` (a comma-separated subset, by the
 //! names above, to run one accident alone), `IDEM_CHAOS_FOREIGN_HOLD_S` (how
 //! long the foreign transaction stays open), `IDEM_CHAOS_NATS_AWAY_S` (how
-//! long nats-server stays down, default 8), `IDEM_CHAOS_LIVENESS_BOUND_S`
-//! (default 15); `IDEM_CHAOS_MESSAGES`, `IDEM_CHAOS_RATE` (default 100 a
-//! second), `IDEM_CHAOS_SEED`, `IDEM_CHAOS_LOG_DIR` and
+//! long nats-server stays down, default 8), `IDEM_CHAOS_PURGE_KILL` (where
+//! the first purge kill strikes: `before-drop`, the default, `in-detach` or
+//! `after-drop`; later rounds take the next), `IDEM_CHAOS_LIVENESS_BOUND_S`
+//! (default 15); `IDEM_CHAOS_MESSAGES` (default 2,000), `IDEM_CHAOS_RATE`
+//! (default 120 a second), `IDEM_CHAOS_SEED`, `IDEM_CHAOS_LOG_DIR` and
 //! `IDEM_CHAOS_WORKER_LOG` as in the other modes.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -230,6 +233,8 @@ struct Knobs {
     purge_bound: Duration,
     foreign_hold: Duration,
     nats_away: Duration,
+    /// Where the first purge kill strikes (an index into [`KILL_POINTS`]).
+    first_kill_point: usize,
 }
 
 impl Knobs {
@@ -249,8 +254,16 @@ impl Knobs {
             // to show as a gap well past the purge's bound.
             foreign_hold: Duration::from_secs(env_or(
                 "IDEM_CHAOS_FOREIGN_HOLD_S",
-                (purge_bound * 2).as_secs(),
+                (purge_bound + Duration::from_secs(4)).as_secs(),
             )),
+            first_kill_point: match std::env::var("IDEM_CHAOS_PURGE_KILL").as_deref() {
+                Err(_) | Ok("before-drop") => 0,
+                Ok("in-detach") => 1,
+                Ok("after-drop") => 2,
+                Ok(other) => {
+                    panic!("IDEM_CHAOS_PURGE_KILL={other:?}: before-drop, in-detach or after-drop")
+                }
+            },
             nats_away: Duration::from_secs(env_or(
                 "IDEM_CHAOS_NATS_AWAY_S",
                 (RELAY_MAX_BACKOFF + Duration::from_secs(3)).as_secs(),
@@ -412,7 +425,8 @@ struct PurgeState {
     transition: bool,
     /// Generations sealed longer ago than [`Knobs::overdue_after`].
     overdue: i64,
-    /// Claim partitions not (or not fully) attached: an expiry cut short.
+    /// What an expiry cut short leaves: claim partitions not (or not
+    /// fully) attached, and generations whose partition is gone.
     leftover: i64,
 }
 
@@ -538,6 +552,8 @@ async fn sample(
                   WHERE c.relkind = 'r' AND c.relname ~ '^idem_claims_g[0-9]+$'
                     AND NOT EXISTS (SELECT FROM pg_inherits i
                                      WHERE i.inhrelid = c.oid AND NOT i.inhdetachpending))
+                + (SELECT count(*) FROM idem_generations g
+                    WHERE to_regclass('idem_claims_g' || g.gen) IS NULL)
            FROM idem_dedup_state s",
     )
     .bind(Knobs::overdue_after().as_millis() as i64)
@@ -1262,11 +1278,8 @@ impl FaultDriver<'_> {
     /// where it waits on a lock the test holds. The next runs must finish
     /// or undo what it left, and expiry go on.
     async fn purge_killed(&mut self, r: &mut Record) {
-        let point = [
-            KillPoint::BeforeDrop,
-            KillPoint::InDetach,
-            KillPoint::AfterDrop,
-        ][r.round % 3];
+        let first = self.day_two().knobs.first_kill_point;
+        let point = KILL_POINTS[(first + r.round) % KILL_POINTS.len()];
         let pool = self.setup.pool.clone();
         // The generation the purge expires next: the oldest sealed one still
         // attached, not due for a second yet (so the lock is there first).
@@ -1822,6 +1835,14 @@ impl FaultDriver<'_> {
         }
     }
 }
+
+/// Where the purge's session is terminated, in the order the rounds take
+/// them.
+const KILL_POINTS: [KillPoint; 3] = [
+    KillPoint::BeforeDrop,
+    KillPoint::InDetach,
+    KillPoint::AfterDrop,
+];
 
 /// Where the purge's session is terminated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
