@@ -2467,7 +2467,10 @@ pub async fn run(test: &str) {
     let count = |a: Accident| schedule.iter().filter(|f| **f == Fault::DayTwo(a)).count() as u64;
     expected.dead_letters = 2 * CONCURRENCY * count(Accident::NearMaxPayload)
         + FROZEN_PER_REPLAY * count(Accident::SharedReplay);
-    let (schedule, spacing) = place(messages, schedule, &mut rng);
+    // The accidents are placed over the first three quarters of the
+    // credits: the rest keep the routes busy while the last ones are
+    // measured.
+    let (schedule, spacing) = place(messages - messages / 4, schedule, &mut rng);
     let (finished, published, faults_done) =
         drive(&mut setup, &expected, rate, rng, &schedule, spacing).await;
     let context = setup.day_two.as_ref().expect("the day-two context");
