@@ -12,7 +12,9 @@
 //! the credits the test publishes, a client sends order requests (10 a
 //! second; every fourth one again with the same id once answered, as a
 //! client that lost the reply does; a request that gets no answer is retried
-//! with its id for 2 s, then given up), and a writer in the same database
+//! with its id for 2 s, then given up; it is sent only while the client is
+//! connected, since async-nats would send what it buffered during an outage
+//! after the reconnect, past that horizon), and a writer in the same database
 //! queues outbox rows of its own (20 transactions a second), as an HTTP
 //! endpoint would.
 //!
@@ -56,7 +58,9 @@
 //! per writer row stored downstream, each once; every order answered ran
 //! its body once (and a retry got the first reply, byte for byte); the
 //! dead-letter stream holds exactly the accidents' dead letters; nothing
-//! pending in either consumer or the outbox; the purge healthy.
+//! pending in either consumer or the outbox; the purge healthy; and no
+//! order request given up while no accident stood (from a retry horizon
+//! before one began until the order route made progress after it ended).
 //!
 //! # Modes
 //!
@@ -67,7 +71,7 @@
 //! cargo nextest run -p idem-tests --test chaos day_two
 //! ```
 //!
-//! The long mode:
+//! The long mode (about 15 minutes):
 //!
 //! ```sh
 //! IDEM_CHAOS_MESSAGES=20000 IDEM_CHAOS_DAY_TWO_ROUNDS=3 IDEM_CHAOS_FOREIGN_HOLD_S=180 \
@@ -119,7 +123,8 @@ const RELAY_MAX_BACKOFF: Duration = Duration::from_secs(5);
 const FROZEN_PER_REPLAY: u64 = 3;
 /// The order client: a request every 100 ms, each attempt waits 1 s for its
 /// reply, and a request is retried (same id) for 2 s before it is given up.
-/// The order route's retention (4 s) outlasts that.
+/// The order route's retention (4 s) outlasts that, plus three of its
+/// handler timeouts (the worker's default, 500 ms): its retention floor.
 const REQUEST_EVERY: Duration = Duration::from_millis(100);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
 const CLIENT_RETRY_HORIZON: Duration = Duration::from_secs(2);
@@ -589,6 +594,8 @@ async fn sample(
 #[derive(Debug, Clone)]
 struct RequestRecord {
     order: u64,
+    /// When it was first sent.
+    sent: Instant,
     attempts: u32,
     outcome: Outcome,
     /// The first successful reply.
@@ -608,7 +615,7 @@ enum Outcome {
 }
 
 /// Sends order requests and retries them, as a client that keeps one id
-/// per request does.
+/// per request does, within its retry horizon.
 struct Requester {
     nats: async_nats::Client,
     subject: String,
@@ -654,6 +661,7 @@ impl Requester {
         let sent = Instant::now();
         let mut record = RequestRecord {
             order,
+            sent,
             attempts: 0,
             outcome: Outcome::Replied,
             reply: None,
@@ -690,6 +698,18 @@ impl Requester {
         attempts: &mut u32,
     ) -> Result<Bytes, Outcome> {
         loop {
+            // async-nats keeps what is sent while it is disconnected and
+            // sends it once it reconnects, which after an outage is later
+            // than the horizon the route's retention counts on. A client
+            // that keeps its horizon sends only while connected.
+            while self.nats.connection_state() != async_nats::connection::State::Connected {
+                if sent.elapsed() + Duration::from_millis(200) >= CLIENT_RETRY_HORIZON {
+                    return Err(Outcome::Abandoned(
+                        "not connected to NATS within the retry horizon".to_owned(),
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             *attempts += 1;
             let mut headers = async_nats::HeaderMap::new();
             headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
@@ -1851,7 +1871,8 @@ enum KillPoint {
     BeforeDrop,
     /// Inside `DETACH ... CONCURRENTLY`, after its first transaction.
     InDetach,
-    /// The DROP done, the generation not yet forgotten.
+    /// The DROP done, the generation not yet forgotten (today's purge does
+    /// both in one transaction, so the kill undoes the DROP).
     AfterDrop,
 }
 
@@ -2177,9 +2198,43 @@ fn exactly_once(what: &str, ids: &HashSet<String>, stored: &[String]) -> Option<
     })
 }
 
+/// What [`when_given_up`] says of a request sent while no accident stood.
+const QUIET: &str = "while no accident stood";
+
+/// When a request that was given up was sent: before the first worker
+/// answered, while an accident stood (from a client-retry horizon before it
+/// began until the order route made progress after it ended), or
+/// [`QUIET`].
+fn when_given_up(sent: Instant, first_answered: Option<Instant>, accidents: &[Record]) -> String {
+    if first_answered.is_none_or(|first| sent < first) {
+        return "before the first worker answered".to_owned();
+    }
+    accidents
+        .iter()
+        .find(|r| {
+            let recovered = r
+                .after
+                .iter()
+                .find(|(part, _)| *part == Part::Orders)
+                .and_then(|(_, took)| *took)
+                .unwrap_or(Duration::MAX);
+            sent + CLIENT_RETRY_HORIZON >= r.began
+                && r.ended.checked_add(recovered).is_none_or(|at| sent <= at)
+        })
+        .map_or_else(
+            || QUIET.to_owned(),
+            |r| format!("{} {}", r.accident.name(), r.round),
+        )
+}
+
 /// The end state beyond the ledger: the mirror, the downstream streams, the
 /// orders, the dead letters and the purge. Returns every violation.
-async fn check_end(setup: &Setup, messages: u64, ctx: &Context) -> Vec<String> {
+async fn check_end(
+    setup: &Setup,
+    messages: u64,
+    ctx: &Context,
+    accidents: &[Record],
+) -> Vec<String> {
     let (pool, js) = (&setup.pool, &setup.js);
     let mut violations = Vec::new();
     // The mirror: every credit once, by its ref.
@@ -2280,6 +2335,13 @@ async fn check_end(setup: &Setup, messages: u64, ctx: &Context) -> Vec<String> {
     let records = ctx.requester.records();
     let mut problems = Vec::new();
     let (mut answered, mut abandoned, mut retried, mut refused) = (0, 0, 0, 0);
+    // Requests given up, by when they were sent (and one reason each).
+    let mut given_up: BTreeMap<String, (u64, String)> = BTreeMap::new();
+    let first_answered = records
+        .iter()
+        .filter(|r| r.outcome == Outcome::Replied)
+        .map(|r| r.sent)
+        .min();
     for record in &records {
         let ran = runs
             .get(&(record.order as i64))
@@ -2299,8 +2361,11 @@ async fn check_end(setup: &Setup, messages: u64, ctx: &Context) -> Vec<String> {
                     ));
                 }
             }
-            Outcome::Abandoned(_) => {
+            Outcome::Abandoned(why) => {
                 abandoned += 1;
+                let when = when_given_up(record.sent, first_answered, accidents);
+                let entry = given_up.entry(when).or_insert((0, why.clone()));
+                entry.0 += 1;
                 if ran.len() > 1 {
                     problems.push(format!("order {} (given up): ran {ran:?}", record.order));
                 }
@@ -2348,10 +2413,17 @@ async fn check_end(setup: &Setup, messages: u64, ctx: &Context) -> Vec<String> {
     }
     eprintln!(
         "chaos: day-two orders: {} requests, {answered} answered, {abandoned} given up, {retried} \
-         retried after their reply, {refused} refused after running once, {} bodies run",
+         retried after their reply, {refused} refused after running once, {} bodies run; given \
+         up by when they were sent: {given_up:?}",
         records.len(),
         runs.values().map(Vec::len).sum::<usize>()
     );
+    if let Some((n, why)) = given_up.get(QUIET) {
+        problems.push(format!(
+            "liveness: {n} order requests sent while no accident stood were given up after \
+             {CLIENT_RETRY_HORIZON:?} of retries (one said: {why})"
+        ));
+    }
     if !problems.is_empty() {
         violations.push(format!(
             "orders ({} problems, first 10):\n    {}",
@@ -2456,6 +2528,10 @@ pub async fn run(test: &str) {
             "CHAOS_PLACE_RETENTION_MS",
             RETENTION.as_millis().to_string(),
         ),
+        (
+            "CHAOS_PLACE_RETRY_HORIZON_MS",
+            CLIENT_RETRY_HORIZON.as_millis().to_string(),
+        ),
         ("CHAOS_RELAY_BATCH", RELAY_BATCH.to_string()),
         ("CHAOS_MIRROR_DURABLE", MIRROR_DURABLE.to_owned()),
     ] {
@@ -2475,7 +2551,7 @@ pub async fn run(test: &str) {
         drive(&mut setup, &expected, rate, rng, &schedule, spacing).await;
     let context = setup.day_two.as_ref().expect("the day-two context");
     let table = finished.tally.day_two.table(&context.knobs);
-    let end = check_end(&setup, messages, context).await;
+    let end = check_end(&setup, messages, context, &finished.tally.day_two.records).await;
     let totals = finished.tally.totals();
     eprintln!(
         "{table}chaos: day-two: {messages} credits in {:.1?} (accidents done at {faults_done:.1?}; \

@@ -23,6 +23,11 @@
 //!   the body again gets another reply. Its claims expire
 //!   (`CHAOS_PLACE_RETENTION_MS`): it is the handler with a retention, so the
 //!   router's purge rotates and expires claim generations all run long.
+//!   Its clients retry for `CHAOS_PLACE_RETRY_HORIZON_MS` and its handler
+//!   is stopped after `CHAOS_PLACE_HANDLER_TIMEOUT_MS`, so that so short a
+//!   retention is above its retention floor (horizon + 3 × timeout). The
+//!   route is named after its subject (the default), so both versions
+//!   share its claims (`reply:<subject>`) and its queue group.
 //! - **An outbox relay**, in batches of `CHAOS_RELAY_BATCH` rows.
 //!
 //! | variable | default | |
@@ -32,6 +37,8 @@
 //! | `CHAOS_PLACE_SUBJECT` | required | the order route's request subject |
 //! | `CHAOS_PLACE_VERSION` | 1 | which name the order handler runs under: `chaos-place.v1` or `.v2` |
 //! | `CHAOS_PLACE_RETENTION_MS` | 6000 | the order route's retention |
+//! | `CHAOS_PLACE_RETRY_HORIZON_MS` | 2000 | how long the order route's clients retry a request |
+//! | `CHAOS_PLACE_HANDLER_TIMEOUT_MS` | 500 | the order route's handler timeout |
 //! | `CHAOS_RELAY_BATCH` | 8 | the relay's rows per cycle |
 
 use std::sync::Arc;
@@ -79,6 +86,8 @@ pub struct Config {
     place_subject: String,
     place_version: u8,
     place_retention: Duration,
+    place_retry_horizon: Duration,
+    place_handler_timeout: Duration,
     relay_batch: usize,
 }
 
@@ -93,6 +102,14 @@ impl Config {
             place_subject: required("CHAOS_PLACE_SUBJECT")?,
             place_version: env_or("CHAOS_PLACE_VERSION", 1)?,
             place_retention: Duration::from_millis(env_or("CHAOS_PLACE_RETENTION_MS", 6000)?),
+            place_retry_horizon: Duration::from_millis(env_or(
+                "CHAOS_PLACE_RETRY_HORIZON_MS",
+                2000,
+            )?),
+            place_handler_timeout: Duration::from_millis(env_or(
+                "CHAOS_PLACE_HANDLER_TIMEOUT_MS",
+                500,
+            )?),
             relay_batch: env_or("CHAOS_RELAY_BATCH", 8)?,
         };
         if !matches!(config.place_version, 1 | 2) {
@@ -138,6 +155,8 @@ pub fn router(state: WorkerState, credit: Route, config: &crate::Config) -> Rout
         .batch(config.batch);
     let place_route = ReplyRoute::new(&day_two.place_subject)
         .concurrency(PLACE_CONCURRENCY)
+        .client_retry_horizon(day_two.place_retry_horizon)
+        .handler_timeout(day_two.place_handler_timeout)
         .retention(day_two.place_retention);
     let router = Router::with_state(state)
         .route(credit, credit_and_tell)
