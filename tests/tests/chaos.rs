@@ -19,6 +19,16 @@
 //! it prints what each fault cost (how long processing stalled, how many
 //! redeliveries the claim absorbed).
 //!
+//! **Day-two mode** (`day_two_*`, see `chaos/day_two.rs`): ordinary
+//! operational accidents while credits, order requests and outbox rows flow
+//! (a subject deployed before its stream, messages near `max_payload`, a
+//! purge killed mid-expiry, a transaction left open in another database, a
+//! handler renamed in a rolling deploy, a dead letter replayed while another
+//! route shares its subject, nats-server away for longer than the relay's
+//! back-off), with a liveness invariant besides exactly-once: after each
+//! accident every route, the relay and the purge make progress again within
+//! a stated bound. Its own docs list its checks, knobs and long mode.
+//!
 //! Kill and network modes run the worker in per-message mode and in batch
 //! mode. At the end:
 //!
@@ -108,6 +118,8 @@
 mod acks;
 #[path = "chaos/cluster.rs"]
 mod cluster;
+#[path = "chaos/day_two.rs"]
+mod day_two;
 #[path = "chaos/network.rs"]
 mod network;
 #[path = "chaos/worker.rs"]
@@ -150,11 +162,21 @@ fn message_id(i: u64) -> String {
     format!("chaos-{i}")
 }
 
+/// Message `i`'s own reference, in its payload: what the day-two mode's
+/// second route on the subject dedups by (`key = cmd.reference`), where the
+/// credit route dedups by the `Nats-Msg-Id`.
+fn credit_ref(i: u64) -> String {
+    format!("r-{i}")
+}
+
 /// What a run should end with.
 struct Expected {
     messages: u64,
     sum: i64,
     balances: BTreeMap<i64, i64>,
+    /// Messages in the dead-letter stream (the day-two mode's accidents
+    /// make some; no other mode may).
+    dead_letters: u64,
 }
 
 impl Expected {
@@ -170,6 +192,7 @@ impl Expected {
             messages,
             sum,
             balances,
+            dead_letters: 0,
         }
     }
 }
@@ -241,6 +264,8 @@ struct Setup {
     tap: AckTap,
     /// Network mode: the worker reaches the servers only through these.
     proxies: Option<Proxies>,
+    /// Day-two mode: its traffic, streams and watch.
+    day_two: Option<day_two::Context>,
 }
 
 /// How the worker reaches the servers.
@@ -308,6 +333,7 @@ async fn setup(test: &str, extra_worker_env: &[(&str, &str)], route: Route) -> O
         logs: LogDir::new(test),
         tap,
         proxies,
+        day_two: None,
     })
 }
 
@@ -558,9 +584,10 @@ async fn check_ledger(pool: &PgPool, js: &jetstream::Context, expected: &Expecte
         ));
     }
     let dead_letters = dead_letters(js).await;
-    if dead_letters != 0 {
+    if dead_letters != expected.dead_letters {
         violations.push(format!(
-            "{dead_letters} messages were dead-lettered instead of applied"
+            "{dead_letters} messages are in the dead-letter stream, expected {}",
+            expected.dead_letters
         ));
     }
     violations
@@ -655,10 +682,11 @@ async fn publish_all(
             tokio::time::sleep_until(due.into()).await;
         }
         let (account, amount) = credit(i);
-        let payload: bytes::Bytes =
-            serde_json::to_vec(&serde_json::json!({ "account": account, "amount": amount }))
-                .expect("payload encodes")
-                .into();
+        let payload: bytes::Bytes = serde_json::to_vec(
+            &serde_json::json!({ "account": account, "amount": amount, "ref": credit_ref(i) }),
+        )
+        .expect("payload encodes")
+        .into();
         let first_try = Instant::now();
         loop {
             let mut headers = async_nats::HeaderMap::new();
@@ -706,6 +734,7 @@ enum Fault {
     RestartPostgres,
     RestartNats,
     Network(NetFault),
+    DayTwo(day_two::Accident),
 }
 
 /// Spreads `faults` over the run: each is due once the ledger holds that
@@ -792,6 +821,7 @@ struct Tally {
     /// went to a later worker.
     delivered_before_death: HashMap<u32, u64>,
     network: network::Tally,
+    day_two: day_two::Tally,
     ended: Vec<Ended>,
     /// The longest the ledger went without growing while rows were due:
     /// how long, from when (into the run), and the fault done last before
@@ -1174,6 +1204,7 @@ impl FaultDriver<'_> {
                 Fault::RestartPostgres => self.restart_postgres().await,
                 Fault::RestartNats => self.restart_nats().await,
                 Fault::Network(fault) => self.network_fault(fault).await,
+                Fault::DayTwo(accident) => self.accident(accident).await,
             }
             self.last_fault = Some(fault);
         }
@@ -1193,6 +1224,13 @@ impl FaultDriver<'_> {
         if let Err(e) = drained {
             self.worker = Some(last);
             self.fail(&e).await;
+        }
+        if self.setup.day_two.is_some() {
+            // Its other traffic stops, and what it left settles, before the
+            // last worker (and with it the relay) stops.
+            self.worker = Some(last);
+            self.settle_day_two().await;
+            last = self.worker.take().expect("a worker is running");
         }
         let (ended, shutdown_took) = match last.sigterm(SIGTERM_GRACE).await {
             Ok(ended) => ended,
@@ -1403,6 +1441,23 @@ async fn network_faults_apply_every_message_once() {
 )]
 async fn network_faults_apply_every_message_once_in_batch_mode() {
     network::run("network-batch", 16).await;
+}
+
+/// Ordinary operational accidents while credits, order requests and outbox
+/// rows flow (see `chaos/day_two.rs`): a subject deployed before its stream,
+/// undecodable messages near `max_payload`, a purge killed mid-expiry, a
+/// transaction left open in another database, a handler renamed in a
+/// rolling deploy, a dead letter replayed while another route shares its
+/// subject, and nats-server away for longer than the relay's back-off. After
+/// each, every route, the relay and the purge make progress within the
+/// bound; at the end every effect is applied once and nothing is pending.
+#[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
+async fn day_two_accidents_stop_nothing_and_apply_every_effect_once() {
+    day_two::run("day-two").await;
 }
 
 /// The default publish rate: quick mode spreads publishing over ~12 s, so

@@ -8,7 +8,7 @@
 //! - `{"event":"started",..}` once the database is prepared, before the
 //!   router starts;
 //! - `{"event":"stats",..}` whenever a counter changed (checked every 10 ms)
-//!   and at least every `CHAOS_REPORT_MS`, with the route's [`Stats`] and
+//!   and at least every `CHAOS_REPORT_MS`, with the route's `Stats` and
 //!   what the worker observed of the servers: NATS connection events and the
 //!   outages of a `SELECT 1` probe on PostgreSQL;
 //! - the journal, one line per event of one message, written as it happens:
@@ -32,6 +32,12 @@
 //!
 //! Logs go to stderr (`RUST_LOG`, default `warn,idem_runtime=info`).
 //!
+//! **`CHAOS_PROFILE=day-two`** runs more beside the credit route, for the
+//! chaos suite's day-two mode (`tests/tests/chaos/day_two.rs`): the credit
+//! handler also queues a notice per credit in the outbox, a second route
+//! shares the credit subject, a request/reply route answers orders, and an
+//! outbox relay runs beside them. See `chaos_worker/day_two.rs`.
+//!
 //! # Environment
 //!
 //! | variable | default | |
@@ -54,6 +60,7 @@
 //! worth exercising, but with the default `deadlock_timeout` every deadlock
 //! stalls the batches involved for a full second.
 //! | `CHAOS_SHUTDOWN_GRACE_MS` | 10000 | how long shutdown waits for in-flight messages |
+//! | `CHAOS_PROFILE` | `kill` | `day-two` adds the routes and the relay of `chaos_worker/day_two.rs`, configured by its own variables |
 //!
 //! The business table, `chaos_ledger`, has no unique key: a message applied
 //! twice shows up as two rows.
@@ -65,7 +72,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem_runtime::fault::{AfterCommit, FaultHooks};
-use idem_runtime::{Delivery, Route, Router, State, Stats, idempotent};
+use idem_runtime::{Delivery, FromRef, Route, Router, RouterHandle, State, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Connection, PgTransaction};
@@ -74,17 +81,32 @@ use tokio::sync::watch;
 /// The handler's name in the dedup table; the test counts dedup rows by it.
 const HANDLER: &str = "chaos-credit-v1";
 
+/// Day-two profile: more routes, an outbox and a relay.
+#[path = "chaos_worker/day_two.rs"]
+mod day_two;
+
 /// One credit. The message id is the `Nats-Msg-Id` header.
 #[derive(Debug, Deserialize)]
 struct Credit {
     account: i32,
     amount: i64,
+    /// The credit's own reference, which the day-two profile's second
+    /// route dedups by (`key = cmd.reference`).
+    #[serde(default, rename = "ref")]
+    reference: String,
 }
 
 /// How long each handler waits inside its transaction
-/// (`CHAOS_HANDLER_DELAY_MS`): the router's state.
+/// (`CHAOS_HANDLER_DELAY_MS`).
 #[derive(Clone, Copy)]
 struct HandlerDelay(Duration);
+
+/// The router's state: each handler takes its part.
+#[derive(Clone, FromRef)]
+struct WorkerState {
+    delay: HandlerDelay,
+    day_two: day_two::Settings,
+}
 
 /// Set by SIGUSR1: hold the next commit before its ack.
 static HOLD_NEXT: AtomicBool = AtomicBool::new(false);
@@ -150,6 +172,20 @@ async fn credit(
 ) -> Result<(), sqlx::Error> {
     // The claim was fresh: this transaction is open until COMMIT or rollback.
     journal("begin", delivery);
+    apply_credit(tx, delivery, &cmd).await?;
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    Ok(())
+}
+
+/// The credit's effect: its ledger row and the balance. Shared by both
+/// profiles' credit handlers.
+async fn apply_credit(
+    tx: &mut PgTransaction<'_>,
+    delivery: &Delivery,
+    cmd: &Credit,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO chaos_ledger (message_id, account, amount, stream_seq, delivered, worker_pid) \
          VALUES ($1, $2, $3, $4, $5, $6)",
@@ -170,9 +206,6 @@ async fn credit(
     .bind(cmd.amount)
     .execute(&mut **tx)
     .await?;
-    if !delay.is_zero() {
-        tokio::time::sleep(delay).await;
-    }
     Ok(())
 }
 
@@ -206,6 +239,8 @@ struct Config {
     nats_ping: Option<Duration>,
     pg_probe_timeout: Duration,
     pg_deadlock_timeout_ms: u64,
+    /// `CHAOS_PROFILE=day-two`: its settings.
+    day_two: Option<day_two::Config>,
 }
 
 impl Config {
@@ -228,6 +263,11 @@ impl Config {
             },
             pg_probe_timeout: Duration::from_millis(env_or("CHAOS_PG_PROBE_TIMEOUT_MS", 1000)?),
             pg_deadlock_timeout_ms: env_or("CHAOS_PG_DEADLOCK_TIMEOUT_MS", 50)?,
+            day_two: match env_or("CHAOS_PROFILE", "kill".to_owned())?.as_str() {
+                "kill" => None,
+                "day-two" => Some(day_two::Config::from_env()?),
+                other => return Err(format!("CHAOS_PROFILE={other:?}: kill or day-two")),
+            },
         })
     }
 
@@ -242,6 +282,16 @@ impl Config {
                     .map_err(|e| format!("NATS_URL {url:?}: {e}"))
             })
             .collect()
+    }
+
+    /// A connection per message in flight, plus the relay's and the purge's
+    /// (and in the day-two profile, the other routes').
+    fn pool_size(&self) -> u32 {
+        let day_two = self
+            .day_two
+            .as_ref()
+            .map_or(0, |d| d.connections(self.concurrency));
+        (self.concurrency + 2 + day_two) as u32
     }
 
     fn route(&self) -> Route {
@@ -335,10 +385,21 @@ struct Report {
     pg_probe_resets: u64,
     pg_probe_other: u64,
     startup_failures: u64,
+    /// The day-two profile's other routes and relay (zeros otherwise).
+    #[serde(flatten)]
+    day_two: day_two::Counters,
 }
 
-/// The counters of every router this process ran (one per start-up attempt).
-type AllStats = Arc<Mutex<Vec<Arc<Stats>>>>;
+/// Every router this process ran (one per start-up attempt), and the names
+/// its routes' counters are under.
+struct Routers {
+    /// The credit route's durable.
+    durable: String,
+    day_two: Option<day_two::Config>,
+    handles: Mutex<Vec<RouterHandle>>,
+}
+
+type AllStats = Arc<Routers>;
 
 fn report(event: &'static str, stats: &AllStats, observed: &Observed) {
     emit(serde_json::to_string(&snapshot(event, stats, observed)).expect("a report serializes"));
@@ -350,7 +411,8 @@ fn snapshot(event: &'static str, stats: &AllStats, observed: &Observed) -> Repor
     let (mut retried_in_process, mut dead_lettered, mut dead_letter_failed) = (0, 0, 0);
     let (mut batches, mut largest_batch, mut batch_fallbacks) = (0, 0, 0);
     let (mut infrastructure_errors, mut abandoned_transactions) = (0, 0);
-    for s in stats.lock().expect("stats lock").iter() {
+    let handles = stats.handles.lock().expect("stats lock");
+    for s in handles.iter().filter_map(|h| h.stats(&stats.durable)) {
         infrastructure_errors += s.infrastructure_errors();
         abandoned_transactions += s.abandoned_transactions();
         received += s.received();
@@ -397,6 +459,11 @@ fn snapshot(event: &'static str, stats: &AllStats, observed: &Observed) -> Repor
         pg_probe_resets: load(&observed.pg_probe_resets),
         pg_probe_other: load(&observed.pg_probe_other),
         startup_failures: load(&observed.startup_failures),
+        day_two: stats
+            .day_two
+            .as_ref()
+            .map(|config| day_two::Counters::of(config, &handles))
+            .unwrap_or_default(),
     }
 }
 
@@ -530,9 +597,12 @@ async fn retry<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
     }
 }
 
-async fn prepare_database(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
+async fn prepare_database(pool: &PgPool, day_two: bool) -> Result<(), Box<dyn std::error::Error>> {
     idem_runtime::schema::migrate(pool).await?;
     sqlx::raw_sql(SCHEMA).execute(pool).await?;
+    if day_two {
+        sqlx::raw_sql(day_two::SCHEMA).execute(pool).await?;
+    }
     Ok(())
 }
 
@@ -591,7 +661,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         format!("{}ms", config.pg_deadlock_timeout_ms),
     )]);
     let pool = PgPoolOptions::new()
-        .max_connections(config.concurrency as u32 + 2)
+        .max_connections(config.pool_size())
         .acquire_timeout(Duration::from_secs(3))
         .connect_lazy_with(connect);
     tokio::spawn(probe_postgres(
@@ -600,10 +670,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         observed.clone(),
     ));
 
-    let all_stats: AllStats = Arc::default();
-    if retry("preparing the database", &stop, || prepare_database(&pool))
-        .await
-        .is_none()
+    let all_stats: AllStats = Arc::new(Routers {
+        durable: config.durable.clone(),
+        day_two: config.day_two.clone(),
+        handles: Mutex::default(),
+    });
+    let state = WorkerState {
+        delay: HandlerDelay(config.handler_delay),
+        day_two: day_two::Settings::of(config.day_two.as_ref()),
+    };
+    if retry("preparing the database", &stop, || {
+        prepare_database(&pool, config.day_two.is_some())
+    })
+    .await
+    .is_none()
     {
         report("stopped", &all_stats, &observed);
         return Ok(());
@@ -618,15 +698,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Start-up fails while a server is down (schema check, consumer
     // creation); try again until it succeeds or we are told to stop.
     loop {
-        let router = Router::with_state(HandlerDelay(config.handler_delay))
-            .route(config.route(), credit)
-            .shutdown_grace(config.shutdown_grace)
-            .fault_hooks(FaultHooks::default().after_commit(after_commit));
-        let stats = router
-            .handle()
-            .stats(&config.durable)
-            .expect("the route is bound");
-        all_stats.lock().expect("stats lock").push(stats);
+        let router = match &config.day_two {
+            None => Router::with_state(state.clone()).route(config.route(), credit),
+            Some(_) => day_two::router(state.clone(), config.route(), &config),
+        }
+        .shutdown_grace(config.shutdown_grace)
+        .fault_hooks(FaultHooks::default().after_commit(after_commit));
+        all_stats
+            .handles
+            .lock()
+            .expect("stats lock")
+            .push(router.handle());
         match router
             .run_until(nats.clone(), pool.clone(), stopped(stop.clone()))
             .await

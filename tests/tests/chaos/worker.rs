@@ -47,6 +47,20 @@ pub struct Report {
     pub pg_probe_resets: u64,
     pub pg_probe_other: u64,
     pub startup_failures: u64,
+    /// The day-two profile's other routes and its relay
+    /// (`src/bin/chaos_worker/day_two.rs`); zero in the other modes.
+    pub mirror_processed: u64,
+    pub mirror_duplicates: u64,
+    pub mirror_rejected: u64,
+    pub mirror_dead_lettered: u64,
+    pub mirror_dead_letter_failed: u64,
+    pub place_processed: u64,
+    pub place_duplicates: u64,
+    pub place_failed: u64,
+    pub place_rejected: u64,
+    pub relay_published: u64,
+    pub relay_failed: u64,
+    pub relay_cycles: u64,
     /// Journal lines: the message.
     pub id: String,
     pub delivered: u64,
