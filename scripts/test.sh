@@ -42,6 +42,18 @@ cargo fmt --all -- --check
 step "cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets "${locked[@]}" -- -D warnings
 
+# The published crates must package: every dependency has a version, the
+# metadata and the files a crate needs are in it. `cargo package`, not
+# `cargo publish --dry-run`: the dry run asks crates.io over HTTP even with
+# --no-verify, and refuses --offline. --offline reads the index cached by the
+# build above, so this takes a second and needs no network. --no-verify: a
+# verification build of the packages compiles every dependency again, under
+# the packaged manifests' profile (still compiling after a minute on 2 cores).
+# Listed by name: `--workspace` would also package the members marked
+# `publish = false`.
+step "cargo package (the published crates)"
+cargo package -p idem-macros -p idem-runtime -p idem-cli --no-verify --offline --allow-dirty "${locked[@]}"
+
 # nextest and the doctests build with the same (test) profile and features,
 # so the second step reuses the first step's dependencies.
 step "cargo nextest run (profile $profile)"

@@ -126,7 +126,7 @@ async fn effect(tx: &mut sqlx::PgTransaction<'_>, msg: Payload) -> Result<(), sq
     insert_effect(tx, &msg).await
 }
 
-/// As [`effect`], with the message's `Nats-Msg-Id` as its id (the default)
+/// As [`effect()`], with the message's `Nats-Msg-Id` as its id (the default)
 /// instead of a key expression: on a route that declares its
 /// publisher-retry horizon, the runtime then knows the earliest time the
 /// message can have been claimed, and its claim probes only the

@@ -89,7 +89,7 @@ enum Command {
     Naive(HandWrittenArgs),
     /// As naive, with a dedup INSERT .. ON CONFLICT DO NOTHING first
     Manual(HandWrittenArgs),
-    /// An #[idempotent] handler run by idem_runtime::Router
+    /// An `#[idempotent]` handler run by idem_runtime::Router
     Idem(IdemArgs),
     /// The framework, batched: Route::batch(B), C batches in flight
     #[command(mut_arg("concurrency", |arg| arg.help("Batches in flight")))]

@@ -169,7 +169,7 @@ pub struct FilterArgs {
     pub until: Option<OffsetDateTime>,
 
     /// Only those stored under this subject (wildcards allowed), such as
-    /// one route's idem.dead.<stream>.<durable>.
+    /// one route's idem.dead.STREAM.DURABLE.
     #[arg(long, value_name = "SUBJECT")]
     pub subject: Option<String>,
 

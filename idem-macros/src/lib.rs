@@ -9,9 +9,11 @@
 #![warn(missing_docs)]
 
 mod attr;
+mod check;
 mod classify;
 mod expand;
 mod from_ref;
+mod generate;
 
 use proc_macro::TokenStream;
 

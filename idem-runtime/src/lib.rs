@@ -37,6 +37,9 @@
 //! ```
 
 #![warn(missing_docs)]
+// On docs.rs (`--cfg docsrs`, see Cargo.toml), each feature-gated item is
+// marked with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod ack;
 mod batch;
