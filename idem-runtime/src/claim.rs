@@ -102,39 +102,44 @@ pub(crate) const REGISTER_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// (`None`: keep its claims forever), and returns the id each claim of a
 /// handler stores.
 ///
-/// In one transaction, in name order (two routers registering the same
-/// handlers take their row locks in one order, and cannot deadlock), with a
-/// [`REGISTER_LOCK_TIMEOUT`]: a lock held elsewhere fails the attempt with
-/// `lock_not_available` (55P03) instead of waiting forever.
+/// One statement, in name order (two routers registering the same handlers
+/// take their row locks in one order, and cannot deadlock), with a
+/// [`REGISTER_LOCK_TIMEOUT`] of its own: a lock held elsewhere fails it with
+/// `lock_not_available` (55P03) instead of waiting for ever. (One statement,
+/// not a transaction: its own implicit transaction bounds the setting, and
+/// no COMMIT goes over the wire.)
 pub(crate) async fn register(
     pool: &PgPool,
     handlers: &[(&str, Option<Duration>)],
 ) -> Result<HashMap<String, i32>, sqlx::Error> {
-    let mut ordered = handlers.to_vec();
-    ordered.sort_by_key(|&(name, _)| name);
-    let mut ids = HashMap::with_capacity(ordered.len());
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-        .bind(format!("{}ms", REGISTER_LOCK_TIMEOUT.as_millis()))
-        .execute(&mut *tx)
-        .await?;
-    for (name, retention) in ordered {
-        let millis = retention.map(|period| i64::try_from(period.as_millis()).unwrap_or(i64::MAX));
-        let id: i32 = sqlx::query_scalar(
-            "INSERT INTO idem_handlers (name, retention)
-             VALUES ($1, $2::bigint * interval '1 millisecond')
-             ON CONFLICT (name) DO UPDATE
-                SET retention = EXCLUDED.retention, updated_at = now()
-             RETURNING id",
-        )
-        .bind(name)
-        .bind(millis)
-        .fetch_one(&mut *tx)
-        .await?;
-        ids.insert(name.to_owned(), id);
-    }
-    tx.commit().await?;
-    Ok(ids)
+    // Once each: the partitions of one route share its handler (and a row
+    // may be updated only once per statement). The last one's retention
+    // wins, as it did when each was registered on its own.
+    let unique: std::collections::BTreeMap<&str, Option<Duration>> =
+        handlers.iter().copied().collect();
+    let names: Vec<&str> = unique.keys().copied().collect();
+    let millis: Vec<Option<i64>> = unique
+        .values()
+        .map(|retention| {
+            retention.map(|period| i64::try_from(period.as_millis()).unwrap_or(i64::MAX))
+        })
+        .collect();
+    let rows: Vec<(String, i32)> = sqlx::query_as(
+        "WITH bounded AS (SELECT set_config('lock_timeout', $3, true))
+         INSERT INTO idem_handlers (name, retention)
+         SELECT h.name, h.millis * interval '1 millisecond'
+           FROM unnest($1::text[], $2::bigint[]) AS h(name, millis), bounded
+          ORDER BY h.name
+         ON CONFLICT (name) DO UPDATE
+            SET retention = EXCLUDED.retention, updated_at = now()
+         RETURNING name, id",
+    )
+    .bind(&names)
+    .bind(&millis)
+    .bind(format!("{}ms", REGISTER_LOCK_TIMEOUT.as_millis()))
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().collect())
 }
 
 /// A session holding a lock: pid, `application_name`, state, seconds its
