@@ -42,6 +42,12 @@ cargo fmt --all -- --check
 step "cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets "${locked[@]}" -- -D warnings
 
+# The rustdoc is the user's reference (docs.rs shows it): a broken intra-doc
+# link or a bad HTML tag in it fails here. --no-deps: only the workspace's
+# crates are documented; the dependencies' metadata is the one clippy built.
+step "cargo doc (warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps "${locked[@]}"
+
 # The published crates must package: every dependency has a version, the
 # metadata and the files a crate needs are in it. `cargo package`, not
 # `cargo publish --dry-run`: the dry run asks crates.io over HTTP even with

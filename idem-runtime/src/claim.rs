@@ -103,11 +103,13 @@ pub(crate) const REGISTER_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// handler stores.
 ///
 /// One statement, in name order (two routers registering the same handlers
-/// take their row locks in one order, and cannot deadlock), with a
-/// [`REGISTER_LOCK_TIMEOUT`] of its own: a lock held elsewhere fails it with
-/// `lock_not_available` (55P03) instead of waiting for ever. (One statement,
-/// not a transaction: its own implicit transaction bounds the setting, and
-/// no COMMIT goes over the wire.)
+/// take their row locks in one order, and cannot deadlock), on a connection
+/// of its own whose session has a [`REGISTER_LOCK_TIMEOUT`]: a lock held
+/// elsewhere, on a row or on the table (which the statement takes before it
+/// runs), fails it with `lock_not_available` (55P03) instead of waiting for
+/// ever. The connection is closed after, so that the setting never reaches
+/// the pool; and no COMMIT goes over the wire (the statement is its own
+/// transaction).
 pub(crate) async fn register(
     pool: &PgPool,
     handlers: &[(&str, Option<Duration>)],
@@ -124,22 +126,29 @@ pub(crate) async fn register(
             retention.map(|period| i64::try_from(period.as_millis()).unwrap_or(i64::MAX))
         })
         .collect();
-    let rows: Vec<(String, i32)> = sqlx::query_as(
-        "WITH bounded AS (SELECT set_config('lock_timeout', $3, true))
-         INSERT INTO idem_handlers (name, retention)
-         SELECT h.name, h.millis * interval '1 millisecond'
-           FROM unnest($1::text[], $2::bigint[]) AS h(name, millis), bounded
-          ORDER BY h.name
-         ON CONFLICT (name) DO UPDATE
-            SET retention = EXCLUDED.retention, updated_at = now()
-         RETURNING name, id",
-    )
-    .bind(&names)
-    .bind(&millis)
-    .bind(format!("{}ms", REGISTER_LOCK_TIMEOUT.as_millis()))
-    .fetch_all(pool)
-    .await?;
-    Ok(rows.into_iter().collect())
+    let mut conn = pool.acquire().await?.detach();
+    let registered = async {
+        sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+            .bind(format!("{}ms", REGISTER_LOCK_TIMEOUT.as_millis()))
+            .execute(&mut conn)
+            .await?;
+        sqlx::query_as::<_, (String, i32)>(
+            "INSERT INTO idem_handlers (name, retention)
+             SELECT h.name, h.millis * interval '1 millisecond'
+               FROM unnest($1::text[], $2::bigint[]) AS h(name, millis)
+              ORDER BY h.name
+             ON CONFLICT (name) DO UPDATE
+                SET retention = EXCLUDED.retention, updated_at = now()
+             RETURNING name, id",
+        )
+        .bind(&names)
+        .bind(&millis)
+        .fetch_all(&mut conn)
+        .await
+    }
+    .await;
+    let _ = sqlx::Connection::close(conn).await;
+    Ok(registered?.into_iter().collect())
 }
 
 /// A session holding a lock: pid, `application_name`, state, seconds its

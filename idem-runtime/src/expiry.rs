@@ -397,6 +397,15 @@ async fn purge_with(pool: &PgPool, stop: &Stop) -> Result<PurgeReport, Error> {
     // halfway through DDL. Named, so that an operator sees it for what it is.
     let options = purge_options(pool.connect_options().as_ref());
     let mut conn = PgConnection::connect_with(&options).await?;
+    // Set after connecting, not as startup parameters, which some poolers
+    // (PgBouncer) refuse.
+    sqlx::query(
+        "SELECT set_config('idle_session_timeout', $1, false),
+                set_config('idle_in_transaction_session_timeout', $1, false)",
+    )
+    .bind(format!("{}ms", SESSION_IDLE_TIMEOUT.as_millis()))
+    .execute(&mut conn)
+    .await?;
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(PURGE_LOCK)
         .fetch_one(&mut conn)
@@ -430,17 +439,13 @@ async fn purge_with(pool: &PgPool, stop: &Stop) -> Result<PurgeReport, Error> {
 pub(crate) const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The pool's connect options, with the purge's `application_name` (after
-/// the application's own, if it set one), and [`SESSION_IDLE_TIMEOUT`].
+/// the application's own, if it set one).
 fn purge_options(options: &PgConnectOptions) -> PgConnectOptions {
     let name = match options.get_application_name() {
         Some(own) if !own.is_empty() => format!("{own} ({APPLICATION_NAME})"),
         _ => APPLICATION_NAME.to_owned(),
     };
-    let idle = format!("{}ms", SESSION_IDLE_TIMEOUT.as_millis());
-    options.clone().application_name(&name).options([
-        ("idle_session_timeout", idle.as_str()),
-        ("idle_in_transaction_session_timeout", idle.as_str()),
-    ])
+    options.clone().application_name(&name)
 }
 
 /// Records how a run ended in `idem_expiry_state`, on the purge's session,
@@ -1212,28 +1217,48 @@ async fn warn_if_held_back(pool: &PgPool) {
     if !status.behind() {
         return;
     }
-    /// pid, `application_name`, state, seconds since it connected.
-    type Holder = (i32, Option<String>, Option<String>, Option<f64>);
+    /// pid, `application_name`, state, seconds in that state, its query.
+    type Holder = (
+        i32,
+        Option<String>,
+        Option<String>,
+        Option<f64>,
+        Option<String>,
+    );
+    // A holder that is working (a long DETACH, a first run after a long
+    // downtime expiring many generations) is left alone: only one that
+    // sends nothing, or has been in one state for longer than expiry may
+    // lag, is named.
+    let slack = status
+        .retention
+        .map_or(Duration::from_secs(1), |retention| {
+            2 * purge_interval(retention) + Duration::from_secs(1)
+        });
     let holder: Result<Option<Holder>, _> = sqlx::query_as(
         "SELECT a.pid, a.application_name, a.state,
-                    extract(epoch FROM now() - a.backend_start)::float8
-               FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-              WHERE l.locktype = 'advisory' AND l.granted
-                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                AND l.objsubid = 1 AND ((l.classid::bigint << 32) | l.objid::bigint) = $1
-              LIMIT 1",
+                extract(epoch FROM now() - a.state_change)::float8, left(a.query, 120)
+           FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+          WHERE l.locktype = 'advisory' AND l.granted
+            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND l.objsubid = 1 AND ((l.classid::bigint << 32) | l.objid::bigint) = $1
+            AND (a.state IS DISTINCT FROM 'active'
+                 OR a.state_change < now() - $2::bigint * interval '1 millisecond')
+          LIMIT 1",
     )
     .bind(PURGE_LOCK)
+    .bind(millis(slack))
     .fetch_optional(pool)
     .await;
     let holder = match holder {
-        Ok(Some((pid, application, state, age))) => format!(
-            "pid {pid} ({}, {}, connected {:.0}s ago)",
+        Ok(Some((pid, application, state, age, query))) => format!(
+            "pid {pid} ({}, {} for {:.0}s): {}",
             application.unwrap_or_default(),
             state.unwrap_or_default(),
-            age.unwrap_or_default()
+            age.unwrap_or_default(),
+            query.unwrap_or_default()
         ),
-        Ok(None) => "a session that has ended since".to_owned(),
+        // Working, or ended since: nothing to point at.
+        Ok(None) => return,
         Err(error) => format!("a session that could not be read ({error})"),
     };
     tracing::warn!(

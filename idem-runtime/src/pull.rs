@@ -196,16 +196,6 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
         }
     }
 
-    // Messages the server sent into the pull just before shutdown may still
-    // be on their way. Once a PING sent now is answered, whatever the server
-    // wrote before its PONG is in the pull's buffer, to be handed back at
-    // once instead of waiting out ack_wait. (Not a database call, so a
-    // bound on it is safe.)
-    if pull.is_some()
-        && pipeline.nats.connection_state() == async_nats::connection::State::Connected
-    {
-        let _ = tokio::time::timeout(HAND_BACK_BOUND, pipeline.nats.flush()).await;
-    }
     let mut unstarted = unstarted(pull);
     for (message, lease) in parked {
         // No heartbeat may follow its NAK.

@@ -337,8 +337,8 @@ pub enum RelayError {
     Database(#[from] sqlx::Error),
 }
 
-/// A cycle's `idle_in_transaction_session_timeout` and `statement_timeout`
-/// (see [`Relay::cycle`](Relay)): far above a cycle's longest pause (its
+/// A cycle's `idle_in_transaction_session_timeout` (see
+/// [`Relay::cycle`](Relay)): far above a cycle's longest pause (its
 /// PubAcks' timeout, 5 s by default, and a 2 s probe of JetStream), so that
 /// only a cycle whose process or network is gone reaches it; its rows are
 /// then released to the other relays, and to this one's next cycle.
@@ -763,14 +763,12 @@ impl Relay {
         // network went away without a reset, must not keep its rows locked
         // (every relay skips them) until TCP keepalive gives up, hours
         // later. A cycle is idle in its transaction only while it waits for
-        // PubAcks, which time out far sooner.
-        sqlx::query(
-            "SELECT set_config('idle_in_transaction_session_timeout', $1, true),
-                    set_config('statement_timeout', $1, true)",
-        )
-        .bind(CYCLE_SERVER_TIMEOUT_SETTING)
-        .execute(&mut *tx)
-        .await?;
+        // PubAcks, which time out far sooner. (No statement_timeout: it
+        // would also cut a COMMIT waiting for a synchronous standby.)
+        sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
+            .bind(CYCLE_SERVER_TIMEOUT_SETTING)
+            .execute(&mut *tx)
+            .await?;
         let rows: Vec<Row> = sqlx::query_as(lane.take_sql())
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(i64::try_from(self.max_cycle_bytes).unwrap_or(i64::MAX))
@@ -917,6 +915,9 @@ impl Relay {
                 // ever. The rows keep their failures; the relay says why it
                 // cannot tell.
                 Probe::Unanswered(cause) if !answered.is_empty() => {
+                    // Only what the server answered for is the rows' own
+                    // fault; what timed out stays as it is.
+                    unanswered.clear();
                     tracing::warn!(
                         cause,
                         "JetStream did not answer the relay's probe, though it answered for the rows that failed: their failures are recorded on them, as when NATS answers. Allow the relay's NATS user to request $JS.API.INFO, so that the relay can tell NATS being away from rows that fail"
