@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use common::pg_proxy::{PgProxy, upstream_of};
 use common::*;
-use futures_util::StreamExt;
 use idem_runtime::{
     BoxError, Delivery, Permanent, Route, Router, Transient, dead_letter, idempotent,
 };
@@ -48,58 +47,6 @@ async fn eventually_get_stream(js: &jetstream::Context, name: &str) -> jetstream
         }
         assert!(Instant::now() < deadline, "stream {name} never appeared");
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A subscription to the `MAX_DELIVERIES` advisories of `stream`'s durable
-/// `durable`: JetStream says it gave up on a message.
-async fn given_up_advisories(
-    nats: &async_nats::Client,
-    stream: &str,
-    durable: &str,
-) -> async_nats::Subscriber {
-    let advisories = nats
-        .subscribe(format!(
-            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
-        ))
-        .await
-        .unwrap();
-    nats.flush().await.unwrap();
-    advisories
-}
-
-/// Takes the deliveries of the durable consumer by hand, never acking them,
-/// as a worker would that crashes on each, until JetStream gives up on the
-/// message. No router listens meanwhile. (As in hardening.rs.)
-async fn exhaust_deliveries(nats: &async_nats::Client, stream: &str, durable: &str) -> i64 {
-    let mut advisories = given_up_advisories(nats, stream, durable).await;
-    let js = jetstream::new(nats.clone());
-    let consumer: jetstream::consumer::PullConsumer = js
-        .get_stream(stream)
-        .await
-        .unwrap()
-        .get_consumer(durable)
-        .await
-        .unwrap();
-    let mut delivered = 0;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        assert!(Instant::now() < deadline, "JetStream never gave up");
-        let mut batch = consumer
-            .fetch()
-            .max_messages(1)
-            .expires(Duration::from_secs(1))
-            .messages()
-            .await
-            .unwrap();
-        if let Some(Ok(message)) = batch.next().await {
-            delivered = message.info().unwrap().delivered;
-        }
-        if let Ok(Some(_)) =
-            tokio::time::timeout(Duration::from_millis(10), advisories.next()).await
-        {
-            return delivered;
-        }
     }
 }
 

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};
 use common::*;
-use futures_util::StreamExt;
 use idem_runtime::partition::Partitions;
 use idem_runtime::{
     BoxError, Delivery, Permanent, Route, Router, State, Stats, dead_letter, idempotent,
@@ -236,47 +235,6 @@ fn given_up_route(stream: &str) -> Route {
         .max_deliver(1)
         .ack_wait(Duration::from_millis(500))
         .heartbeat_every(Duration::from_millis(150))
-}
-
-/// Takes the deliveries of the durable consumer by hand, never acking them,
-/// as a worker would that crashes on each, until JetStream gives up on the
-/// message. No router listens meanwhile. (As in hardening.rs.)
-async fn exhaust_deliveries(nats: &async_nats::Client, stream: &str, durable: &str) -> i64 {
-    let mut advisories = nats
-        .subscribe(format!(
-            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
-        ))
-        .await
-        .unwrap();
-    nats.flush().await.unwrap();
-    let js = jetstream::new(nats.clone());
-    let consumer: jetstream::consumer::PullConsumer = js
-        .get_stream(stream)
-        .await
-        .unwrap()
-        .get_consumer(durable)
-        .await
-        .unwrap();
-    let mut delivered = 0;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        assert!(Instant::now() < deadline, "JetStream never gave up");
-        let mut batch = consumer
-            .fetch()
-            .max_messages(1)
-            .expires(Duration::from_secs(1))
-            .messages()
-            .await
-            .unwrap();
-        if let Some(Ok(message)) = batch.next().await {
-            delivered = message.info().unwrap().delivered;
-        }
-        if let Ok(Some(_)) =
-            tokio::time::timeout(Duration::from_millis(10), advisories.next()).await
-        {
-            return delivered;
-        }
-    }
 }
 
 /// The stored message `sequence` of `stream`, as JetStream keeps it: its

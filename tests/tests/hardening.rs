@@ -335,50 +335,6 @@ async fn eventually_get_stream(js: &jetstream::Context, name: &str) -> jetstream
     }
 }
 
-/// Takes the deliveries of the route's durable consumer by hand, never
-/// acking them, as a worker would that crashes on each, until JetStream
-/// gives up on the message and says so in its `MAX_DELIVERIES` advisory
-/// (which it sends on the pull after the last delivery). Returns the last
-/// delivery count seen. No router listens meanwhile.
-async fn exhaust_deliveries(nats: &async_nats::Client, stream: &str, durable: &str) -> i64 {
-    let mut advisories = nats
-        .subscribe(format!(
-            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
-        ))
-        .await
-        .unwrap();
-    nats.flush().await.unwrap();
-    let js = jetstream::new(nats.clone());
-    let consumer: jetstream::consumer::PullConsumer = js
-        .get_stream(stream)
-        .await
-        .unwrap()
-        .get_consumer(durable)
-        .await
-        .unwrap();
-    let mut delivered = 0;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        assert!(Instant::now() < deadline, "JetStream never gave up");
-        let mut batch = consumer
-            .fetch()
-            .max_messages(1)
-            .expires(Duration::from_secs(1))
-            .messages()
-            .await
-            .unwrap();
-        if let Some(Ok(message)) = batch.next().await {
-            delivered = message.info().unwrap().delivered;
-            // Not acked: ack_wait runs out, as if the worker had died.
-        }
-        if let Ok(Some(_)) =
-            tokio::time::timeout(Duration::from_millis(10), advisories.next()).await
-        {
-            return delivered;
-        }
-    }
-}
-
 /// The route for the tests where JetStream gives up: one delivery allowed,
 /// so JetStream's own limit (the route's plus a margin of 3) is 4.
 fn given_up_route(stream: &str) -> Route {

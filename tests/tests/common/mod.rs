@@ -441,3 +441,60 @@ pub async fn stream_position(js: &jetstream::Context, stream: &str, sequence: u6
         .expect("the message is stored");
     format!("{stream}:{sequence}:{}", stored.time.unix_timestamp_nanos())
 }
+
+/// Subscribes to JetStream's advisory that it gave up on a message of
+/// `durable` (max deliveries reached), flushed so that none is missed.
+pub async fn given_up_advisories(
+    nats: &async_nats::Client,
+    stream: &str,
+    durable: &str,
+) -> async_nats::Subscriber {
+    let advisories = nats
+        .subscribe(format!(
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
+        ))
+        .await
+        .unwrap();
+    nats.flush().await.unwrap();
+    advisories
+}
+
+/// Takes the deliveries of the durable consumer by hand, never acking them
+/// (ack_wait runs out, as if the worker died on each), until JetStream gives
+/// up on the message. No router may listen meanwhile. Returns the last
+/// delivery count seen.
+pub async fn exhaust_deliveries(nats: &async_nats::Client, stream: &str, durable: &str) -> i64 {
+    use futures_util::StreamExt;
+    let mut advisories = given_up_advisories(nats, stream, durable).await;
+    let js = jetstream::new(nats.clone());
+    let consumer: jetstream::consumer::PullConsumer = js
+        .get_stream(stream)
+        .await
+        .unwrap()
+        .get_consumer(durable)
+        .await
+        .unwrap();
+    let mut delivered = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "JetStream never gave up"
+        );
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_secs(1))
+            .messages()
+            .await
+            .unwrap();
+        if let Some(Ok(message)) = batch.next().await {
+            delivered = message.info().unwrap().delivered;
+        }
+        if let Ok(Some(_)) =
+            tokio::time::timeout(Duration::from_millis(10), advisories.next()).await
+        {
+            return delivered;
+        }
+    }
+}
