@@ -16,7 +16,9 @@
 /// The bytes of a payload or a stored result (the `bytes` crate's).
 pub use bytes::Bytes;
 
-use crate::error::BoxError;
+// The same type as `crate::BoxError`, spelled out: the error types carry a
+// `DecodeError`, so this module imports nothing from them.
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Decodes a message's bytes into `T`.
 pub trait Decode<T>: Send + Sync + 'static {

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::delivery::Delivery;
+use crate::handler::delivery::Delivery;
 
 /// What the runtime does after a commit, as decided by a test hook.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

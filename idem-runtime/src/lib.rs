@@ -41,60 +41,64 @@
 // marked with the feature it needs.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-mod ack;
-mod batch;
-mod claim;
+// The modules, bottom layer first; each imports only layers below it
+// (scripts/check-module-cycles.py fails CI otherwise, and ARCHITECTURE.md
+// walks through them):
+//   codec, message_id, tasks    leaves: bytes, ids, task lifetimes
+//   error                       what went wrong, and its class
+//   observe, store              counters and metrics; all the SQL
+//   handler, retention          what a handler is; how long claims are kept
+//   route, fault                where messages come from; test-only hooks
+//   reply, dead_letter, outbox  the features around a message
+//   consume                     the path of one message
+//   status                      what operators read
+//   router                      start-up, running, shutdown
 pub mod codec;
-mod connections;
+mod consume;
 pub mod dead_letter;
-mod delivery;
-mod durability;
-mod error;
-pub mod expiry;
-mod failure;
+pub mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
-mod handler;
-mod header_block;
-mod health;
-mod heartbeat;
+pub mod handler;
 mod message_id;
-pub mod metrics;
+pub mod observe;
 pub mod outbox;
-pub mod partition;
-mod pipeline;
-mod pull;
 pub mod reply;
-pub mod results;
-pub mod retention_floor;
-mod retry;
-mod route;
+pub mod retention;
+pub mod route;
 mod router;
-pub mod schema;
-mod shutdown;
-mod state;
-mod stats;
 pub mod status;
-#[cfg(feature = "otel")]
-pub mod trace;
-mod transaction;
-mod undeliverable;
+mod store;
+mod tasks;
 
-pub use ack::AckMode;
-pub use delivery::Delivery;
 pub use error::{BoxError, Error, HandlerError, HandlerResult, RejectedMessage};
-pub use failure::{Classify, ErrorClass, Permanent, Transient};
-pub use handler::{Handler, IntoHandler};
+pub use error::{Classify, ErrorClass, Permanent, Transient};
+pub use handler::{Delivery, Handler, IntoHandler};
+pub use handler::{FromBatch, FromDelivery, FromRef, Parameter, State};
+pub use handler::{InvalidMessageId, MAX_MESSAGE_ID_LEN, MessageId, MessageIdSource};
 pub use idem_macros::{FromRef, classify, idempotent};
-pub use message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, MessageId, MessageIdSource};
+pub use observe::Stats;
 pub use reply::ReplyRoute;
-pub use retention_floor::{RetentionFloor, Unbounded};
-pub use retry::RetryPolicy;
-pub use route::Route;
+pub use route::{AckMode, RetryPolicy, Route};
 pub use router::{Router, RouterHandle};
-pub use state::{FromBatch, FromDelivery, FromRef, Parameter, State};
-pub use stats::Stats;
-pub use undeliverable::ADVISORY_STREAM;
+pub use store::schema;
+
+// The paths before the runtime was split into folders, kept for one release.
+#[doc(hidden)]
+pub use dead_letter::ADVISORY_STREAM;
+#[doc(hidden)]
+pub use handler::results;
+#[doc(hidden)]
+pub use observe::metrics;
+#[cfg(feature = "otel")]
+#[doc(hidden)]
+pub use observe::trace;
+#[doc(hidden)]
+pub use retention::floor as retention_floor;
+#[doc(hidden)]
+pub use retention::{RetentionFloor, Unbounded, expiry};
+#[doc(hidden)]
+pub use route::partition;
 
 /// The sqlx this version of idem is built on: name it as `idem_runtime::sqlx`
 /// to be sure your handlers use the same one.
@@ -108,10 +112,10 @@ pub use async_nats;
 #[doc(hidden)]
 pub mod __private {
     pub use crate::__handler_error as handler_error;
-    pub use crate::claim::CLAIM_SQL;
-    pub use crate::failure::{Classifier, specialize};
+    pub use crate::error::class::{Classifier, specialize};
+    pub use crate::handler::results::{NoValue, encode, no_value};
     pub use crate::handler::{AsIs, ViaConstructor};
-    pub use crate::results::{NoValue, encode, no_value};
+    pub use crate::store::claim::CLAIM_SQL;
     pub use inventory;
     pub use sqlx::PgTransaction;
     pub use std::string::ToString;

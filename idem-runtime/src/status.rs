@@ -29,24 +29,11 @@ use futures_util::TryStreamExt;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
-use crate::retention_floor::{RETENTION_KEY, decode_duration};
-use crate::route::Route;
+use crate::error::retention::decode_duration;
+use crate::route::metadata::{DEAD_LETTERS_KEY, HANDLER_KEY, RETENTION_KEY};
 
-/// The consumer metadata key under which a route records its handler's name.
-pub(crate) const HANDLER_KEY: &str = "idem.handler";
-
-/// The consumer metadata key under which a route records its dead-letter
-/// subject.
-const DEAD_LETTERS_KEY: &str = "idem.dead_letters";
-
-/// What a route records on its consumer for [`consumers`] to read: its
-/// handler and its dead-letter subject.
-pub(crate) fn consumer_metadata(route: &Route, handler: &str) -> [(String, String); 2] {
-    [
-        (HANDLER_KEY.to_owned(), handler.to_owned()),
-        (DEAD_LETTERS_KEY.to_owned(), route.dead_letter_target()),
-    ]
-}
+pub use crate::retention::status::{ExpiryStatus, expiry};
+use crate::retention::status::{seconds, timestamp};
 
 /// One idem consumer as JetStream sees it now.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,7 +112,7 @@ pub async fn consumers(js: &jetstream::Context) -> Result<Vec<ConsumerStatus>, S
             };
             let dead_letter_subject =
                 metadata.get(DEAD_LETTERS_KEY).cloned().unwrap_or_else(|| {
-                    crate::dead_letter::default_subject(&info.stream_name, &info.name)
+                    crate::route::default_dead_letter_subject(&info.stream_name, &info.name)
                 });
             found.push(ConsumerStatus {
                 stream: info.stream_name.clone(),
@@ -214,7 +201,7 @@ pub struct Processed {
     /// The generation of the claims table it is in (0: kept forever).
     pub generation: i32,
     /// Whether a result is stored with it
-    /// ([`results::stored`](crate::results::stored) reads it).
+    /// ([`results::stored`](crate::handler::results::stored) reads it).
     pub has_result: bool,
 }
 
@@ -226,7 +213,7 @@ pub async fn processed(
     handler: &str,
     message_id: &str,
 ) -> Result<Option<Processed>, sqlx::Error> {
-    let key = crate::claim::key(handler, message_id);
+    let key = crate::store::claim::key(handler, message_id);
     // A claim made during a generation transition is in two generations:
     // the first row is the one it was made with.
     let row: Option<(f64, f64, i32, bool)> = sqlx::query_as(
@@ -249,14 +236,6 @@ pub async fn processed(
     )
 }
 
-fn seconds(value: f64) -> Duration {
-    Duration::try_from_secs_f64(value.max(0.0)).unwrap_or(Duration::MAX)
-}
-
-fn timestamp(epoch: f64) -> Option<OffsetDateTime> {
-    OffsetDateTime::from_unix_timestamp_nanos((epoch * 1e9) as i128).ok()
-}
-
 /// The names of the handlers registered in the dedup schema (every handler
 /// a router has started), sorted: one cheap query, to tell an unknown name
 /// from a message not processed.
@@ -264,168 +243,6 @@ pub async fn handler_names(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar("SELECT name FROM idem_handlers ORDER BY name")
         .fetch_all(pool)
         .await
-}
-
-/// Where expiry stands: generations, the transition, and how the latest
-/// purge runs went (any process's: they record it in the database). What
-/// `idem status` shows under "expiry", and the expiry metrics.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct ExpiryStatus {
-    /// The retention the purge applies (the longest any handler asks for);
-    /// `None`: nothing expires.
-    pub retention: Option<Duration>,
-    /// The generation new claims go into.
-    pub current_generation: i32,
-    /// The generations still in the table, besides the kept one.
-    pub generations: u64,
-    /// Generations sealed longer than the retention ago and still there:
-    /// due to be dropped.
-    pub due: u64,
-    /// How long ago the oldest of those was sealed.
-    pub oldest_due_sealed: Option<Duration>,
-    /// How long past its expiry that generation is (zero when none is due).
-    pub overdue: Duration,
-    /// The rotation in transition, if one is, with what it waits for.
-    pub transition: Option<crate::expiry::Transition>,
-    /// When a purge run last succeeded.
-    pub last_success: Option<OffsetDateTime>,
-    /// How long ago, by the database's clock.
-    pub last_success_age: Option<Duration>,
-    /// Purge runs failed in a row since then.
-    pub failures: u64,
-    /// What the last of them said, while runs keep failing.
-    pub last_error: Option<String>,
-    /// How long ago it failed.
-    pub last_failure_age: Option<Duration>,
-    /// How long the current generation has been open.
-    pub current_generation_age: Option<Duration>,
-}
-
-impl ExpiryStatus {
-    /// Whether expiry is behind, so the purge is failing, blocked, or not
-    /// running: a generation is past its expiry, or the current generation
-    /// is past its rotation (with no transition under way), by more than two
-    /// runs of a router's purge (plus a second). The second catches a purge
-    /// that stopped altogether: then nothing rotates, and nothing is ever
-    /// sealed to come due.
-    pub fn behind(&self) -> bool {
-        let Some(retention) = self.retention else {
-            return false;
-        };
-        let slack = 2 * crate::expiry::purge_interval(retention) + Duration::from_secs(1);
-        (self.due > 0 && self.overdue > slack) || self.rotation_overdue() > slack
-    }
-
-    /// How long past its rotation the current generation is (zero when not
-    /// yet due, or while a transition is under way: that is shown by
-    /// itself).
-    pub fn rotation_overdue(&self) -> Duration {
-        match (
-            self.retention,
-            self.current_generation_age,
-            &self.transition,
-        ) {
-            (Some(retention), Some(age), None) => {
-                age.saturating_sub(crate::expiry::generation_length(retention))
-            }
-            _ => Duration::ZERO,
-        }
-    }
-}
-
-/// A row of [`expiry_figures`]' query.
-type ExpiryRow = (
-    Option<i64>,
-    i32,
-    bool,
-    Option<i32>,
-    Option<f64>,
-    i64,
-    i64,
-    Option<f64>,
-    Option<f64>,
-    Option<f64>,
-    Option<f64>,
-    i64,
-    Option<String>,
-    Option<f64>,
-);
-
-/// Where expiry stands, with what a transition waits for as the database
-/// shows it now (which reads `pg_locks` and `pg_stat_activity`).
-pub async fn expiry(pool: &PgPool) -> Result<ExpiryStatus, sqlx::Error> {
-    let mut status = expiry_figures(pool).await?;
-    if let Some(transition) = &mut status.transition {
-        let mut conn = pool.acquire().await?;
-        let still = crate::expiry::still_blocking(&mut conn).await?;
-        transition.waiting_for = still.len();
-        transition.blockers = crate::expiry::describe_blockers(&mut conn, &still).await?;
-    }
-    Ok(status)
-}
-
-/// [`expiry`] without reading what a transition waits for (its count is
-/// the one the last purge run recorded): one cheap query, for the metrics.
-pub(crate) async fn expiry_figures(pool: &PgPool) -> Result<ExpiryStatus, sqlx::Error> {
-    let row: ExpiryRow = sqlx::query_as(
-        "WITH r AS (SELECT max(retention) AS retention FROM idem_handlers),
-              due AS (SELECT g.sealed_at FROM idem_generations g, r
-                       WHERE g.sealed_at <= now() - r.retention)
-         SELECT (extract(epoch FROM r.retention) * 1000)::bigint,
-                s.current_gen, s.transition, cardinality(s.waiting_for),
-                extract(epoch FROM now() - cur.opened_at)::float8,
-                (SELECT count(*) FROM idem_generations),
-                (SELECT count(*) FROM due),
-                extract(epoch FROM now() - (SELECT min(sealed_at) FROM due))::float8,
-                extract(epoch FROM now() - (SELECT min(sealed_at) FROM due) - r.retention)::float8,
-                extract(epoch FROM e.last_success_at)::float8,
-                extract(epoch FROM now() - e.last_success_at)::float8,
-                e.failures,
-                CASE WHEN e.failures > 0 THEN e.last_error END,
-                extract(epoch FROM now() - e.last_failure_at)::float8
-           FROM r, idem_dedup_state s
-           LEFT JOIN idem_generations cur ON cur.gen = s.current_gen
-           CROSS JOIN idem_expiry_state e",
-    )
-    .fetch_one(pool)
-    .await?;
-    let (
-        retention,
-        current_generation,
-        transition,
-        waiting_for,
-        transition_age,
-        generations,
-        due,
-        oldest_due,
-        overdue,
-        last_success,
-        last_success_age,
-        failures,
-        last_error,
-        last_failure_age,
-    ) = row;
-    Ok(ExpiryStatus {
-        retention: retention.map(|millis| Duration::from_millis(millis.max(0).unsigned_abs())),
-        current_generation,
-        generations: generations.max(0).unsigned_abs(),
-        due: due.max(0).unsigned_abs(),
-        oldest_due_sealed: oldest_due.map(seconds),
-        overdue: overdue.map_or(Duration::ZERO, seconds),
-        transition: transition.then(|| crate::expiry::Transition {
-            generation: current_generation,
-            waited: transition_age.map_or(Duration::ZERO, seconds),
-            waiting_for: waiting_for.unwrap_or(0).max(0).unsigned_abs() as usize,
-            blockers: Vec::new(),
-        }),
-        last_success: last_success.and_then(timestamp),
-        last_success_age: last_success_age.map(seconds),
-        failures: failures.max(0).unsigned_abs(),
-        last_error,
-        last_failure_age: last_failure_age.map(seconds),
-        current_generation_age: transition_age.map(seconds),
-    })
 }
 
 /// How durable PostgreSQL makes the commits idem acks after, as the pool's
@@ -460,10 +277,10 @@ pub struct Durability {
 /// # }
 /// ```
 pub async fn durability(pool: &PgPool) -> Result<Durability, sqlx::Error> {
-    let settings = crate::durability::read(pool).await?;
+    let settings = crate::store::durability::read(pool).await?;
     Ok(Durability {
         idem_commits_with: settings.commit_level().as_str().to_owned(),
-        warnings: crate::durability::warnings(&settings),
+        warnings: crate::store::durability::warnings(&settings),
         synchronous_commit: settings.synchronous_commit,
         synchronous_standby_names: settings.standby_names,
         standbys: settings.standbys,

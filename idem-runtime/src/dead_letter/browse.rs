@@ -42,7 +42,7 @@ use super::{
     Failure, MESSAGE_ID, ORIGINAL_SUBJECT, REPLAYED_FROM, ReplayError, ReplayOptions, STORED_AT,
     parse_time, replay_checks,
 };
-use crate::header_block;
+use crate::dead_letter::header_block;
 
 /// JetStream's error code for "no message found".
 const NO_MESSAGE_FOUND: u64 = 10037;

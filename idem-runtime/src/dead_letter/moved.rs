@@ -52,7 +52,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use tokio::io::AsyncReadExt;
 
-use crate::header_block;
+use crate::dead_letter::header_block;
 
 /// The object store bucket that keeps what did not fit in dead letters.
 pub const BUCKET: &str = "IDEM_DEAD_LETTERS";

@@ -152,3 +152,13 @@ pub async fn retry_failing(pool: &PgPool, subject: Option<&str>) -> Result<u64, 
     .await?;
     Ok(done.rows_affected())
 }
+
+/// The outbox's lag, into its gauges: from the router's poll, and from each
+/// relay's own reading (about once per its poll interval), so a relay that
+/// runs without a router reports it too.
+pub(crate) fn record_gauges(lag: &Lag) {
+    use crate::observe::metrics::{OUTBOX_FAILING, OUTBOX_OLDEST_AGE, OUTBOX_PENDING};
+    metrics::gauge!(OUTBOX_PENDING).set(lag.pending as f64);
+    metrics::gauge!(OUTBOX_OLDEST_AGE).set(lag.oldest.as_secs_f64());
+    metrics::gauge!(OUTBOX_FAILING).set(lag.failing as f64);
+}

@@ -107,6 +107,7 @@
 
 mod lag;
 mod relay;
+mod stats;
 mod wake;
 
 use std::marker::PhantomData;
@@ -116,12 +117,14 @@ use async_nats::HeaderMap;
 use sqlx::PgConnection;
 
 use crate::codec::{Encode, EncodeError, Json};
-use crate::delivery::Delivery;
-use crate::failure::{Classifier, Classify, ErrorClass};
-use crate::state::{FromBatch, FromDelivery, Parameter};
+use crate::error::class::{Classifier, Classify, ErrorClass};
+use crate::handler::delivery::Delivery;
+use crate::handler::state::{FromBatch, FromDelivery, Parameter};
 
+pub(crate) use lag::record_gauges as record_lag_gauges;
 pub use lag::{Failing, Lag, MOST_FAILURES, lag, retry_failing};
-pub use relay::{Cycle, FINAL_CYCLES, Published, Relay, RelayError, RelayStats};
+pub use relay::{FINAL_CYCLES, Relay, RelayError};
+pub use stats::{Cycle, Published, RelayStats};
 
 /// The channel the outbox's trigger notifies on each queuing transaction.
 pub const CHANNEL: &str = "idem_outbox";
@@ -194,7 +197,7 @@ impl<C> Outbox<C> {
     /// delivery is handed to and its message id. What the runtime gives a
     /// handler that takes an `Outbox`.
     pub fn for_delivery(delivery: &Delivery) -> Self {
-        Self::scoped(crate::claim::key(
+        Self::scoped(crate::store::claim::key(
             delivery.handler(),
             delivery.message_id().as_str(),
         ))
@@ -211,7 +214,7 @@ impl<C> Outbox<C> {
     /// assert_eq!(first.next_id(), retry.next_id());
     /// ```
     pub fn keyed(key: &str) -> Self {
-        Self::scoped(crate::claim::key("", key))
+        Self::scoped(crate::store::claim::key("", key))
     }
 
     /// An outbox that gives each message a random id: for work that is never
@@ -386,7 +389,7 @@ pub async fn enqueue(
     check_subject(subject)?;
     // The queuing span's context, taken now: the relay publishes later.
     #[cfg(feature = "otel")]
-    let headers = &*crate::trace::with_current_context(headers);
+    let headers = &*crate::observe::trace::with_current_context(headers);
     if !valid_id(msg_id) {
         return Err(OutboxError::InvalidId(msg_id.to_owned()));
     }
@@ -527,7 +530,7 @@ mod tests {
             .for_handler("orders.place.v1");
         let first: Outbox = Outbox::for_delivery(&delivery);
         let rerun: Outbox = Outbox::for_delivery(&delivery);
-        let key = crate::claim::key("orders.place.v1", "order-7");
+        let key = crate::store::claim::key("orders.place.v1", "order-7");
         assert_eq!(first.id_of(0), format!("{key}.0"));
         assert_eq!(first.id_of(3), rerun.id_of(3));
         let other: Outbox = Outbox::for_delivery(&delivery.clone().for_handler("other"));

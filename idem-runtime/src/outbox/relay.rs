@@ -63,8 +63,9 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+#[cfg(feature = "fault-injection")]
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
@@ -77,7 +78,8 @@ use futures_util::{FutureExt, StreamExt};
 use sqlx::PgPool;
 use tokio::sync::watch;
 
-use super::lag::{Lag, lag};
+use super::lag::lag;
+use super::stats::{Cycle, Published, RelayStats};
 use super::wake::Wakeup;
 use super::{MAX_SUBJECT_LEN, check_subject, message_headers};
 
@@ -191,136 +193,6 @@ impl std::fmt::Debug for Relay {
 impl Default for Relay {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-/// One message a relay published and JetStream acknowledged.
-#[derive(Debug, Clone)]
-pub struct Published {
-    /// Its `Nats-Msg-Id`.
-    pub msg_id: String,
-    /// Its subject.
-    pub subject: String,
-    /// Its sequence in the stream that stored it (the first copy's, for a
-    /// duplicate).
-    pub stream_sequence: u64,
-    /// JetStream had it already (a republish within the duplicate window).
-    pub duplicate: bool,
-}
-
-/// What one relay cycle did.
-#[derive(Debug, Clone, Default)]
-#[non_exhaustive]
-pub struct Cycle {
-    /// Rows taken (and published or tried).
-    pub taken: usize,
-    /// Rows published, acknowledged and deleted, in id order.
-    pub published: Vec<Published>,
-    /// Rows whose publish failed (left pending).
-    pub failed: usize,
-    /// Of those, the rows whose failure was recorded on them: each waits out
-    /// its own back-off, and is then retried apart from the fresh rows.
-    pub failing: usize,
-    /// Why NATS seemed away, if it did: nothing went out and JetStream did
-    /// not answer (or the client could not queue a publish). The failures
-    /// were then not recorded on the rows.
-    pub nats_away: Option<String>,
-    /// The take was full (or cut at `max_cycle_bytes`): more rows may be
-    /// waiting.
-    pub more: bool,
-    /// The NATS client connected again while the cycle's publishes were
-    /// out: the PubAcks that did not come back are not blamed on the rows.
-    pub reconnected: bool,
-}
-
-/// Counters of one relay (and its clones), readable while it runs.
-#[derive(Debug, Clone, Default)]
-pub struct RelayStats(Arc<Counters>);
-
-#[derive(Debug, Default)]
-struct Counters {
-    published: AtomicU64,
-    duplicates: AtomicU64,
-    failed: AtomicU64,
-    failing: AtomicU64,
-    cycles: AtomicU64,
-    empty_cycles: AtomicU64,
-    nats_away: AtomicU64,
-    notifications: AtomicU64,
-    wakeups: AtomicU64,
-    /// The last [`lag`] the relay read, and when.
-    lag: Mutex<Option<(Lag, Instant)>>,
-}
-
-impl RelayStats {
-    /// Messages published and deleted, duplicates included.
-    pub fn published(&self) -> u64 {
-        self.0.published.load(Ordering::Relaxed)
-    }
-
-    /// Of those, how many JetStream had already (PubAck `duplicate`).
-    pub fn duplicates(&self) -> u64 {
-        self.0.duplicates.load(Ordering::Relaxed)
-    }
-
-    /// Publishes that failed (their rows stayed pending).
-    pub fn failed(&self) -> u64 {
-        self.0.failed.load(Ordering::Relaxed)
-    }
-
-    /// Failures recorded on their rows (NATS answered; the row waits out
-    /// its own back-off): each failed attempt of a row counts once.
-    pub fn failing(&self) -> u64 {
-        self.0.failing.load(Ordering::Relaxed)
-    }
-
-    /// Cycles that took at least one row.
-    pub fn cycles(&self) -> u64 {
-        self.0.cycles.load(Ordering::Relaxed)
-    }
-
-    /// Cycles that found no row to take.
-    pub fn empty_cycles(&self) -> u64 {
-        self.0.empty_cycles.load(Ordering::Relaxed)
-    }
-
-    /// Cycles that found NATS away (nothing went out, and JetStream did not
-    /// answer).
-    pub fn nats_away(&self) -> u64 {
-        self.0.nats_away.load(Ordering::Relaxed)
-    }
-
-    /// Notifications read from the LISTEN connection, whether they woke
-    /// the relay or were discarded during a back-off.
-    pub fn notifications(&self) -> u64 {
-        self.0.notifications.load(Ordering::Relaxed)
-    }
-
-    /// Wake-ups by notification: each covers every notification received
-    /// before it.
-    pub fn wakeups(&self) -> u64 {
-        self.0.wakeups.load(Ordering::Relaxed)
-    }
-
-    /// The outbox's [`lag`] as the relay last read it (about once per poll
-    /// interval, at most once a second, while it runs), and how long ago;
-    /// `None` before the first reading. The lag counts every relay's rows,
-    /// not only this one's.
-    pub fn lag(&self) -> Option<(Lag, Duration)> {
-        let reading = self.0.lag.lock().unwrap_or_else(|e| e.into_inner());
-        reading
-            .as_ref()
-            .map(|(lag, at)| (lag.clone(), at.elapsed()))
-    }
-
-    /// Counts `read` notifications, and a wake-up if they ended a wait.
-    pub(super) fn notified(&self, read: usize, woke: bool) {
-        self.0
-            .notifications
-            .fetch_add(read as u64, Ordering::Relaxed);
-        if woke {
-            self.0.wakeups.fetch_add(1, Ordering::Relaxed);
-        }
     }
 }
 
@@ -497,7 +369,7 @@ impl Relay {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), RelayError> {
         let js = jetstream::new(nats);
-        crate::metrics::outbox_nats_unreachable(false);
+        crate::observe::metrics::outbox_nats_unreachable(false);
         // Whichever lane ends first stops the other.
         let (stop, stopped) = watch::channel(false);
         let away = LaneAway::default();
@@ -705,7 +577,7 @@ impl Relay {
     async fn read_lag(&self, pool: &PgPool) {
         match lag(pool).await {
             Ok(lag) => {
-                crate::metrics::outbox_lag(&lag);
+                super::lag::record_gauges(&lag);
                 let oldest_ms = lag.oldest.as_millis() as u64;
                 if lag.oldest >= self.poll_interval || lag.failing > 0 {
                     tracing::info!(
@@ -717,8 +589,7 @@ impl Relay {
                 } else {
                     tracing::debug!(pending = lag.pending, oldest_ms, "outbox lag");
                 }
-                *self.stats.0.lag.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Some((lag, Instant::now()));
+                self.stats.record_lag(lag);
             }
             Err(error) => tracing::debug!(%error, "outbox lag unreadable"),
         }
@@ -776,7 +647,7 @@ impl Relay {
             .await?;
         let Some(&(.., locked)) = rows.first() else {
             tx.commit().await?;
-            self.stats.0.empty_cycles.fetch_add(1, Ordering::Relaxed);
+            self.stats.empty_cycle();
             return Ok(Cycle::default());
         };
         let locked = usize::try_from(locked).unwrap_or(usize::MAX);
@@ -970,24 +841,7 @@ impl Relay {
         self.warn_failing(&marked, lane);
 
         let duplicates = cycle.published.iter().filter(|p| p.duplicate).count();
-        crate::metrics::outbox_cycle(cycle.published.len(), cycle.failed);
-        let counters = &self.stats.0;
-        counters.cycles.fetch_add(1, Ordering::Relaxed);
-        counters
-            .published
-            .fetch_add(cycle.published.len() as u64, Ordering::Relaxed);
-        counters
-            .duplicates
-            .fetch_add(duplicates as u64, Ordering::Relaxed);
-        counters
-            .failed
-            .fetch_add(cycle.failed as u64, Ordering::Relaxed);
-        counters
-            .failing
-            .fetch_add(cycle.failing as u64, Ordering::Relaxed);
-        if cycle.nats_away.is_some() {
-            counters.nats_away.fetch_add(1, Ordering::Relaxed);
-        }
+        self.stats.record_cycle(&cycle, duplicates);
         tracing::debug!(
             lane = lane.name(),
             taken = cycle.taken,
@@ -1091,7 +945,7 @@ impl LaneAway {
         };
         if flag.swap(away, Ordering::Relaxed) != away {
             let either = self.fresh.load(Ordering::Relaxed) || self.retry.load(Ordering::Relaxed);
-            crate::metrics::outbox_nats_unreachable(either);
+            crate::observe::metrics::outbox_nats_unreachable(either);
         }
     }
 }

@@ -35,7 +35,7 @@ use sqlx::postgres::{PgListener, PgNotification};
 use tokio::time::Instant;
 
 use super::CHANNEL;
-use super::relay::RelayStats;
+use super::stats::RelayStats;
 
 /// The most notifications one wake-up reads without waiting, so that
 /// writers notifying faster than the relay reads cannot keep it from its

@@ -1,7 +1,11 @@
 //! Error types. Each says what happened to the message it concerns.
 
-use crate::failure::ErrorClass;
 use crate::message_id::InvalidMessageId;
+
+pub(crate) mod class;
+pub(crate) mod retention;
+
+pub use class::{Classify, ErrorClass, Permanent, Transient};
 
 /// Any error a handler body returns, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -93,7 +97,7 @@ impl HandlerError {
     /// What `#[idempotent]` expansions build: an error with what was found
     /// along its chain before it was boxed.
     #[doc(hidden)]
-    pub fn found(error: impl Into<BoxError>, findings: crate::failure::Findings) -> Self {
+    pub fn found(error: impl Into<BoxError>, findings: crate::error::class::Findings) -> Self {
         HandlerError::Handler {
             error: error.into(),
             class: findings.class,
@@ -119,7 +123,7 @@ impl HandlerError {
             // The claim found no partition for a generation the purge was
             // rotating or expiring under it: the next try reads the
             // generations again.
-            HandlerError::ClaimFailed(error) if crate::transaction::is_generation_gone(error) => {
+            HandlerError::ClaimFailed(error) if class::is_generation_gone(error) => {
                 ErrorClass::RetryNow
             }
             HandlerError::CommitRefused(error) | HandlerError::ClaimFailed(error) => {
@@ -145,14 +149,14 @@ impl From<sqlx::Error> for HandlerError {
     }
 }
 
-impl From<crate::failure::Permanent> for HandlerError {
-    fn from(error: crate::failure::Permanent) -> Self {
+impl From<crate::error::class::Permanent> for HandlerError {
+    fn from(error: crate::error::class::Permanent) -> Self {
         HandlerError::classified(error, Some(ErrorClass::Permanent))
     }
 }
 
-impl From<crate::failure::Transient> for HandlerError {
-    fn from(error: crate::failure::Transient) -> Self {
+impl From<crate::error::class::Transient> for HandlerError {
+    fn from(error: crate::error::class::Transient) -> Self {
         HandlerError::classified(error, Some(ErrorClass::Transient))
     }
 }
@@ -173,7 +177,7 @@ impl From<BoxError> for HandlerError {
 )]
 pub trait HandlerResult {
     /// What `Ok` carries: `()`, or a value the runtime stores with the
-    /// claim (see [`results`](crate::results)).
+    /// claim (see [`results`](crate::handler::results)).
     type Output;
     /// What `Err` carries.
     type Error;
@@ -266,7 +270,7 @@ pub enum Error {
     Database(#[from] sqlx::Error),
     /// A step of the claims purge failed; the next run resumes from it.
     #[error(transparent)]
-    Purge(#[from] crate::expiry::PurgeFailure),
+    Purge(#[from] crate::error::retention::PurgeFailure),
     /// The JetStream stream is missing and no stream config was given.
     #[error(
         "JetStream stream `{stream}` does not exist; create it, or pass its config with `Route::create_stream`: {source}"
@@ -350,8 +354,8 @@ pub enum Error {
     },
     /// The route's retention is shorter than its retention floor: a
     /// duplicate could arrive after its claim is purged, and be processed
-    /// again. See [`retention_floor`](crate::retention_floor).
-    #[error("{}", crate::retention_floor::below_floor_message(.route, *.retention, *.floor, .computation))]
+    /// again. See [`retention_floor`](crate::retention::floor).
+    #[error("{}", crate::error::retention::below_floor_message(.route, *.retention, *.floor, .computation))]
     RetentionBelowFloor {
         /// The route (durable consumer name).
         route: String,
@@ -360,21 +364,21 @@ pub enum Error {
         /// Its retention floor.
         floor: std::time::Duration,
         /// How the floor was computed, term by term.
-        computation: Box<crate::retention_floor::RetentionFloor>,
+        computation: Box<crate::error::retention::RetentionFloor>,
     },
     /// The route sets a retention, but its retention floor has a term with
     /// no bound that it does not accept
     /// ([`Route::accept_duplicates_after_retention`](crate::Route::accept_duplicates_after_retention)).
-    #[error("{}", crate::retention_floor::unbounded_message(.route, *.retention, .unbounded, .computation))]
+    #[error("{}", crate::error::retention::unbounded_message(.route, *.retention, .unbounded, .computation))]
     RetentionFloorUnbounded {
         /// The route (durable consumer name).
         route: String,
         /// Its retention (`Route::retention`).
         retention: std::time::Duration,
         /// The terms without a bound.
-        unbounded: Vec<crate::retention_floor::Unbounded>,
+        unbounded: Vec<crate::error::retention::Unbounded>,
         /// How the floor was computed, term by term.
-        computation: Box<crate::retention_floor::RetentionFloor>,
+        computation: Box<crate::error::retention::RetentionFloor>,
     },
     /// Pulling messages failed and could not be resumed.
     #[error("pulling from consumer `{route}` failed: {source}")]
@@ -384,4 +388,39 @@ pub enum Error {
         /// The client's error.
         source: async_nats::Error,
     },
+}
+
+/// Why a message was dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Failure {
+    /// The handler failed with a permanent error.
+    Permanent,
+    /// The handler kept failing until the route's delivery limit.
+    Exhausted,
+    /// The payload does not decode.
+    Undecodable,
+    /// The message id is empty or too long.
+    BadMessageId,
+    /// JetStream stopped redelivering it (its deliveries ran out without an
+    /// ack: the workers that took it died, or a header that is not UTF-8
+    /// made the client drop the connection each time).
+    Undeliverable,
+    /// It reached the route without JetStream delivery metadata, so it can be
+    /// neither deduplicated nor redelivered.
+    NotADelivery,
+}
+
+impl Failure {
+    /// The `Idem-Failure` header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::Permanent => "permanent",
+            Failure::Exhausted => "exhausted",
+            Failure::Undecodable => "undecodable",
+            Failure::BadMessageId => "bad-message-id",
+            Failure::Undeliverable => "undeliverable",
+            Failure::NotADelivery => "not-a-jetstream-delivery",
+        }
+    }
 }

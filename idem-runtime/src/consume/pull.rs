@@ -29,11 +29,11 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use crate::ack;
+use crate::consume::ack;
+use crate::consume::heartbeat::Lease;
+use crate::consume::pipeline::Pipeline;
 use crate::handler::Handler;
-use crate::heartbeat::Lease;
-use crate::pipeline::Pipeline;
-use crate::shutdown::Signal;
+use crate::tasks::Signal;
 
 /// The first pause after the pull failed; it doubles with each failure in a
 /// row, up to [`PULL_RETRY_MAX`].

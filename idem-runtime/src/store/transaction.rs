@@ -16,7 +16,7 @@
 //!
 //! The commit level (`synchronous_commit`, transaction-local, at least `on`,
 //! `remote_apply` kept): the COMMIT that precedes the ack is durable
-//! whatever the server's default; see [`durability`](crate::durability).
+//! whatever the server's default; see [`durability`](crate::store::durability).
 //!
 //! The bounds (`set_config(.., true)`, transaction-local): a statement stuck
 //! on a lock is cancelled by the server at the handler timeout, and a backend
@@ -24,7 +24,7 @@
 //! ended soon after, so redeliveries do not wait on it until TCP keepalive
 //! gives up (where the server supports it, `client_connection_check_interval`
 //! also ends a statement whose client went away). The claim (`CLAIM_SQL`,
-//! see [`claim`](crate::claim)) inserts the message's key: if another
+//! see [`claim`](crate::store::claim)) inserts the message's key: if another
 //! transaction holds an uncommitted claim on the key, it waits; if that one
 //! commits, it fails with a unique violation, which is how a duplicate is
 //! told (the runtime then rolls back and acks); if that one rolls back, it
@@ -42,7 +42,7 @@
 //! ```
 //!
 //! The commit level is set again here because the handler may have lowered
-//! it for its own transaction (see [`durability`](crate::durability)).
+//! it for its own transaction (see [`durability`](crate::store::durability)).
 //!
 //! PostgreSQL turns the COMMIT of an aborted transaction (a statement failed
 //! and the handler ignored the error) into a rollback that it reports as
@@ -82,11 +82,11 @@ use std::time::Duration;
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, PgTransaction};
 
-use crate::claim::CLAIM_SQL;
-use crate::connections::Leased;
-use crate::durability::{Level, at_least};
 use crate::error::HandlerError;
-use crate::schema::CLAIMS_TABLE;
+pub(crate) use crate::error::class::is_duplicate_claim;
+use crate::store::claim::CLAIM_SQL;
+use crate::store::connections::Leased;
+use crate::store::durability::{Level, at_least};
 
 /// Whether the transaction running it is the one that made the claims:
 /// true, false, never NULL.
@@ -147,12 +147,12 @@ pub(crate) struct Session {
 
 impl Session {
     /// Asks the server (see [`server_checks_client_connection`] and
-    /// [`durability::check`](crate::durability::check), which warns, if
+    /// [`durability::check`](crate::store::durability::check), which warns, if
     /// `warn`, about what can lose acked commits).
     pub(crate) async fn probe(pool: &sqlx::PgPool, warn: bool) -> Result<Session, sqlx::Error> {
         Ok(Session {
             check_client_connection: server_checks_client_connection(pool).await?,
-            commit_level: crate::durability::check(pool, warn).await?,
+            commit_level: crate::store::durability::check(pool, warn).await?,
         })
     }
 }
@@ -252,7 +252,7 @@ impl Begin {
 /// What a message's transaction claims: `key` (see [`claim::key`]) for the
 /// handler registered as `handler_id`.
 ///
-/// [`claim::key`]: crate::claim::key
+/// [`claim::key`]: crate::store::claim::key
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Claim<'a> {
     pub(crate) handler_id: i32,
@@ -285,14 +285,6 @@ pub(crate) async fn end_failed_claim(connection: &mut PgConnection) -> Result<()
     Ok(())
 }
 
-/// Whether the claim found the message processed before: a unique key of
-/// of a partition of the claims table refused it.
-pub(crate) fn is_duplicate_claim(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(db)
-        if db.code().as_deref() == Some("23505")
-            && db.table().is_some_and(|table| table.starts_with(CLAIMS_TABLE)))
-}
-
 /// The longest a transaction with `calls` handler calls can run when every
 /// part of it gets its answer under `handler_timeout`: the claim (which may
 /// wait on a concurrent attempt, up to `statement_timeout`), each handler
@@ -303,17 +295,6 @@ pub(crate) fn is_duplicate_claim(error: &sqlx::Error) -> bool {
 pub(crate) fn longest(handler_timeout: Duration, calls: usize) -> Duration {
     let parts = u32::try_from(calls).unwrap_or(u32::MAX).saturating_add(2);
     handler_timeout.saturating_mul(parts)
-}
-
-/// Whether the claim failed because the generation it inserted into had
-/// no partition any more (`no partition of relation "idem_claims" found
-/// for row`, 23514): a generation the purge detached under it. Seen once in
-/// a benchmark run whose purge rotated and expired generations every
-/// second; not reproduced since. A retry reads the generations again.
-pub(crate) fn is_generation_gone(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(db)
-        if db.code().as_deref() == Some("23514")
-            && db.table().is_some_and(|table| table.starts_with(CLAIMS_TABLE)))
 }
 
 /// How much longer than the handler timeout a transaction may sit idle
@@ -406,7 +387,7 @@ pub(crate) async fn rollback(tx: PgTransaction<'_>) -> bool {
 }
 
 /// Commits `tx` if it is still the transaction that claimed, durably (see
-/// [`durability`](crate::durability)), in one round trip (see the module
+/// [`durability`](crate::store::durability)), in one round trip (see the module
 /// docs).
 ///
 /// On `Ok`, drop `tx`: its trailing empty transaction is rolled back with
@@ -424,7 +405,9 @@ pub(crate) async fn commit(tx: &mut PgTransaction<'_>, begin: &Begin) -> Result<
         // The connection's own end (the server shutting down, say) can come
         // right after the COMMIT went through: as unknown as a lost
         // connection.
-        Err(error) if crate::failure::is_infrastructure(&error) => Err(CommitError::Unknown(error)),
+        Err(error) if crate::error::class::is_infrastructure(&error) => {
+            Err(CommitError::Unknown(error))
+        }
         Err(error @ sqlx::Error::Database(_)) => Err(CommitError::Refused(error)),
         Err(error) => Err(CommitError::Unknown(error)),
     }

@@ -43,19 +43,14 @@ use serde::Deserialize;
 use std::panic::AssertUnwindSafe;
 
 use crate::codec::Decode;
-use crate::dead_letter::{self, Failure, Kept, Origin, Replicas};
-use crate::delivery::{Delivery, Fields};
+use crate::consume::pipeline::Pipeline;
+use crate::dead_letter::header_block;
+use crate::dead_letter::{self, ADVISORY_STREAM, Failure, Kept, Origin, Replicas};
 use crate::error::Error;
 use crate::handler::Handler;
-use crate::header_block;
+use crate::handler::delivery::{Delivery, Fields};
 use crate::message_id::MessageId;
-use crate::pipeline::Pipeline;
 use crate::route::Route;
-
-/// The stream that keeps JetStream's `MAX_DELIVERIES` advisories until a
-/// watcher has dead-lettered the message each names (work-queue retention:
-/// an advisory is removed once handled; at most 7 days otherwise).
-pub const ADVISORY_STREAM: &str = "IDEM_ADVISORIES";
 
 const ADVISORY_SUBJECTS: &str = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>";
 
@@ -178,7 +173,11 @@ pub(crate) async fn watch<S: Send + Sync + 'static, H: Handler<S>>(
                     .catch_unwind()
                     .await
                     .unwrap_or_else(|panic| {
-                        Err(format!("it panicked: {}", crate::pipeline::panic_text(&*panic)).into())
+                        Err(format!(
+                            "it panicked: {}",
+                            crate::consume::pipeline::panic_text(&*panic)
+                        )
+                        .into())
                     })
                     .inspect(|()| pipeline.metrics.dead_lettered(Failure::Undeliverable)),
                 Err(error) => {

@@ -12,7 +12,7 @@
 //! So every transaction whose COMMIT precedes an ack or a reply (per
 //! message, a batch, a batch's fallback to one transaction per message, a
 //! request/reply route: they all begin and commit through
-//! [`transaction`](crate::transaction)) commits with **at least
+//! [`transaction`](crate::store::transaction)) commits with **at least
 //! `synchronous_commit = on`**, set transaction-locally twice: at BEGIN, so
 //! that the handler (and anything it reads) sees the level its transaction
 //! commits with, and again in the COMMIT message itself, so that a handler

@@ -71,7 +71,7 @@
 //!
 //! A replay goes to the subject the original was published to: for a
 //! partitioned stream, the one its transform maps to the stored subject
-//! (see [`crate::partition`]), so that it is stored in its key's partition.
+//! (see [`crate::route::partition`]), so that it is stored in its key's partition.
 //! A dead letter without a known id is replayed only when asked for
 //! explicitly ([`replay_with`]); one whose handler no consumer of its
 //! stream records (renamed, removed) is refused
@@ -94,15 +94,17 @@ use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::{self, Message, stream};
 use futures_util::StreamExt;
 
-use crate::delivery::Delivery;
 use crate::error::Error;
-use crate::header_block;
+use crate::error::retention::Human;
+use crate::handler::delivery::Delivery;
 use crate::message_id::{MessageId, REPLAY_ID, REPLAY_ID_SOURCE};
-use crate::retention_floor::{self, COPY_SPREAD_KEY, Human, RETENTION_KEY};
 use crate::route::Route;
+use crate::route::metadata::{COPY_SPREAD_KEY, HANDLER_KEY, RETENTION_KEY};
 
 mod browse;
+pub(crate) mod header_block;
 mod moved;
+pub use crate::error::Failure;
 
 pub use browse::{
     DeadLetter, DeadLetterError, Filter, MovedPart, Original, check_replay, discard, get, list,
@@ -139,51 +141,16 @@ const SMALLEST_USEFUL_MESSAGE: i32 = 4096;
 /// The stream that stores dead letters unless a route names its own subject.
 pub const DEFAULT_STREAM: &str = "IDEM_DEAD_LETTERS";
 
+/// The stream that keeps JetStream's `MAX_DELIVERIES` advisories until a
+/// watcher has dead-lettered the message each names (work-queue retention:
+/// an advisory is removed once handled; at most 7 days otherwise).
+pub const ADVISORY_STREAM: &str = "IDEM_ADVISORIES";
+
 /// The subjects of [`DEFAULT_STREAM`]; a route's default dead-letter subject
 /// is `idem.dead.<stream>.<durable>`.
 pub const DEFAULT_SUBJECTS: &str = "idem.dead.>";
 
 const MAX_ERROR_HEADER: usize = 1024;
-
-/// Why a message was dead-lettered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Failure {
-    /// The handler failed with a permanent error.
-    Permanent,
-    /// The handler kept failing until the route's delivery limit.
-    Exhausted,
-    /// The payload does not decode.
-    Undecodable,
-    /// The message id is empty or too long.
-    BadMessageId,
-    /// JetStream stopped redelivering it (its deliveries ran out without an
-    /// ack: the workers that took it died, or a header that is not UTF-8
-    /// made the client drop the connection each time).
-    Undeliverable,
-    /// It reached the route without JetStream delivery metadata, so it can be
-    /// neither deduplicated nor redelivered.
-    NotADelivery,
-}
-
-impl Failure {
-    /// The `Idem-Failure` header value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Failure::Permanent => "permanent",
-            Failure::Exhausted => "exhausted",
-            Failure::Undecodable => "undecodable",
-            Failure::BadMessageId => "bad-message-id",
-            Failure::Undeliverable => "undeliverable",
-            Failure::NotADelivery => "not-a-jetstream-delivery",
-        }
-    }
-}
-
-/// The default dead-letter subject of a route.
-pub(crate) fn default_subject(stream: &str, durable: &str) -> String {
-    format!("idem.dead.{stream}.{durable}")
-}
 
 /// The replicas idem's own streams should have: those of the streams the
 /// routes read, so that a lost node does not take a route's dead letters,
@@ -908,7 +875,7 @@ async fn check_route(
         let Ok(info) = info else {
             return Ok(());
         };
-        match info.config.metadata.get(crate::status::HANDLER_KEY) {
+        match info.config.metadata.get(HANDLER_KEY) {
             Some(name) if name == handler => return Ok(()),
             Some(_) => recorded = true,
             None => {}
@@ -929,7 +896,7 @@ async fn check_route(
 /// captures it; else, for a partitioned stream (which stores a message
 /// under another subject than it was published to), the subject its
 /// transform maps to the stored one (see
-/// [`partition::published_subject`](crate::partition)).
+/// [`partition::published_subject`](crate::route::partition)).
 async fn replay_subject(
     js: &jetstream::Context,
     letter: &DeadLetter,
@@ -955,7 +922,7 @@ async fn replay_subject(
     let published = config
         .subject_transform
         .as_ref()
-        .and_then(|transform| crate::partition::published_subject(transform, &subject));
+        .and_then(|transform| crate::route::partition::published_subject(transform, &subject));
     (published.unwrap_or(subject), limit)
 }
 
@@ -1022,7 +989,7 @@ fn check_retention(
     let duration = |name: &str| {
         headers
             .get(name)
-            .and_then(|value| retention_floor::decode_duration(value.as_str()))
+            .and_then(|value| crate::error::retention::decode_duration(value.as_str()))
     };
     // A value that does not read is taken as the shortest retention.
     let retention = duration(RETENTION).unwrap_or_default();

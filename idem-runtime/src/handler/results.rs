@@ -29,7 +29,7 @@ use sqlx::{PgConnection, PgPool, PgTransaction};
 
 use crate::codec::Encode;
 use crate::error::HandlerError;
-use crate::failure::ErrorClass;
+use crate::error::class::ErrorClass;
 
 /// The result stored for `message_id` by the handler named `handler`: the
 /// bytes its codec encoded (for JSON, the JSON text). For a reply route,
@@ -58,7 +58,7 @@ pub async fn stored(
     handler: &str,
     message_id: &str,
 ) -> Result<Option<Bytes>, sqlx::Error> {
-    let key = crate::claim::key(handler, message_id);
+    let key = crate::store::claim::key(handler, message_id);
     let mut connection = pool.acquire().await?;
     Ok(read(&mut connection, &key).await?.flatten())
 }

@@ -10,18 +10,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, Message};
 
-/// How the runtime acks a message after its transaction commits.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AckMode {
-    /// A plain `+ACK`: no reply from the server. The fastest; a lost ack only
-    /// causes a redelivery that the dedup row absorbs.
-    #[default]
-    Ack,
-    /// AckSync (`double_ack`): wait for the server to confirm the ack, so a
-    /// message counts as finished only once JetStream has recorded it.
-    DoubleAck,
-}
+use crate::route::AckMode;
 
 /// Acks a finished (committed or duplicate) message.
 pub(crate) async fn ack(message: &Message, mode: AckMode) {

@@ -6,8 +6,15 @@ use bytes::Bytes;
 use sqlx::PgTransaction;
 
 use crate::codec::Decode;
-use crate::delivery::Delivery;
 use crate::error::HandlerError;
+
+pub(crate) mod delivery;
+pub mod results;
+pub(crate) mod state;
+
+pub use crate::message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, MessageId, MessageIdSource};
+pub use delivery::Delivery;
+pub use state::{FromBatch, FromDelivery, FromRef, Parameter, State};
 
 /// A message handler the [`Router`](crate::Router) can run, with the
 /// router's state `S`.

@@ -5,10 +5,16 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 use async_nats::jetstream::stream;
 
-use crate::ack::AckMode;
 use crate::error::Error;
-use crate::retention_floor::{self, RetentionFloor, Unbounded};
-use crate::retry::RetryPolicy;
+use crate::error::retention::Inputs;
+use crate::error::retention::{RetentionFloor, Unbounded};
+use crate::retention::floor;
+
+pub(crate) mod metadata;
+pub mod partition;
+pub(crate) mod retry;
+
+pub use retry::RetryPolicy;
 
 /// The largest batch: one claim statement binds this many ids.
 const MAX_BATCH: usize = 1000;
@@ -24,6 +30,24 @@ enum HeartbeatSetting {
     Auto,
     Every(Duration),
     Off,
+}
+
+/// How the runtime acks a message after its transaction commits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AckMode {
+    /// A plain `+ACK`: no reply from the server. The fastest; a lost ack only
+    /// causes a redelivery that the dedup row absorbs.
+    #[default]
+    Ack,
+    /// AckSync (`double_ack`): wait for the server to confirm the ack, so a
+    /// message counts as finished only once JetStream has recorded it.
+    DoubleAck,
+}
+
+/// The default dead-letter subject of a route.
+pub(crate) fn default_dead_letter_subject(stream: &str, durable: &str) -> String {
+    format!("idem.dead.{stream}.{durable}")
 }
 
 /// One binding of a handler to a JetStream durable pull consumer.
@@ -42,7 +66,7 @@ enum HeartbeatSetting {
 /// | heartbeat | `+WPI` every ack_wait / 3 while a handler runs |
 /// | ack | plain `+ACK` ([`AckMode::Ack`]) |
 /// | existing consumer | used if its settings match; refused if they differ, unless `update_consumer()` |
-/// | `retention` | none: claims are kept forever; a retention is refused below the [retention floor](crate::retention_floor) |
+/// | `retention` | none: claims are kept forever; a retention is refused below the [retention floor](crate::retention::floor) |
 ///
 /// ```
 /// use std::time::Duration;
@@ -81,7 +105,7 @@ pub struct Route {
     /// Unbounded terms of the retention floor the route accepts.
     pub(crate) accepted_unbounded: Vec<Unbounded>,
     /// The partitioned consumer this route is one partition of (see
-    /// [`crate::partition`]): routes of one group may share a handler.
+    /// [`crate::route::partition`]): routes of one group may share a handler.
     pub(crate) partition_of: Option<String>,
 }
 
@@ -164,9 +188,9 @@ impl Route {
 
     /// The subject this route's dead letters are published to.
     pub fn dead_letter_target(&self) -> String {
-        self.dead_letter_subject
-            .clone()
-            .unwrap_or_else(|| crate::dead_letter::default_subject(&self.stream, &self.durable))
+        self.dead_letter_subject.clone().unwrap_or_else(|| {
+            crate::route::default_dead_letter_subject(&self.stream, &self.durable)
+        })
     }
 
     /// Fail a handler that runs longer than `timeout` (a transient failure:
@@ -184,7 +208,7 @@ impl Route {
     }
 
     /// Marks the route as one partition of the partitioned consumer `group`
-    /// ([`crate::partition::Partitions::routes`]).
+    /// ([`crate::route::partition::Partitions::routes`]).
     pub(crate) fn partition_of(mut self, group: &str) -> Self {
         self.partition_of = Some(group.to_owned());
         self
@@ -258,7 +282,7 @@ impl Route {
     ///
     /// A duplicate that arrives after its claim is purged is processed
     /// again, so at start-up the router refuses a `period` below the
-    /// route's [retention floor](crate::retention_floor): the longest a
+    /// route's [retention floor](crate::retention::floor): the longest a
     /// duplicate can still arrive, from `ack_wait`, the retry policy, the
     /// handler timeout, the stream's `max_age` and `duplicate_window`, and
     /// the [publisher-retry horizon](Self::publisher_retry_horizon). A floor
@@ -288,7 +312,7 @@ impl Route {
     /// restarts). JetStream drops a retry inside the stream's
     /// `duplicate_window`, and stores one after it as a new copy, which the
     /// claim must still catch: a horizon longer than the window adds to the
-    /// [retention floor](crate::retention_floor). Only checked on a route
+    /// [retention floor](crate::retention::floor). Only checked on a route
     /// with a [`retention`](Self::retention); without a declared horizon such
     /// a route is refused, unless it accepts
     /// [`Unbounded::PublisherRetryHorizon`]. `Duration::ZERO` declares that
@@ -332,9 +356,9 @@ impl Route {
 
     /// This route's retention floor on a stream with `stream`'s settings,
     /// and how it is computed: what the router checks the retention against
-    /// at start-up. See [`retention_floor`](crate::retention_floor).
+    /// at start-up. See [`retention_floor`](crate::retention::floor).
     pub fn retention_floor(&self, stream: &stream::Config) -> RetentionFloor {
-        retention_floor::compute(retention_floor::Inputs::of(self, stream))
+        floor::compute(self.floor_inputs(stream))
     }
 
     /// How a committed message is acked.
@@ -449,6 +473,26 @@ impl Route {
             filter_subject,
             filter_subjects,
             ..Default::default()
+        }
+    }
+}
+
+impl Route {
+    /// What this route's retention floor is computed from, reading `stream`.
+    fn floor_inputs(&self, stream: &stream::Config) -> Inputs {
+        let policy = &self.retry;
+        Inputs {
+            ack_wait: self.ack_wait,
+            max_deliver: policy.max_deliver,
+            server_max_deliver: self.server_max_deliver(),
+            nak_delays: policy.nak_delay_runs(),
+            jitter: policy.jitter,
+            handler_timeout: self.handler_timeout,
+            batch: self.batch,
+            max_age: stream.max_age,
+            duplicate_window: stream.duplicate_window,
+            publisher_retry_horizon: self.publisher_retry_horizon,
+            accepted: self.accepted_unbounded.clone(),
         }
     }
 }

@@ -23,22 +23,22 @@ use futures_util::FutureExt;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
-use crate::ack;
 use crate::codec::Decode;
-use crate::connections::Connections;
+use crate::consume::ack;
+use crate::consume::health::Health;
+use crate::consume::heartbeat::{Heartbeats, Lease};
 use crate::dead_letter::{self, Failure};
-use crate::delivery::Delivery;
+use crate::error::class::ErrorClass;
 use crate::error::{HandlerError, RejectedMessage};
-use crate::failure::ErrorClass;
 use crate::handler::Handler;
-use crate::health::Health;
-use crate::heartbeat::{Heartbeats, Lease};
+use crate::handler::delivery::Delivery;
 use crate::message_id::MessageId;
-use crate::metrics::RouteMetrics;
+use crate::observe::metrics::RouteMetrics;
+use crate::observe::stats::Stats;
 use crate::route::Route;
-use crate::shutdown::Signal;
-use crate::stats::Stats;
-use crate::transaction::{self, Begin, Ended};
+use crate::store::connections::Connections;
+use crate::store::transaction::{self, Begin, Ended};
+use crate::tasks::Signal;
 
 /// Everything a route needs to process its messages.
 pub(crate) struct Pipeline<H, S> {
@@ -180,7 +180,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             delivered = delivery.delivered(),
         );
         #[cfg(feature = "otel")]
-        crate::trace::continue_trace(&span, Some(delivery.headers()));
+        crate::observe::trace::continue_trace(&span, Some(delivery.headers()));
         span
     }
 
@@ -481,7 +481,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // Its caller gets what the first attempt stored, read on the
             // same connection: the claim conflicted, so it has committed.
             let read = match ended {
-                Ok(()) => crate::results::read(&mut connection, &key).await,
+                Ok(()) => crate::handler::results::read(&mut connection, &key).await,
                 Err(error) => Err(error),
             };
             return match read {
@@ -509,7 +509,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         // A reply too large to send is refused first (see reply.rs).
         let outcome = match outcome {
             Ok(Some(result)) => match self.check_reply_size(&result) {
-                Ok(()) => crate::results::store(&mut tx, &key, &result)
+                Ok(()) => crate::handler::results::store(&mut tx, &key, &result)
                     .await
                     .map(|()| Some(result)),
                 Err(error) => Err(error),
@@ -552,7 +552,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             .answers
             .as_ref()
             .map_or(self.handler.name(), |answers| answers.claims_under.as_str());
-        crate::claim::key(claims_under, delivery.message_id().as_str())
+        crate::store::claim::key(claims_under, delivery.message_id().as_str())
     }
 
     fn claim<'k>(&self, key: &'k str, delivery: &Delivery) -> transaction::Claim<'k> {
@@ -603,7 +603,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     pub(crate) fn classify_before_handler(&self, error: sqlx::Error) -> HandlerError {
-        if crate::failure::is_infrastructure(&error) {
+        if crate::error::class::is_infrastructure(&error) {
             // A kept connection may have died (a restart): do not let the
             // retry take another one unchecked.
             self.connections.forget_idle();

@@ -24,7 +24,7 @@ pub const HISTORY_TABLE: &str = "_idem_migrations";
 
 /// The claims table (partitioned by generation; each partition's name
 /// starts with this).
-pub const CLAIMS_TABLE: &str = "idem_claims";
+pub const CLAIMS_TABLE: &str = crate::error::class::CLAIMS_TABLE;
 
 /// The transactional outbox's table (see [`crate::outbox`]).
 pub const OUTBOX_TABLE: &str = "idem_outbox";
@@ -34,28 +34,32 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (
         1,
         "processed messages",
-        include_str!("../migrations/0001_processed_messages.sql"),
+        include_str!("../../migrations/0001_processed_messages.sql"),
     ),
     (
         2,
         "claims by generation",
-        include_str!("../migrations/0002_claims_by_generation.sql"),
+        include_str!("../../migrations/0002_claims_by_generation.sql"),
     ),
     (
         3,
         "claim in one statement",
-        include_str!("../migrations/0003_claim_in_one_statement.sql"),
+        include_str!("../../migrations/0003_claim_in_one_statement.sql"),
     ),
-    (4, "outbox", include_str!("../migrations/0004_outbox.sql")),
+    (
+        4,
+        "outbox",
+        include_str!("../../migrations/0004_outbox.sql"),
+    ),
     (
         5,
         "outbox retries",
-        include_str!("../migrations/0005_outbox_retries.sql"),
+        include_str!("../../migrations/0005_outbox_retries.sql"),
     ),
     (
         6,
         "expiry state",
-        include_str!("../migrations/0006_expiry_state.sql"),
+        include_str!("../../migrations/0006_expiry_state.sql"),
     ),
 ];
 

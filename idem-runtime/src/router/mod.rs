@@ -10,19 +10,22 @@ use async_nats::jetstream::consumer::{self, PullConsumer, pull};
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 
+use crate::consume::health::Health;
+use crate::consume::heartbeat::Heartbeats;
+use crate::consume::pipeline::Pipeline;
+use crate::consume::reply::{BindReply, BoundReply, Serve};
+use crate::consume::undeliverable;
 use crate::error::Error;
 use crate::handler::{Handler, IntoHandler};
-use crate::health::Health;
-use crate::heartbeat::Heartbeats;
+use crate::observe::stats::Stats;
 use crate::outbox::{Relay, RelayStats};
-use crate::pipeline::Pipeline;
-use crate::reply::{BindReply, BoundReply, ReplyRoute, Serve};
+use crate::reply::ReplyRoute;
 use crate::route::Route;
-use crate::schema;
-use crate::shutdown::{self, Signal, Trigger};
-use crate::stats::Stats;
-use crate::transaction::Begin;
-use crate::undeliverable;
+use crate::store::schema;
+use crate::store::transaction::Begin;
+use crate::tasks::{self, Signal, Trigger};
+
+mod poll;
 
 /// Binds handlers to JetStream durable pull consumers.
 ///
@@ -135,7 +138,7 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// # drop(router);
     /// ```
     pub fn with_state(state: S) -> Self {
-        let (trigger, signal) = shutdown::channel();
+        let (trigger, signal) = tasks::channel();
         Self {
             state: Arc::new(state),
             routes: Vec::new(),
@@ -169,9 +172,9 @@ impl<S: Send + Sync + 'static> Router<S> {
     }
 
     /// Runs `handler` for every partition's route of a partitioned consumer
-    /// ([`Partitions::routes`](crate::partition::Partitions::routes)): the
+    /// ([`Partitions::routes`](crate::route::partition::Partitions::routes)): the
     /// routes share the handler, and with it its dedup rows, as one
-    /// consumer would. See [`crate::partition`].
+    /// consumer would. See [`crate::route::partition`].
     pub fn route_partitions<M>(
         mut self,
         routes: impl IntoIterator<Item = Route>,
@@ -282,7 +285,7 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// ```
     pub async fn run(self, nats: async_nats::Client, pool: PgPool) -> Result<(), Error> {
         // Aborted when `run` returns, or when its future is dropped.
-        let _listener = shutdown::Owned(shutdown::fire_on_os_signal(self.trigger.clone()));
+        let _listener = tasks::Owned(tasks::fire_on_os_signal(self.trigger.clone()));
         self.run_until(nats, pool, std::future::pending()).await
     }
 
@@ -292,7 +295,7 @@ impl<S: Send + Sync + 'static> Router<S> {
     ///
     /// Start-up fails, before any message is taken, if a route is
     /// misconfigured, the dedup schema is missing, a stream is missing, a
-    /// route's retention is below its [retention floor](crate::retention_floor)
+    /// route's retention is below its [retention floor](crate::retention::floor)
     /// on its stream (a reply route's: below its client-retry horizon plus
     /// a transaction), or two reply routes' subjects overlap.
     ///
@@ -418,7 +421,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             );
         }
         let js = jetstream::new(nats.clone());
-        crate::metrics::describe();
+        crate::observe::metrics::describe();
         let mut shutdown = std::pin::pin!(shutdown);
         let Some(SetUp {
             session,
@@ -443,11 +446,13 @@ impl<S: Send + Sync + 'static> Router<S> {
             )
             .max()
             .map(|retention| {
-                shutdown::Owned(tokio::spawn(crate::expiry::run_in_background(
-                    pool.clone(),
-                    crate::expiry::purge_interval(retention),
-                    self.signal.clone(),
-                )))
+                tasks::Owned(tokio::spawn(
+                    crate::retention::background::run_in_background(
+                        pool.clone(),
+                        crate::retention::expiry::purge_interval(retention),
+                        self.signal.clone(),
+                    ),
+                ))
             });
         let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
         // Each route may keep at most its share of the pool's connections
@@ -459,7 +464,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         let polled = bound
             .iter()
             .map(|(route, (consumer, ..))| (route.route().durable.clone(), consumer.clone()));
-        let _polling = shutdown::Owned(tokio::spawn(crate::metrics::poll(
+        let _polling = tasks::Owned(tokio::spawn(poll::poll(
             polled.collect(),
             pool.clone(),
             self.signal.clone(),
@@ -611,7 +616,7 @@ impl<S: Send + Sync + 'static> Router<S> {
 /// What start-up made on the servers, in the order of the router's routes
 /// and request routes.
 struct SetUp {
-    session: crate::transaction::Session,
+    session: crate::store::transaction::Session,
     /// Per route: its consumer, its advisory watcher's consumer, and how far
     /// apart copies of one message can be stored.
     consumers: Vec<(PullConsumer, PullConsumer, Option<Duration>)>,
@@ -647,12 +652,14 @@ impl<S: Send + Sync + 'static> Router<S> {
             let Some(down) = unreachable(&error, js).await else {
                 return Err(error);
             };
-            crate::metrics::start_up_retry(down);
+            crate::observe::metrics::start_up_retry(down.label());
             let holders = if down == Unreachable::HandlersLocked {
-                crate::claim::handlers_lock_holders(pool).await.map_or_else(
-                    |error| format!("(could not read them: {error})"),
-                    |holders| holders.join("; "),
-                )
+                crate::store::claim::handlers_lock_holders(pool)
+                    .await
+                    .map_or_else(
+                        |error| format!("(could not read them: {error})"),
+                        |holders| holders.join("; "),
+                    )
             } else {
                 String::new()
             };
@@ -690,7 +697,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         warned: &mut bool,
     ) -> Result<SetUp, Error> {
         schema::verify(pool).await?;
-        let session = crate::transaction::Session::probe(pool, !*warned).await?;
+        let session = crate::store::transaction::Session::probe(pool, !*warned).await?;
         *warned = true;
         let mut consumers = Vec::with_capacity(self.routes.len());
         // idem's own streams follow the replicas of the routes' streams.
@@ -724,7 +731,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                     .map(|(reply, name)| (name.as_str(), reply.route().retention)),
             )
             .collect();
-        let handler_ids = crate::claim::register(pool, &registered).await?;
+        let handler_ids = crate::store::claim::register(pool, &registered).await?;
         // Subscribed once every route could be set up, so that no request
         // waits on a router that does not start.
         let mut requests = Vec::with_capacity(self.replies.len());
@@ -784,7 +791,7 @@ pub(crate) enum Unreachable {
 }
 
 impl Unreachable {
-    /// Its label on [`crate::metrics::STARTUP_RETRIES`].
+    /// Its label on [`crate::observe::metrics::STARTUP_RETRIES`].
     pub(crate) fn label(self) -> &'static str {
         match self {
             Unreachable::Postgres | Unreachable::HandlersLocked => "postgresql",
@@ -951,15 +958,18 @@ async fn bind_consumer(
     // A route whose retention does not cover its floor is refused before
     // its consumer is touched; the consumer records the retention, for the
     // route's dead letters to copy (see dead_letter.rs).
-    let floor = crate::retention_floor::check(route, &stream.cached_info().config)?;
+    let floor = crate::retention::floor::judge(
+        &route.durable,
+        route.retention,
+        route.retention_floor(&stream.cached_info().config),
+    )?;
     let mut wanted = route.consumer_config();
-    wanted
-        .metadata
-        .extend(crate::retention_floor::consumer_metadata(route, &floor));
     // And its handler and dead letters, for operators (see status.rs).
     wanted
         .metadata
-        .extend(crate::status::consumer_metadata(route, handler));
+        .extend(crate::route::metadata::consumer_metadata(
+            route, handler, &floor,
+        ));
     if !route.update_consumer
         && let Ok(existing) = stream.consumer_info(&route.durable).await
     {
@@ -1042,7 +1052,7 @@ struct Start {
     nats: async_nats::Client,
     pool: PgPool,
     keep_connections: usize,
-    session: crate::transaction::Session,
+    session: crate::store::transaction::Session,
     shutdown: Signal,
     grace: Duration,
     #[cfg(feature = "fault-injection")]
@@ -1094,13 +1104,16 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
     start: Start,
 ) -> std::pin::Pin<Box<dyn Future<Output = usize> + Send>> {
     let begin = Begin::new(route.handler_timeout, start.session);
-    let metrics = crate::metrics::RouteMetrics::new(&route.durable);
+    let metrics = crate::observe::metrics::RouteMetrics::new(&route.durable);
     let heartbeats = Heartbeats::start(start.nats.clone(), route.heartbeat_interval());
     let pipeline = Arc::new(Pipeline {
         route,
         handler,
         state,
-        connections: crate::connections::Connections::start(start.pool, start.keep_connections),
+        connections: crate::store::connections::Connections::start(
+            start.pool,
+            start.keep_connections,
+        ),
         heartbeats,
         nats: start.nats,
         begin,
@@ -1116,15 +1129,19 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
     });
     // Aborted when the route ends, or when its task is (the router's run
     // future dropped).
-    let watcher = shutdown::Owned(tokio::spawn(undeliverable::watch(
+    let watcher = tasks::Owned(tokio::spawn(undeliverable::watch(
         pipeline.clone(),
         start.js,
         start.advisories,
     )));
     Box::pin(async move {
-        let abandoned =
-            crate::pull::pull_until_shutdown(start.consumer, pipeline, start.shutdown, start.grace)
-                .await;
+        let abandoned = crate::consume::pull::pull_until_shutdown(
+            start.consumer,
+            pipeline,
+            start.shutdown,
+            start.grace,
+        )
+        .await;
         drop(watcher);
         abandoned
     })

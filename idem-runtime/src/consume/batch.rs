@@ -4,7 +4,7 @@
 //! batch pays them once for up to `batch` messages: one BEGIN, one claim
 //! statement (`INSERT ... SELECT unnest($2) ... ON CONFLICT DO NOTHING
 //! RETURNING`), the handler's statements for each fresh message, one COMMIT
-//! (checked like every COMMIT, see [`transaction`](crate::transaction)). No
+//! (checked like every COMMIT, see [`transaction`](crate::store::transaction)). No
 //! savepoints: more than 64 subtransactions overflow PostgreSQL's
 //! per-backend cache.
 //!
@@ -29,14 +29,14 @@ use async_nats::jetstream::Message;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
-use crate::claim;
-use crate::delivery::Delivery;
+use crate::consume::heartbeat::Lease;
+use crate::consume::pipeline::{Outage, Pipeline, Verdict, no_answer};
 use crate::error::HandlerError;
 use crate::handler::Handler;
-use crate::heartbeat::Lease;
-use crate::pipeline::{Outage, Pipeline, Verdict, no_answer};
-use crate::stats::Stats;
-use crate::transaction::{self, Ended};
+use crate::handler::delivery::Delivery;
+use crate::observe::stats::Stats;
+use crate::store::claim;
+use crate::store::transaction::{self, Ended};
 
 /// A message ready for the batch: decoded, with its id resolved, leased.
 struct Ready<P> {
@@ -72,7 +72,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             size = messages.len()
         );
         #[cfg(feature = "otel")]
-        crate::trace::link_each(&span, messages.iter().filter_map(|m| m.headers.as_ref()));
+        crate::observe::trace::link_each(&span, messages.iter().filter_map(|m| m.headers.as_ref()));
         self.run_batch(messages).instrument(span).await;
     }
 
@@ -323,6 +323,6 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
         }
         let results: Vec<&[u8]> = results.iter().map(|result| result.as_ref()).collect();
-        crate::results::store_many(tx, &stored_keys, &results).await
+        crate::handler::results::store_many(tx, &stored_keys, &results).await
     }
 }

@@ -44,7 +44,7 @@
 //!
 //! [`Router::with_state`]: crate::Router::with_state
 
-use crate::delivery::Delivery;
+use crate::handler::delivery::Delivery;
 
 /// The application state, or the part of it `T` names, as a handler
 /// parameter: `State(prices): State<Prices>`.

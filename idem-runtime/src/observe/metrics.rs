@@ -75,12 +75,9 @@
 
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::consumer::PullConsumer;
 use metrics::{Counter, Gauge, Histogram, Unit};
-use sqlx::PgPool;
 
-use crate::dead_letter::Failure;
-use crate::shutdown::Signal;
+use crate::error::Failure;
 
 /// Messages taken from the consumer.
 pub const RECEIVED: &str = "idem_messages_received_total";
@@ -528,23 +525,14 @@ impl Drop for InFlight {
 }
 
 /// A start-up attempt that failed on a server that could not be reached.
-pub(crate) fn start_up_retry(server: crate::router::Unreachable) {
-    metrics::counter!(STARTUP_RETRIES, SERVER_LABEL => server.label()).increment(1);
+pub(crate) fn start_up_retry(server: &'static str) {
+    metrics::counter!(STARTUP_RETRIES, SERVER_LABEL => server).increment(1);
 }
 
 /// What one relay cycle did, counted.
 pub(crate) fn outbox_cycle(published: usize, failed: usize) {
     metrics::counter!(OUTBOX_PUBLISHED).increment(published as u64);
     metrics::counter!(OUTBOX_PUBLISH_FAILURES).increment(failed as u64);
-}
-
-/// The outbox's lag, into its gauges: from the poll below, and from each
-/// relay's own reading (about once per its poll interval), so a relay that
-/// runs without a router reports it too.
-pub(crate) fn outbox_lag(lag: &crate::outbox::Lag) {
-    metrics::gauge!(OUTBOX_PENDING).set(lag.pending as f64);
-    metrics::gauge!(OUTBOX_OLDEST_AGE).set(lag.oldest.as_secs_f64());
-    metrics::gauge!(OUTBOX_FAILING).set(lag.failing as f64);
 }
 
 /// Whether a relay of this process finds NATS away (set when that
@@ -556,62 +544,6 @@ pub(crate) fn outbox_nats_unreachable(away: bool) {
 /// A purge run failed.
 pub(crate) fn purge_failed() {
     metrics::counter!(PURGE_FAILURES).increment(1);
-}
-
-/// Where expiry stands, into its gauges.
-pub(crate) fn expiry(status: &crate::status::ExpiryStatus) {
-    if let Some(at) = status.last_success {
-        metrics::gauge!(PURGE_LAST_SUCCESS).set((at.unix_timestamp_nanos() as f64) / 1e9);
-    }
-    metrics::gauge!(EXPIRY_DUE).set(status.due as f64);
-    metrics::gauge!(EXPIRY_OVERDUE).set(status.overdue.as_secs_f64());
-    metrics::gauge!(EXPIRY_ROTATION_OVERDUE).set(status.rotation_overdue().as_secs_f64());
-    let (waited, blocking) = status.transition.as_ref().map_or((0.0, 0.0), |t| {
-        (t.waited.as_secs_f64(), t.waiting_for as f64)
-    });
-    metrics::gauge!(TRANSITION_SECONDS).set(waited);
-    metrics::gauge!(TRANSITION_BLOCKERS).set(blocking);
-}
-
-/// Reads each route's consumer info and the outbox's lag every
-/// [`POLL_INTERVAL`] until shutdown, into the gauges. A read that fails
-/// leaves its gauges as they were (and is logged at debug): the next poll
-/// tries again. Shutdown is checked between polls only, so that a query is
-/// not cut off halfway; a router whose run future is dropped aborts the
-/// task (the pool checks a connection it gets back that way).
-pub(crate) async fn poll(
-    consumers: Vec<(String, PullConsumer)>,
-    pool: PgPool,
-    mut shutdown: Signal,
-) {
-    let consumers: Vec<_> = consumers
-        .into_iter()
-        .map(|(route, consumer)| {
-            let pending = metrics::gauge!(CONSUMER_PENDING, ROUTE_LABEL => route.clone());
-            let ack_pending = metrics::gauge!(CONSUMER_ACK_PENDING, ROUTE_LABEL => route);
-            (consumer, pending, ack_pending)
-        })
-        .collect();
-    loop {
-        for (consumer, pending, ack_pending) in &consumers {
-            match consumer.get_info().await {
-                Ok(info) => {
-                    pending.set(info.num_pending as f64);
-                    ack_pending.set(info.num_ack_pending as f64);
-                }
-                Err(error) => tracing::debug!(%error, "consumer info unreadable for metrics"),
-            }
-        }
-        match crate::outbox::lag(&pool).await {
-            Ok(lag) => outbox_lag(&lag),
-            Err(error) => tracing::debug!(%error, "outbox lag unreadable for metrics"),
-        }
-        tokio::select! {
-            biased;
-            _ = shutdown.fired() => return,
-            _ = tokio::time::sleep(POLL_INTERVAL) => {}
-        }
-    }
 }
 
 #[cfg(test)]
@@ -780,14 +712,14 @@ mod tests {
     fn the_expiry_figures_set_their_gauges() {
         let recorder = Recording::default();
         let at = time::OffsetDateTime::from_unix_timestamp(1_764_500_000).unwrap();
-        let status = crate::status::ExpiryStatus {
+        let status = crate::retention::status::ExpiryStatus {
             retention: Some(Duration::from_secs(10)),
             current_generation: 7,
             generations: 3,
             due: 2,
             oldest_due_sealed: Some(Duration::from_secs(30)),
             overdue: Duration::from_secs(20),
-            transition: Some(crate::expiry::Transition {
+            transition: Some(crate::retention::expiry::Transition {
                 generation: 7,
                 waited: Duration::from_millis(4500),
                 waiting_for: 3,
@@ -801,7 +733,7 @@ mod tests {
             current_generation_age: Some(Duration::from_millis(4500)),
         };
         metrics::with_local_recorder(&recorder, || {
-            expiry(&status);
+            crate::retention::status::record_gauges(&status);
             purge_failed();
             purge_failed();
         });
@@ -817,11 +749,13 @@ mod tests {
             1_764_500_000.0
         );
         assert_eq!(recorder.counter("idem_purge_failures_total{}"), 2);
-        let ended = crate::status::ExpiryStatus {
+        let ended = crate::retention::status::ExpiryStatus {
             transition: None,
             ..status
         };
-        metrics::with_local_recorder(&recorder, || expiry(&ended));
+        metrics::with_local_recorder(&recorder, || {
+            crate::retention::status::record_gauges(&ended)
+        });
         assert_eq!(recorder.gauge("idem_expiry_transition_seconds{}"), 0.0);
         assert_eq!(
             recorder.gauge("idem_expiry_transition_blocking_transactions{}"),

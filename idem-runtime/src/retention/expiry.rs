@@ -61,7 +61,7 @@
 //! naming its step and, for a lock timeout, the transactions older than
 //! the timeout that held locks on the claims table. Every run records its
 //! outcome in `idem_expiry_state`; a router's purge also logs each failure
-//! at `warn` and counts it (see [`metrics`](crate::metrics)). A router
+//! at `warn` and counts it (see [`metrics`](crate::observe::metrics)). A router
 //! stops its purge between runs at shutdown, and waits for the run in
 //! progress within its grace period; past that it leaves it to finish.
 //!
@@ -107,7 +107,6 @@
 //! [`status::expiry`](crate::status::expiry) show them, and the metrics
 //! count them.
 
-use std::fmt;
 use std::time::Duration;
 
 use sqlx::postgres::PgConnectOptions;
@@ -116,7 +115,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use crate::error::Error;
 
 /// The key of the session advisory lock a purge holds.
-const PURGE_LOCK: i64 = 0x6964_656d_5f65_7870; // "idem_exp"
+pub(crate) const PURGE_LOCK: i64 = 0x6964_656d_5f65_7870; // "idem_exp"
 
 /// How long a purge statement may wait for a lock before giving up for
 /// this run.
@@ -170,115 +169,8 @@ pub struct Transition {
     pub blockers: Vec<Blocker>,
 }
 
-/// A transaction that a purge waits for: one a transition still waits
-/// for, or one holding a lock a purge's statement waited for until its
-/// `lock_timeout`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Blocker {
-    /// Its backend; `None` for a prepared transaction.
-    pub pid: Option<i32>,
-    /// The global id of a prepared transaction.
-    pub prepared: Option<String>,
-    /// The database it is connected to.
-    pub database: Option<String>,
-    /// Its session's `application_name`.
-    pub application_name: Option<String>,
-    /// `active`, `idle in transaction`, ...
-    pub state: Option<String>,
-    /// How long its transaction has run.
-    pub transaction_age: Option<Duration>,
-    /// How long ago its current or last query started.
-    pub query_age: Option<Duration>,
-    /// The start of that query's text.
-    pub query: Option<String>,
-    /// Why it is waited for.
-    pub holds: Holds,
-}
-
-/// Why a purge waits for a transaction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Holds {
-    /// A write lock on the claims table: it has claimed, or is claiming.
-    Claims,
-    /// A snapshot that may predate the rotation: a claim it makes would
-    /// see the state from before it.
-    Snapshot,
-    /// A lock on the claims table that a purge's statement waited for.
-    Lock,
-}
-
-impl fmt::Display for Blocker {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match (self.pid, &self.prepared) {
-            (Some(pid), _) => write!(f, "pid {pid}")?,
-            (None, Some(gid)) => write!(f, "prepared transaction `{gid}`")?,
-            (None, None) => write!(f, "a transaction that has ended")?,
-        }
-        if let Some(database) = &self.database {
-            write!(f, " in database `{database}`")?;
-        }
-        let mut details = Vec::new();
-        if let Some(name) = self.application_name.as_deref().filter(|n| !n.is_empty()) {
-            details.push(format!("application `{name}`"));
-        }
-        if let Some(state) = &self.state {
-            details.push(state.clone());
-        }
-        if let Some(age) = self.transaction_age {
-            details.push(format!("transaction {} old", seconds(age)));
-        }
-        if let Some(age) = self.query_age {
-            let query = self
-                .query
-                .as_deref()
-                .map(|q| format!(": `{}`", q.split_whitespace().collect::<Vec<_>>().join(" ")))
-                .unwrap_or_default();
-            details.push(format!("query started {} ago{query}", seconds(age)));
-        }
-        if !details.is_empty() {
-            write!(f, " ({})", details.join(", "))?;
-        }
-        f.write_str(match self.holds {
-            Holds::Claims => ": holds claims not yet committed",
-            Holds::Snapshot => ": holds a snapshot that may predate the rotation",
-            Holds::Lock => ": holds a lock on the claims table",
-        })
-    }
-}
-
-/// `12.3 s`.
-fn seconds(duration: Duration) -> String {
-    format!("{:.1} s", duration.as_secs_f64())
-}
-
-/// Why a [`purge`] run failed. Nothing is lost: the next run resumes from
-/// the step this one stopped at.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "the claims purge failed while {step}: {source}{}; nothing is lost, and the next run resumes from this step",
-    holders(lock_holders)
-)]
-#[non_exhaustive]
-pub struct PurgeFailure {
-    /// What it was doing (`detaching generation 12`).
-    pub step: String,
-    /// The database's error.
-    #[source]
-    pub source: sqlx::Error,
-    /// For a lock timeout: the transactions, older than the timeout, that
-    /// held locks on the claims table then.
-    pub lock_holders: Vec<Blocker>,
-}
-
-fn holders(blockers: &[Blocker]) -> String {
-    if blockers.is_empty() {
-        return String::new();
-    }
-    let list: Vec<String> = blockers.iter().map(Blocker::to_string).collect();
-    format!(" (it waited for: {})", list.join("; "))
-}
+use crate::error::retention::seconds;
+pub use crate::error::retention::{Blocker, Holds, PurgeFailure};
 
 /// How long a generation is current: half the retention, so that a claim
 /// lives between the retention and one and a half times it (and at least a
@@ -1121,23 +1013,6 @@ async fn lock_holders(conn: &mut PgConnection) -> Result<Vec<Blocker>, sqlx::Err
         .collect())
 }
 
-impl Blocker {
-    /// A transaction that ended between two reads.
-    fn ended(pid: Option<i32>) -> Self {
-        Blocker {
-            pid,
-            prepared: None,
-            database: None,
-            application_name: None,
-            state: None,
-            transaction_age: None,
-            query_age: None,
-            query: None,
-            holds: Holds::Claims,
-        }
-    }
-}
-
 fn non_negative(seconds: f64) -> Duration {
     Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX)
 }
@@ -1170,102 +1045,8 @@ fn partition_name(generation: i32) -> String {
     format!("idem_claims_g{generation}")
 }
 
-fn millis(duration: Duration) -> i64 {
+pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// Runs [`purge`] every `interval` until `shutdown` fires, and after each
-/// run reads the expiry's figures into the metrics. A failed run is logged
-/// and counted, and the next one tries again. Shutdown is checked between
-/// runs only: a run in progress is never cut short (the router waits for it
-/// within its grace period, then leaves it to finish).
-pub(crate) async fn run_in_background(
-    pool: PgPool,
-    interval: Duration,
-    mut shutdown: crate::shutdown::Signal,
-) {
-    let mut ticks = tokio::time::interval(interval);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            _ = shutdown.fired() => return,
-            _ = ticks.tick() => {}
-        }
-        match purge(&pool).await {
-            Ok(report) if report.skipped => warn_if_held_back(&pool).await,
-            Ok(report) => tracing::debug!(?report, "claims purge ran"),
-            Err(error) => {
-                crate::metrics::purge_failed();
-                tracing::warn!(%error, "claims purge failed; the next run resumes where it stopped");
-            }
-        }
-        match crate::status::expiry_figures(&pool).await {
-            Ok(status) => crate::metrics::expiry(&status),
-            Err(error) => tracing::debug!(%error, "expiry figures unreadable for metrics"),
-        }
-    }
-}
-
-/// After a run skipped because another session holds the purge's lock:
-/// that is how purges take turns, unless expiry is behind meanwhile (the
-/// holder is stuck, or its process froze). Then warns, naming the holder.
-async fn warn_if_held_back(pool: &PgPool) {
-    let Ok(status) = crate::status::expiry_figures(pool).await else {
-        return;
-    };
-    if !status.behind() {
-        return;
-    }
-    /// pid, `application_name`, state, seconds in that state, its query.
-    type Holder = (
-        i32,
-        Option<String>,
-        Option<String>,
-        Option<f64>,
-        Option<String>,
-    );
-    // A holder that is working (a long DETACH, a first run after a long
-    // downtime expiring many generations) is left alone: only one that
-    // sends nothing, or has been in one state for longer than expiry may
-    // lag, is named.
-    let slack = status
-        .retention
-        .map_or(Duration::from_secs(1), |retention| {
-            2 * purge_interval(retention) + Duration::from_secs(1)
-        });
-    let holder: Result<Option<Holder>, _> = sqlx::query_as(
-        "SELECT a.pid, a.application_name, a.state,
-                extract(epoch FROM now() - a.state_change)::float8, left(a.query, 120)
-           FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-          WHERE l.locktype = 'advisory' AND l.granted
-            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND l.objsubid = 1 AND ((l.classid::bigint << 32) | l.objid::bigint) = $1
-            AND (a.state IS DISTINCT FROM 'active'
-                 OR a.state_change < now() - $2::bigint * interval '1 millisecond')
-          LIMIT 1",
-    )
-    .bind(PURGE_LOCK)
-    .bind(millis(slack))
-    .fetch_optional(pool)
-    .await;
-    let holder = match holder {
-        Ok(Some((pid, application, state, age, query))) => format!(
-            "pid {pid} ({}, {} for {:.0}s): {}",
-            application.unwrap_or_default(),
-            state.unwrap_or_default(),
-            age.unwrap_or_default(),
-            query.unwrap_or_default()
-        ),
-        // Working, or ended since: nothing to point at.
-        Ok(None) => return,
-        Err(error) => format!("a session that could not be read ({error})"),
-    };
-    tracing::warn!(
-        holder,
-        "expiry is behind while another session holds the purge's lock, so this router's purge runs are skipped; if that session is stuck, end it (pg_terminate_backend): the server ends it by itself after {}s without a statement",
-        SESSION_IDLE_TIMEOUT.as_secs()
-    );
 }
 
 #[cfg(test)]

@@ -1,0 +1,173 @@
+//! What a relay did: each cycle's report, and the counters of a relay (and
+//! its clones), readable while it runs.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::lag::Lag;
+
+/// One message a relay published and JetStream acknowledged.
+#[derive(Debug, Clone)]
+pub struct Published {
+    /// Its `Nats-Msg-Id`.
+    pub msg_id: String,
+    /// Its subject.
+    pub subject: String,
+    /// Its sequence in the stream that stored it (the first copy's, for a
+    /// duplicate).
+    pub stream_sequence: u64,
+    /// JetStream had it already (a republish within the duplicate window).
+    pub duplicate: bool,
+}
+
+/// What one relay cycle did.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct Cycle {
+    /// Rows taken (and published or tried).
+    pub taken: usize,
+    /// Rows published, acknowledged and deleted, in id order.
+    pub published: Vec<Published>,
+    /// Rows whose publish failed (left pending).
+    pub failed: usize,
+    /// Of those, the rows whose failure was recorded on them: each waits out
+    /// its own back-off, and is then retried apart from the fresh rows.
+    pub failing: usize,
+    /// Why NATS seemed away, if it did: nothing went out and JetStream did
+    /// not answer (or the client could not queue a publish). The failures
+    /// were then not recorded on the rows.
+    pub nats_away: Option<String>,
+    /// The take was full (or cut at `max_cycle_bytes`): more rows may be
+    /// waiting.
+    pub more: bool,
+    /// The NATS client connected again while the cycle's publishes were
+    /// out: the PubAcks that did not come back are not blamed on the rows.
+    pub reconnected: bool,
+}
+
+/// Counters of one relay (and its clones), readable while it runs.
+#[derive(Debug, Clone, Default)]
+pub struct RelayStats(Arc<Counters>);
+
+#[derive(Debug, Default)]
+struct Counters {
+    published: AtomicU64,
+    duplicates: AtomicU64,
+    failed: AtomicU64,
+    failing: AtomicU64,
+    cycles: AtomicU64,
+    empty_cycles: AtomicU64,
+    nats_away: AtomicU64,
+    notifications: AtomicU64,
+    wakeups: AtomicU64,
+    /// The last [`lag`](super::lag) the relay read, and when.
+    lag: Mutex<Option<(Lag, Instant)>>,
+}
+
+impl RelayStats {
+    /// Messages published and deleted, duplicates included.
+    pub fn published(&self) -> u64 {
+        self.0.published.load(Ordering::Relaxed)
+    }
+
+    /// Of those, how many JetStream had already (PubAck `duplicate`).
+    pub fn duplicates(&self) -> u64 {
+        self.0.duplicates.load(Ordering::Relaxed)
+    }
+
+    /// Publishes that failed (their rows stayed pending).
+    pub fn failed(&self) -> u64 {
+        self.0.failed.load(Ordering::Relaxed)
+    }
+
+    /// Failures recorded on their rows (NATS answered; the row waits out
+    /// its own back-off): each failed attempt of a row counts once.
+    pub fn failing(&self) -> u64 {
+        self.0.failing.load(Ordering::Relaxed)
+    }
+
+    /// Cycles that took at least one row.
+    pub fn cycles(&self) -> u64 {
+        self.0.cycles.load(Ordering::Relaxed)
+    }
+
+    /// Cycles that found no row to take.
+    pub fn empty_cycles(&self) -> u64 {
+        self.0.empty_cycles.load(Ordering::Relaxed)
+    }
+
+    /// Cycles that found NATS away (nothing went out, and JetStream did not
+    /// answer).
+    pub fn nats_away(&self) -> u64 {
+        self.0.nats_away.load(Ordering::Relaxed)
+    }
+
+    /// Notifications read from the LISTEN connection, whether they woke
+    /// the relay or were discarded during a back-off.
+    pub fn notifications(&self) -> u64 {
+        self.0.notifications.load(Ordering::Relaxed)
+    }
+
+    /// Wake-ups by notification: each covers every notification received
+    /// before it.
+    pub fn wakeups(&self) -> u64 {
+        self.0.wakeups.load(Ordering::Relaxed)
+    }
+
+    /// The outbox's [`lag`] as the relay last read it (about once per poll
+    /// interval, at most once a second, while it runs), and how long ago;
+    /// `None` before the first reading. The lag counts every relay's rows,
+    /// not only this one's.
+    pub fn lag(&self) -> Option<(Lag, Duration)> {
+        let reading = self.0.lag.lock().unwrap_or_else(|e| e.into_inner());
+        reading
+            .as_ref()
+            .map(|(lag, at)| (lag.clone(), at.elapsed()))
+    }
+
+    /// Counts `read` notifications, and a wake-up if they ended a wait.
+    pub(super) fn notified(&self, read: usize, woke: bool) {
+        self.0
+            .notifications
+            .fetch_add(read as u64, Ordering::Relaxed);
+        if woke {
+            self.0.wakeups.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl RelayStats {
+    /// The lag the relay just read.
+    pub(super) fn record_lag(&self, lag: Lag) {
+        *self.0.lag.lock().unwrap_or_else(|e| e.into_inner()) = Some((lag, Instant::now()));
+    }
+
+    /// What one cycle that took rows did: into these counters and the
+    /// metrics, in one place, so that the two cannot drift.
+    pub(super) fn record_cycle(&self, cycle: &Cycle, duplicates: usize) {
+        crate::observe::metrics::outbox_cycle(cycle.published.len(), cycle.failed);
+        let counters = &self.0;
+        counters.cycles.fetch_add(1, Ordering::Relaxed);
+        counters
+            .published
+            .fetch_add(cycle.published.len() as u64, Ordering::Relaxed);
+        counters
+            .duplicates
+            .fetch_add(duplicates as u64, Ordering::Relaxed);
+        counters
+            .failed
+            .fetch_add(cycle.failed as u64, Ordering::Relaxed);
+        counters
+            .failing
+            .fetch_add(cycle.failing as u64, Ordering::Relaxed);
+        if cycle.nats_away.is_some() {
+            counters.nats_away.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A cycle that found no row.
+    pub(super) fn empty_cycle(&self) {
+        self.0.empty_cycles.fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,44 @@
+//! What a route records on its consumer, in the consumer's metadata: its
+//! retention and the copies term of its floor, for its dead letters to copy
+//! (see [`dead_letter`](crate::dead_letter)); its handler and its
+//! dead-letter subject, for operators ([`status::consumers`](crate::status::consumers)).
+
+use crate::error::retention::{RetentionFloor, encode_duration};
+use crate::route::Route;
+
+/// The consumer metadata key under which a route records its retention
+/// (`forever`, or seconds: `604800s`), for its dead letters to copy.
+pub(crate) const RETENTION_KEY: &str = "idem.retention";
+
+/// The consumer metadata key under which a route records how far apart in
+/// time copies of one message may be stored (the publisher-copies term),
+/// when it is not zero.
+pub(crate) const COPY_SPREAD_KEY: &str = "idem.copy_spread";
+
+/// The consumer metadata key under which a route records its handler's name.
+pub(crate) const HANDLER_KEY: &str = "idem.handler";
+
+/// The consumer metadata key under which a route records its dead-letter
+/// subject.
+pub(crate) const DEAD_LETTERS_KEY: &str = "idem.dead_letters";
+
+/// The metadata `route`, running `handler`, records on its consumer.
+pub(crate) fn consumer_metadata(
+    route: &Route,
+    handler: &str,
+    floor: &RetentionFloor,
+) -> Vec<(String, String)> {
+    let mut metadata = vec![(
+        RETENTION_KEY.to_owned(),
+        route
+            .retention
+            .map_or_else(|| "forever".to_owned(), encode_duration),
+    )];
+    let spread = floor.copy_spread();
+    if route.retention.is_some() && !spread.is_zero() {
+        metadata.push((COPY_SPREAD_KEY.to_owned(), encode_duration(spread)));
+    }
+    metadata.push((HANDLER_KEY.to_owned(), handler.to_owned()));
+    metadata.push((DEAD_LETTERS_KEY.to_owned(), route.dead_letter_target()));
+    metadata
+}
