@@ -7,4 +7,5 @@ pub(crate) mod heartbeat;
 pub(crate) mod pipeline;
 pub(crate) mod pull;
 pub(crate) mod reply;
+pub(crate) mod start;
 pub(crate) mod undeliverable;

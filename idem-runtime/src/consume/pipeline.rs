@@ -35,6 +35,7 @@ use crate::handler::delivery::Delivery;
 use crate::message_id::MessageId;
 use crate::observe::metrics::RouteMetrics;
 use crate::observe::stats::Stats;
+use crate::reply::Mode;
 use crate::route::Route;
 use crate::store::connections::Connections;
 use crate::store::transaction::{self, Begin, Ended};
@@ -56,20 +57,69 @@ pub(crate) struct Pipeline<H, S> {
     /// The same events as `stats`, through the `metrics` facade.
     pub(crate) metrics: RouteMetrics,
     pub(crate) shutdown: Signal,
-    /// Set when a caller waits for each message's outcome (a request route,
-    /// see `reply.rs`): a duplicate then reads the stored result, while
-    /// the database cannot be used a message is answered with an error
-    /// after one more try instead of being held, and claims are keyed
-    /// under the route's name rather than the handler's.
-    pub(crate) answers: Option<crate::reply::Answers>,
-    /// How far apart copies of one message can be stored, where the route
-    /// declares it (its publisher-retry horizon, see the retention floor):
-    /// then a claim needs to probe only the generations that can hold an
-    /// earlier claim of its message (see [`Pipeline::claim`]). `None`:
-    /// copies may come at any time, and every claim probes them all.
-    pub(crate) copy_spread: Option<Duration>,
+    /// How it ends a message: acked on JetStream, or answered to a caller
+    /// who waits (a request route, see `consume/reply.rs`: a duplicate then
+    /// reads the stored result, while the database cannot be used a message
+    /// is answered with an error after one more try instead of being held,
+    /// and claims are keyed under the route's name rather than the
+    /// handler's).
+    pub(crate) mode: Mode,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::fault::FaultHooks,
+}
+
+/// What the router gives every route it starts, JetStream route and request
+/// route alike.
+pub(crate) struct RouteContext {
+    /// The handler's id in `idem_handlers`.
+    pub(crate) handler_id: i32,
+    pub(crate) nats: async_nats::Client,
+    pub(crate) pool: sqlx::PgPool,
+    /// How many connections the route may keep between messages: its share
+    /// of the pool (see `store/connections.rs`).
+    pub(crate) keep_connections: usize,
+    pub(crate) session: crate::store::transaction::Session,
+    pub(crate) shutdown: Signal,
+    /// How long shutdown waits for messages in flight.
+    pub(crate) grace: Duration,
+    #[cfg(feature = "fault-injection")]
+    pub(crate) faults: crate::fault::FaultHooks,
+}
+
+impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
+    /// The pipeline of `route`, which runs `handler` with `state`, counts
+    /// into `stats` and ends its messages as `mode` says.
+    pub(crate) fn new(
+        route: Route,
+        handler: H,
+        state: Arc<S>,
+        stats: Arc<Stats>,
+        mode: Mode,
+        context: &RouteContext,
+    ) -> Self {
+        // A request has no lease to keep.
+        let heartbeat = match mode {
+            Mode::Consume { .. } => route.heartbeat_interval(),
+            Mode::Answer(_) => None,
+        };
+        Pipeline {
+            begin: Begin::new(route.handler_timeout, context.session),
+            metrics: RouteMetrics::new(&route.durable),
+            heartbeats: Heartbeats::start(context.nats.clone(), heartbeat),
+            connections: Connections::start(context.pool.clone(), context.keep_connections),
+            route,
+            handler,
+            state,
+            nats: context.nats.clone(),
+            handler_id: context.handler_id,
+            health: Health::new(),
+            stats,
+            shutdown: context.shutdown.clone(),
+            mode,
+            #[cfg(feature = "fault-injection")]
+            faults: context.faults.clone(),
+        }
+    }
 }
 
 /// How long the runtime waits for a transaction with up to `calls` handler
@@ -431,7 +481,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 return verdict;
             };
             if error.is_infrastructure() {
-                if self.answers.is_some() && outage.failures > 0 {
+                if self.mode.answers().is_some() && outage.failures > 0 {
                     Stats::bump(&self.stats.infrastructure_errors);
                     self.metrics.infrastructure_error();
                     return verdict;
@@ -472,7 +522,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // Processed before. (If the ROLLBACK fails, the connection is
             // closed on drop.)
             let ended = transaction::end_failed_claim(&mut connection).await;
-            if self.answers.is_none() {
+            if self.mode.answers().is_none() {
                 if ended.is_ok() {
                     connection.keep();
                 }
@@ -549,8 +599,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// name, or a request route's own name (see `reply.rs`).
     pub(crate) fn claim_key(&self, delivery: &Delivery) -> String {
         let claims_under = self
-            .answers
-            .as_ref()
+            .mode
+            .answers()
             .map_or(self.handler.name(), |answers| answers.claims_under.as_str());
         crate::store::claim::key(claims_under, delivery.message_id().as_str())
     }
@@ -579,7 +629,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// is a request's, a message sourced from another stream, or a replay
     /// whose dead letter does not record its original's storage time.
     fn first_claim_not_before(&self, delivery: &Delivery) -> Option<time::OffsetDateTime> {
-        first_claim_not_before(self.copy_spread, delivery)
+        first_claim_not_before(self.mode.copy_spread(), delivery)
     }
 
     /// The verdict on a transaction whose handlers all returned `Ok`, with

@@ -16,8 +16,6 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-use crate::consume::health::Health;
-use crate::consume::heartbeat::Heartbeats;
 use crate::consume::pipeline::{Pipeline, Verdict};
 use crate::error::class::ErrorClass;
 use crate::error::{HandlerError, RejectedMessage};
@@ -25,11 +23,11 @@ use crate::handler::Handler;
 use crate::handler::delivery::Delivery;
 use crate::message_id::{InvalidMessageId, MessageId};
 use crate::observe::stats::Stats;
-use crate::store::transaction::Begin;
 use crate::tasks::Signal;
 
+use crate::consume::pipeline::RouteContext;
 use crate::reply::{
-    Answers, ERROR_HEADER, HAND_BACK_BOUND, MAX_REASON, REASON_HEADER, ReplyRoute, reason,
+    Answers, ERROR_HEADER, HAND_BACK_BOUND, MAX_REASON, Mode, REASON_HEADER, ReplyRoute, reason,
 };
 
 /// A reply larger than the NATS server accepts: it could never be sent.
@@ -42,19 +40,6 @@ pub(crate) struct ReplyTooLarge {
     max_payload: usize,
 }
 
-/// What a request route needs to start.
-pub(crate) struct Serve {
-    pub(crate) handler_id: i32,
-    pub(crate) nats: async_nats::Client,
-    pub(crate) pool: sqlx::PgPool,
-    pub(crate) keep_connections: usize,
-    pub(crate) session: crate::store::transaction::Session,
-    pub(crate) shutdown: Signal,
-    pub(crate) grace: Duration,
-    #[cfg(feature = "fault-injection")]
-    pub(crate) faults: crate::fault::FaultHooks,
-}
-
 /// A request route with its handler and state, type-erased so that one
 /// router holds many.
 pub(crate) trait BindReply: Send + Sync {
@@ -65,7 +50,7 @@ pub(crate) trait BindReply: Send + Sync {
     fn start(
         self: Box<Self>,
         requests: async_nats::Subscriber,
-        serve: Serve,
+        context: RouteContext,
     ) -> Pin<Box<dyn Future<Output = usize> + Send>>;
 }
 
@@ -88,40 +73,27 @@ impl<S: Send + Sync + 'static, H: Handler<S>> BindReply for BoundReply<H, S> {
     fn start(
         self: Box<Self>,
         requests: async_nats::Subscriber,
-        serve: Serve,
+        context: RouteContext,
     ) -> Pin<Box<dyn Future<Output = usize> + Send>> {
         let route = self.route.as_route();
-        let pipeline = Arc::new(Pipeline {
-            begin: Begin::new(route.handler_timeout, serve.session),
-            route,
-            handler: self.handler,
-            state: self.state,
-            connections: crate::store::connections::Connections::start(
-                serve.pool,
-                serve.keep_connections,
-            ),
-            // A request has no lease to keep.
-            heartbeats: Heartbeats::start(serve.nats.clone(), None),
-            nats: serve.nats,
-            handler_id: serve.handler_id,
-            health: Health::new(),
-            stats: self.stats,
-            metrics: crate::observe::metrics::RouteMetrics::new(&self.route.subject),
-            shutdown: serve.shutdown.clone(),
-            answers: Some(Answers {
-                claims_under: self.route.dedup_name(),
-                detailed_reasons: self.route.detailed_reasons,
-            }),
-            copy_spread: None,
-            #[cfg(feature = "fault-injection")]
-            faults: serve.faults,
+        let mode = Mode::Answer(Answers {
+            claims_under: self.route.dedup_name(),
+            detailed_reasons: self.route.detailed_reasons,
         });
+        let pipeline = Arc::new(Pipeline::new(
+            route,
+            self.handler,
+            self.state,
+            self.stats,
+            mode,
+            &context,
+        ));
         Box::pin(serve_until_shutdown(
             requests,
             pipeline,
             self.route.concurrency,
-            serve.shutdown,
-            serve.grace,
+            context.shutdown,
+            context.grace,
         ))
     }
 }
@@ -372,7 +344,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// sent. Only on a route that answers; a JetStream route's stored
     /// result is read from the database, never sent.
     pub(crate) fn check_reply_size(&self, result: &Bytes) -> Result<(), HandlerError> {
-        if self.answers.is_none() {
+        if self.mode.answers().is_none() {
             return Ok(());
         }
         // A value reply carries no headers: its payload is the whole
@@ -493,8 +465,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 detail,
             } => {
                 let detailed = self
-                    .answers
-                    .as_ref()
+                    .mode
+                    .answers()
                     .is_some_and(|answers| answers.detailed_reasons);
                 let mut headers = HeaderMap::new();
                 headers.insert(ERROR_HEADER, if retry { "retry" } else { "permanent" });

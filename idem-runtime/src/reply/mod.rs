@@ -533,6 +533,42 @@ pub(crate) async fn warn_of_claims_under_handler_name(
     }
 }
 
+/// How a pipeline ends a message: the one thing a JetStream route's
+/// pipeline and a request route's do differently.
+pub(crate) enum Mode {
+    /// A JetStream route: the message is acked, NAKed or dead-lettered.
+    /// `copy_spread` is how far apart copies of one message can be stored,
+    /// where the route declares it (its publisher-retry horizon, see the
+    /// retention floor): then a claim needs to probe only the generations
+    /// that can hold an earlier claim of its message (see `Pipeline::claim`).
+    /// `None`: copies may come at any time, and every claim probes them all.
+    Consume {
+        /// How far apart copies of one message can be stored.
+        copy_spread: Option<Duration>,
+    },
+    /// A request route: a caller waits for each message's outcome.
+    Answer(Answers),
+}
+
+impl Mode {
+    /// What a request route's pipeline knows, if this is one.
+    pub(crate) fn answers(&self) -> Option<&Answers> {
+        match self {
+            Mode::Consume { .. } => None,
+            Mode::Answer(answers) => Some(answers),
+        }
+    }
+
+    /// How far apart copies of one message can be stored (see
+    /// [`Mode::Consume`]); a request is stored nowhere.
+    pub(crate) fn copy_spread(&self) -> Option<Duration> {
+        match self {
+            Mode::Consume { copy_spread } => *copy_spread,
+            Mode::Answer(_) => None,
+        }
+    }
+}
+
 /// What a request route's pipeline knows that a JetStream route's does
 /// not: it answers a caller who waits (a duplicate reads the stored result,
 /// and while the database cannot be used a request is answered with an

@@ -1,0 +1,106 @@
+//! Starting a JetStream route: a route bound to its handler and state
+//! (type-erased, so that one router holds many), and what it starts with:
+//! its pipeline, its pull loop and its watcher of messages JetStream gave
+//! up on.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use async_nats::jetstream::consumer::PullConsumer;
+
+use crate::consume::pipeline::{Pipeline, RouteContext};
+use crate::consume::undeliverable;
+use crate::handler::Handler;
+use crate::observe::stats::Stats;
+use crate::reply::Mode;
+use crate::route::Route;
+use crate::tasks;
+
+/// Where a JetStream route's messages come from, made by start-up.
+pub(crate) struct Source {
+    pub(crate) consumer: PullConsumer,
+    /// The consumer of its advisories: messages JetStream gave up on.
+    pub(crate) advisories: PullConsumer,
+    /// How far apart copies of one message can be stored, where the route
+    /// declares it (see [`Mode::Consume`]).
+    pub(crate) copy_spread: Option<Duration>,
+    pub(crate) js: jetstream::Context,
+}
+
+/// A route with its handler and state, type-erased so one router holds many
+/// handlers.
+pub(crate) trait Bind: Send + Sync {
+    fn route(&self) -> &Route;
+    fn handler_name(&self) -> &'static str;
+    fn start(
+        self: Box<Self>,
+        context: RouteContext,
+        source: Source,
+    ) -> Pin<Box<dyn Future<Output = usize> + Send>>;
+}
+
+pub(crate) struct Bound<H, S> {
+    pub(crate) route: Route,
+    pub(crate) handler: H,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) state: Arc<S>,
+}
+
+impl<S: Send + Sync + 'static, H: Handler<S>> Bind for Bound<H, S> {
+    fn route(&self) -> &Route {
+        &self.route
+    }
+
+    fn handler_name(&self) -> &'static str {
+        self.handler.name()
+    }
+
+    fn start(
+        self: Box<Self>,
+        context: RouteContext,
+        source: Source,
+    ) -> Pin<Box<dyn Future<Output = usize> + Send>> {
+        start_route(*self, context, source)
+    }
+}
+
+/// Starts one route: its pipeline, its pull loop and its watcher of
+/// messages JetStream gave up on.
+fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
+    bound: Bound<H, S>,
+    context: RouteContext,
+    source: Source,
+) -> Pin<Box<dyn Future<Output = usize> + Send>> {
+    let mode = Mode::Consume {
+        copy_spread: source.copy_spread,
+    };
+    let pipeline = Arc::new(Pipeline::new(
+        bound.route,
+        bound.handler,
+        bound.state,
+        bound.stats,
+        mode,
+        &context,
+    ));
+    // Aborted when the route ends, or when its task is (the router's run
+    // future dropped).
+    let watcher = tasks::Owned(tokio::spawn(undeliverable::watch(
+        pipeline.clone(),
+        source.js,
+        source.advisories,
+    )));
+    Box::pin(async move {
+        let abandoned = crate::consume::pull::pull_until_shutdown(
+            source.consumer,
+            pipeline,
+            context.shutdown,
+            context.grace,
+        )
+        .await;
+        drop(watcher);
+        abandoned
+    })
+}

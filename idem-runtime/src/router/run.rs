@@ -1,0 +1,138 @@
+//! Running: every part of the router spawned once start-up is done.
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use sqlx::PgPool;
+use tokio::task::JoinSet;
+
+use super::Router;
+use super::start_up::SetUp;
+use crate::consume::pipeline::RouteContext;
+use crate::consume::start::Source;
+use crate::tasks::{self, Signal, Trigger};
+
+/// What a router runs once started: its routes' tasks, the purge, the
+/// metrics poll and the relay; stopped in that order by
+/// [`Running::shut_down`].
+pub(super) struct Running {
+    pub(super) routes: JoinSet<usize>,
+    pub(super) purging: Option<tasks::Owned<()>>,
+    pub(super) _polling: tasks::Owned<()>,
+    pub(super) stop_relay: tokio::sync::oneshot::Sender<()>,
+    pub(super) relaying: Option<tokio::task::JoinHandle<Result<(), crate::outbox::RelayError>>>,
+    pub(super) trigger: Trigger,
+    pub(super) signal: Signal,
+    pub(super) grace: Duration,
+}
+
+impl<S: Send + Sync + 'static> Router<S> {
+    /// Spawns the purge (if a route keeps claims for a while), the metrics
+    /// poll, every route and the relay.
+    pub(super) fn spawn(
+        self,
+        set_up: SetUp,
+        nats: &async_nats::Client,
+        js: &jetstream::Context,
+        pool: &PgPool,
+    ) -> Running {
+        let SetUp {
+            session,
+            consumers,
+            handler_ids,
+            requests,
+        } = set_up;
+        let bound: Vec<_> = self.routes.into_iter().zip(consumers).collect();
+        // Claims of routes with a retention expire: the purge runs beside
+        // the router (one at a time across all routers, see expiry.rs).
+        let purging = bound
+            .iter()
+            .filter_map(|(route, _)| route.route().retention)
+            .chain(
+                self.replies
+                    .iter()
+                    .filter_map(|reply| reply.route().retention),
+            )
+            .max()
+            .map(|retention| {
+                tasks::Owned(tokio::spawn(
+                    crate::retention::background::run_in_background(
+                        pool.clone(),
+                        crate::retention::expiry::purge_interval(retention),
+                        self.signal.clone(),
+                    ),
+                ))
+            });
+        let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
+        // Each route may keep at most its share of the pool's connections
+        // between messages (see connections.rs).
+        let routes = bound.len() + serving.len();
+        let share = (pool.options().get_max_connections() as usize / routes.max(1)).max(1);
+        // The consumers' and the outbox's gauges, polled beside the routes;
+        // the task ends by itself at shutdown.
+        let polled = bound
+            .iter()
+            .map(|(route, (consumer, ..))| (route.route().durable.clone(), consumer.clone()));
+        let _polling = tasks::Owned(tokio::spawn(super::poll::poll(
+            polled.collect(),
+            pool.clone(),
+            self.signal.clone(),
+        )));
+        let context = |handler_id| RouteContext {
+            handler_id,
+            nats: nats.clone(),
+            pool: pool.clone(),
+            keep_connections: share,
+            session,
+            shutdown: self.signal.clone(),
+            grace: self.grace,
+            #[cfg(feature = "fault-injection")]
+            faults: self.faults.clone(),
+        };
+        // Dropped with this future, the set aborts every route's task.
+        let mut running = JoinSet::new();
+        for (route, (consumer, advisories, copy_spread)) in bound {
+            tracing::info!(
+                route = route.route().durable,
+                stream = route.route().stream,
+                "route started"
+            );
+            let source = Source {
+                consumer,
+                advisories,
+                copy_spread,
+                js: js.clone(),
+            };
+            let context = context(handler_ids[route.handler_name()]);
+            running.spawn(route.start(context, source));
+        }
+        for (reply, (requests, group)) in serving {
+            let subject = reply.route().subject.clone();
+            tracing::info!(subject, queue_group = group, "request route started");
+            let handler_id = handler_ids[&reply.route().dedup_name()];
+            running.spawn(reply.start(requests, context(handler_id)));
+        }
+
+        // Stopped only after the routes have settled (below), so that it
+        // publishes what their last messages queued. Not aborted if this
+        // future is dropped: the dropped sender stops it after its cycle,
+        // which is never cut short (sqlx#4393).
+        let (stop_relay, relay_stopped) = tokio::sync::oneshot::channel::<()>();
+        let relaying = self.relay.map(|relay| {
+            tracing::info!("outbox relay started");
+            tokio::spawn(relay.run_until(nats.clone(), pool.clone(), async {
+                let _ = relay_stopped.await;
+            }))
+        });
+        Running {
+            routes: running,
+            purging,
+            _polling,
+            stop_relay,
+            relaying,
+            trigger: self.trigger,
+            signal: self.signal,
+            grace: self.grace,
+        }
+    }
+}

@@ -1,0 +1,422 @@
+//! Start-up: what the routes need on the servers (the schema checked, the
+//! streams, consumers and advisory watchers bound, the handlers registered,
+//! the request routes subscribed), tried again while a server is away.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use async_nats::jetstream::consumer::{self, PullConsumer, pull};
+use sqlx::PgPool;
+
+use crate::consume::undeliverable;
+use crate::error::Error;
+use crate::route::Route;
+use crate::store::schema;
+
+use super::Router;
+/// What start-up made on the servers, in the order of the router's routes
+/// and request routes.
+pub(super) struct SetUp {
+    pub(super) session: crate::store::transaction::Session,
+    /// Per route: its consumer, its advisory watcher's consumer, and how far
+    /// apart copies of one message can be stored.
+    pub(super) consumers: Vec<(PullConsumer, PullConsumer, Option<Duration>)>,
+    pub(super) handler_ids: HashMap<String, i32>,
+    /// Per request route: its subscription and queue group.
+    pub(super) requests: Vec<(async_nats::Subscriber, String)>,
+}
+
+impl<S: Send + Sync + 'static> Router<S> {
+    /// Sets up what the routes need on the servers ([`Router::set_up`]),
+    /// trying again while a server cannot be reached, with a growing pause
+    /// and a warning naming it, until it works or the router is shut down
+    /// (`None`). Any other failure is returned at once.
+    ///
+    /// An attempt is never raced against the shutdown, so that no statement
+    /// of it is cut off halfway; only the pause between attempts is.
+    pub(super) async fn start_up(
+        &self,
+        pool: &PgPool,
+        js: &jetstream::Context,
+        nats: &async_nats::Client,
+        mut shutdown: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> Result<Option<SetUp>, Error> {
+        let mut stopped = self.signal.clone();
+        let mut pause = START_UP_FIRST_PAUSE;
+        // The durability warnings once, not at every attempt.
+        let mut warned = false;
+        loop {
+            let error = match self.set_up(pool, js, nats, &mut warned).await {
+                Ok(set_up) => return Ok(Some(set_up)),
+                Err(error) => error,
+            };
+            let Some(down) = unreachable(&error, js).await else {
+                return Err(error);
+            };
+            crate::observe::metrics::start_up_retry(down.label());
+            let holders = if down == Unreachable::HandlersLocked {
+                crate::store::claim::handlers_lock_holders(pool)
+                    .await
+                    .map_or_else(
+                        |error| format!("(could not read them: {error})"),
+                        |holders| holders.join("; "),
+                    )
+            } else {
+                String::new()
+            };
+            tracing::warn!(
+                %error,
+                holders,
+                retry_in_ms = pause.as_millis() as u64,
+                "{} at start-up; the router takes no message until it can set up its routes, and tries again until then or until it is shut down",
+                down.describe()
+            );
+            tokio::select! {
+                _ = shutdown.as_mut() => {
+                    self.trigger.fire();
+                    return Ok(None);
+                }
+                _ = stopped.fired() => return Ok(None),
+                _ = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(START_UP_MAX_PAUSE);
+        }
+    }
+
+    /// One attempt at what start-up needs on the servers: the dedup schema,
+    /// the sessions' settings, each route's dead-letter stream, advisory
+    /// watcher and consumer, the handlers' registration, and the request
+    /// routes' subscriptions. Every step can be repeated: a later attempt
+    /// finds what an earlier one made. The sessions' durability is warned
+    /// about unless `warned` (then set), before anything is written: with
+    /// synchronous standbys that are all away, the first write waits.
+    async fn set_up(
+        &self,
+        pool: &PgPool,
+        js: &jetstream::Context,
+        nats: &async_nats::Client,
+        warned: &mut bool,
+    ) -> Result<SetUp, Error> {
+        schema::verify(pool).await?;
+        let session = crate::store::transaction::Session::probe(pool, !*warned).await?;
+        *warned = true;
+        let mut consumers = Vec::with_capacity(self.routes.len());
+        // idem's own streams follow the replicas of the routes' streams.
+        let routes: Vec<&Route> = self.routes.iter().map(|route| route.route()).collect();
+        let replicas = crate::dead_letter::Replicas::of(js, &routes).await;
+        for route in &self.routes {
+            crate::dead_letter::ensure_stream(js, route.route(), &replicas).await?;
+            // Before the route pulls, so that nothing it gives up on from
+            // now on is missed.
+            let advisories = undeliverable::bind(js, route.route(), &replicas).await?;
+            let (consumer, copy_spread) =
+                bind_consumer(js, route.route(), route.handler_name()).await?;
+            consumers.push((consumer, advisories, copy_spread));
+        }
+        // Registered only once every route is bound, which checks its
+        // retention floor: a refused route's retention is never recorded
+        // (the purge reads the handlers' retentions).
+        let reply_names: Vec<String> = self
+            .replies
+            .iter()
+            .map(|reply| reply.route().dedup_name())
+            .collect();
+        let registered: Vec<(&str, Option<Duration>)> = self
+            .routes
+            .iter()
+            .map(|route| (route.handler_name(), route.route().retention))
+            .chain(
+                self.replies
+                    .iter()
+                    .zip(&reply_names)
+                    .map(|(reply, name)| (name.as_str(), reply.route().retention)),
+            )
+            .collect();
+        let handler_ids = crate::store::claim::register(pool, &registered).await?;
+        // Subscribed once every route could be set up, so that no request
+        // waits on a router that does not start.
+        let mut requests = Vec::with_capacity(self.replies.len());
+        for reply in &self.replies {
+            let subject = reply.route().subject.clone();
+            let group = reply.route().group().to_owned();
+            // Not when a JetStream route of this router registered the name
+            // itself.
+            if !self
+                .routes
+                .iter()
+                .any(|route| route.handler_name() == reply.handler_name())
+            {
+                crate::reply::warn_of_claims_under_handler_name(
+                    pool,
+                    reply.route(),
+                    reply.handler_name(),
+                )
+                .await;
+            }
+            let subscription = nats
+                .queue_subscribe(subject.clone(), group.clone())
+                .await
+                .map_err(|source| Error::Subscribe {
+                    subject,
+                    source: source.into(),
+                })?;
+            requests.push((subscription, group));
+        }
+        Ok(SetUp {
+            session,
+            consumers,
+            handler_ids,
+            requests,
+        })
+    }
+}
+
+/// The first pause between two start-up attempts; it doubles up to
+/// [`START_UP_MAX_PAUSE`].
+const START_UP_FIRST_PAUSE: Duration = Duration::from_millis(500);
+
+/// The longest pause between two start-up attempts.
+const START_UP_MAX_PAUSE: Duration = Duration::from_secs(30);
+
+/// A server that start-up could not reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unreachable {
+    /// No connection to PostgreSQL, or it is starting or stopping.
+    Postgres,
+    /// NATS is not connected, or JetStream does not answer.
+    Nats,
+    /// PostgreSQL answers, but registering the handlers waited past its
+    /// lock timeout for a lock on `idem_handlers` another session holds (a
+    /// transaction left open after an `UPDATE` of it, say).
+    HandlersLocked,
+}
+
+impl Unreachable {
+    /// Its label on [`crate::observe::metrics::STARTUP_RETRIES`].
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Unreachable::Postgres | Unreachable::HandlersLocked => "postgresql",
+            Unreachable::Nats => "nats",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Unreachable::Postgres => "PostgreSQL cannot be reached",
+            Unreachable::Nats => "NATS (JetStream) does not answer",
+            Unreachable::HandlersLocked => {
+                "another session holds a lock on idem_handlers (a transaction left open?), so the handlers cannot be registered"
+            }
+        }
+    }
+}
+
+/// Which server `error` says could not be reached, if it says so: then
+/// retrying can help. A failure the servers answered (a missing stream or
+/// schema, a consumer conflict, a refused setting) cannot, and is `None`.
+///
+/// A JetStream error that is not itself a timeout or a missing responder
+/// counts as one if JetStream does not answer an account-info request now:
+/// some errors (a dead-letter stream looked up by subject) do not keep
+/// their cause.
+async fn unreachable(error: &Error, js: &jetstream::Context) -> Option<Unreachable> {
+    let nats_source = match error {
+        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
+            return Some(Unreachable::HandlersLocked);
+        }
+        Error::Database(error) => {
+            return database_unreachable(error).then_some(Unreachable::Postgres);
+        }
+        Error::JetStream { source, .. }
+        | Error::StreamMissing { source, .. }
+        | Error::Subscribe { source, .. } => Some(source),
+        Error::DeadLetterStreamMissing { .. } => None,
+        _ => return None,
+    };
+    if nats_source.is_some_and(jetstream_unanswered) || !jetstream_answers(js).await {
+        return Some(Unreachable::Nats);
+    }
+    None
+}
+
+/// Whether a database error means the server cannot be reached (or is
+/// starting up, or shutting down), rather than an answer to what was asked.
+fn database_unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        // The pool could not connect within its acquire timeout.
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            // connection exception; too many connections; shutting down,
+            // crashed, starting up
+            code.starts_with("08") || matches!(&*code, "53300" | "57P01" | "57P02" | "57P03")
+        }),
+        _ => false,
+    }
+}
+
+/// Whether a JetStream error is a request that got no answer: a timeout,
+/// no responders (JetStream not enabled yet), or a request the client could
+/// not make.
+fn jetstream_unanswered(source: &async_nats::Error) -> bool {
+    use async_nats::jetstream::context::{
+        ConsumerInfoError, ConsumerInfoErrorKind, CreateStreamError, CreateStreamErrorKind,
+        GetStreamError, GetStreamErrorKind, RequestError, RequestErrorKind,
+    };
+    use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+    if let Some(error) = source.downcast_ref::<CreateStreamError>() {
+        return matches!(
+            error.kind(),
+            CreateStreamErrorKind::TimedOut
+                | CreateStreamErrorKind::JetStreamUnavailable
+                | CreateStreamErrorKind::Response
+        );
+    }
+    if let Some(error) = source.downcast_ref::<GetStreamError>() {
+        return matches!(error.kind(), GetStreamErrorKind::Request);
+    }
+    if let Some(error) = source.downcast_ref::<RequestError>() {
+        return matches!(
+            error.kind(),
+            RequestErrorKind::TimedOut | RequestErrorKind::NoResponders | RequestErrorKind::Other
+        );
+    }
+    if let Some(error) = source.downcast_ref::<ConsumerInfoError>() {
+        return matches!(
+            error.kind(),
+            ConsumerInfoErrorKind::TimedOut
+                | ConsumerInfoErrorKind::NoResponders
+                | ConsumerInfoErrorKind::Request
+        );
+    }
+    if let Some(error) = source.downcast_ref::<ConsumerError>() {
+        return matches!(
+            error.kind(),
+            ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request
+        );
+    }
+    false
+}
+
+/// Whether JetStream answers now: an account-info request gets a reply,
+/// even one that is an error of JetStream's own.
+async fn jetstream_answers(js: &jetstream::Context) -> bool {
+    use async_nats::jetstream::context::AccountErrorKind;
+    match js.query_account().await {
+        Ok(_) => true,
+        Err(error) => matches!(error.kind(), AccountErrorKind::JetStream(_)),
+    }
+}
+
+/// Creates or updates the stream (if asked) and the durable consumer.
+async fn bind_consumer(
+    js: &jetstream::Context,
+    route: &Route,
+    handler: &str,
+) -> Result<(PullConsumer, Option<Duration>), Error> {
+    let jetstream_error = |source: async_nats::Error| Error::JetStream {
+        route: route.durable.clone(),
+        source,
+    };
+    let stream = match &route.create_stream {
+        Some(config) => {
+            js.create_or_update_stream(config.clone())
+                .await
+                .map_err(|e| jetstream_error(e.into()))?;
+            js.get_stream(&route.stream)
+                .await
+                .map_err(|e| jetstream_error(e.into()))?
+        }
+        None => js
+            .get_stream(&route.stream)
+            .await
+            .map_err(|source| Error::StreamMissing {
+                stream: route.stream.clone(),
+                source: source.into(),
+            })?,
+    };
+    // A route whose retention does not cover its floor is refused before
+    // its consumer is touched; the consumer records the retention, for the
+    // route's dead letters to copy (see dead_letter.rs).
+    let floor = crate::retention::floor::judge(
+        &route.durable,
+        route.retention,
+        route.retention_floor(&stream.cached_info().config),
+    )?;
+    let mut wanted = route.consumer_config();
+    // And its handler and dead letters, for operators (see status.rs).
+    wanted
+        .metadata
+        .extend(crate::route::metadata::consumer_metadata(
+            route, handler, &floor,
+        ));
+    if !route.update_consumer
+        && let Ok(existing) = stream.consumer_info(&route.durable).await
+    {
+        // `get_or_create_consumer` would silently keep the old settings, and
+        // `create_consumer` would silently overwrite another deployment's.
+        let differences = consumer_differences(&existing.config, &wanted);
+        if !differences.is_empty() {
+            return Err(Error::ConsumerConflict {
+                route: route.durable.clone(),
+                differences: differences.join(", "),
+            });
+        }
+    }
+    // Creates the consumer, or (with `update_consumer`) updates it.
+    let consumer = stream
+        .create_consumer(wanted)
+        .await
+        .map_err(|e| jetstream_error(e.into()))?;
+    Ok((consumer, floor.declared_copy_spread()))
+}
+
+/// The settings the route cares about that differ, as `field: existing -> wanted`.
+fn consumer_differences(existing: &consumer::Config, wanted: &pull::Config) -> Vec<String> {
+    let mut differences = Vec::new();
+    let mut compare = |field: &str, existing: String, wanted: String| {
+        if existing != wanted {
+            differences.push(format!("{field}: {existing} -> {wanted}"));
+        }
+    };
+    compare(
+        "ack_policy",
+        format!("{:?}", existing.ack_policy),
+        format!("{:?}", wanted.ack_policy),
+    );
+    compare(
+        "ack_wait",
+        format!("{:?}", existing.ack_wait),
+        format!("{:?}", wanted.ack_wait),
+    );
+    compare(
+        "max_deliver",
+        existing.max_deliver.to_string(),
+        wanted.max_deliver.to_string(),
+    );
+    compare(
+        "max_ack_pending",
+        existing.max_ack_pending.to_string(),
+        wanted.max_ack_pending.to_string(),
+    );
+    compare(
+        "deliver_policy",
+        format!("{:?}", existing.deliver_policy),
+        format!("{:?}", wanted.deliver_policy),
+    );
+    let filters = |one: &str, many: &[String]| {
+        let mut all: Vec<String> = many.to_vec();
+        if !one.is_empty() {
+            all.push(one.to_owned());
+        }
+        all.sort();
+        format!("{all:?}")
+    };
+    compare(
+        "filter_subjects",
+        filters(&existing.filter_subject, &existing.filter_subjects),
+        filters(&wanted.filter_subject, &wanted.filter_subjects),
+    );
+    differences
+}
