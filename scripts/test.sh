@@ -51,6 +51,11 @@ cargo clippy --workspace --all-targets "${locked[@]}" -- -D warnings
 # link or a bad HTML tag in it fails here. --no-deps: only the workspace's
 # crates are documented; the dependencies' metadata is the one clippy built.
 step "cargo doc (warnings are errors)"
+# First the runtime's private items: their docs are the maintainers' map
+# (consume/mod.rs walks a message through its steps by intra-doc links), so
+# a link a move broke fails here too. Then the public docs, last so that
+# they are what target/doc shows.
+RUSTDOCFLAGS="-D warnings" cargo doc -p idem-runtime --no-deps --document-private-items "${locked[@]}"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps "${locked[@]}"
 
 # The published crates must package: every dependency has a version, the

@@ -4,7 +4,7 @@
 //! batch pays them once for up to `batch` messages: one BEGIN, one claim
 //! statement (`INSERT ... SELECT unnest($2) ... ON CONFLICT DO NOTHING
 //! RETURNING`), the handler's statements for each fresh message, one COMMIT
-//! (checked like every COMMIT, see [`transaction`](crate::store::transaction)). No
+//! (checked like every COMMIT, see [`crate::store::transaction`]). No
 //! savepoints: more than 64 subtransactions overflow PostgreSQL's
 //! per-backend cache.
 //!
@@ -34,7 +34,7 @@ use crate::consume::pipeline::{Outage, Pipeline, Verdict, no_answer};
 use crate::error::HandlerError;
 use crate::handler::Handler;
 use crate::handler::delivery::Delivery;
-use crate::observe::stats::Stats;
+use crate::observe::recorder::Event;
 use crate::store::claim;
 use crate::store::transaction::{self, Ended};
 
@@ -77,11 +77,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     async fn run_batch(self: &Arc<Self>, messages: Vec<Message>) {
-        let _in_flight = self.metrics.in_flight(messages.len());
+        let _in_flight = self.recorder.in_flight(messages.len());
         let mut ready = Vec::with_capacity(messages.len());
         for message in messages {
-            Stats::bump(&self.stats.received);
-            self.metrics.received();
+            self.recorder.record(Event::Received);
             let Some(mut delivery) = self.delivery_of(&message).await else {
                 continue;
             };
@@ -145,8 +144,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
             match result {
                 Ok(fresh) => {
-                    self.stats.record_batch(ready.len());
-                    self.metrics.batch_committed(ready.len());
+                    self.recorder.batch_committed(ready.len());
                     for (item, fresh) in ready.into_iter().zip(fresh) {
                         let verdict = if fresh {
                             Verdict::Processed(None)
@@ -177,8 +175,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
         };
 
-        Stats::bump(&self.stats.batch_fallbacks);
-        self.metrics.batch_fallback();
+        self.recorder.record(Event::BatchFallback);
         tracing::warn!(%failure, size = ready.len(), "batch rolled back; running its messages one per transaction");
         for item in ready {
             // Each message settles, and its heartbeats stop, as soon as it is

@@ -33,7 +33,7 @@ use crate::error::{HandlerError, RejectedMessage};
 use crate::handler::Handler;
 use crate::handler::delivery::Delivery;
 use crate::message_id::MessageId;
-use crate::observe::metrics::RouteMetrics;
+use crate::observe::recorder::{Event, Recorder};
 use crate::observe::stats::Stats;
 use crate::reply::Mode;
 use crate::route::Route;
@@ -53,9 +53,8 @@ pub(crate) struct Pipeline<H, S> {
     /// The handler's id in `idem_handlers`, stored with each claim.
     pub(crate) handler_id: i32,
     pub(crate) health: Health,
-    pub(crate) stats: Arc<Stats>,
-    /// The same events as `stats`, through the `metrics` facade.
-    pub(crate) metrics: RouteMetrics,
+    /// Counts what happens to its messages, into its `Stats` and metrics.
+    pub(crate) recorder: Recorder,
     pub(crate) shutdown: Signal,
     /// How it ends a message: acked on JetStream, or answered to a caller
     /// who waits (a request route, see `consume/reply.rs`: a duplicate then
@@ -104,7 +103,7 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
         };
         Pipeline {
             begin: Begin::new(route.handler_timeout, context.session),
-            metrics: RouteMetrics::new(&route.durable),
+            recorder: Recorder::new(&route.durable, stats),
             heartbeats: Heartbeats::start(context.nats.clone(), heartbeat),
             connections: Connections::start(context.pool.clone(), context.keep_connections),
             route,
@@ -113,7 +112,6 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
             nats: context.nats.clone(),
             handler_id: context.handler_id,
             health: Health::new(),
-            stats,
             shutdown: context.shutdown.clone(),
             mode,
             #[cfg(feature = "fault-injection")]
@@ -198,9 +196,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// Processes one message. `_slot` is the concurrency permit, released when
     /// the message is settled.
     pub(crate) async fn process(self: Arc<Self>, message: Message, _slot: OwnedSemaphorePermit) {
-        Stats::bump(&self.stats.received);
-        self.metrics.received();
-        let _in_flight = self.metrics.in_flight(1);
+        self.recorder.record(Event::Received);
+        let _in_flight = self.recorder.in_flight(1);
         let Some(mut delivery) = self.delivery_of(&message).await else {
             return;
         };
@@ -241,8 +238,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         match Delivery::from_message(message) {
             Ok(delivery) => Some(delivery),
             Err(error) => {
-                Stats::bump(&self.stats.rejected);
-                self.metrics.rejected();
+                self.recorder.record(Event::Rejected);
                 let text = format!(
                     "not a JetStream delivery ({error}): it cannot be deduplicated or redelivered"
                 );
@@ -271,8 +267,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             return false;
         }
         ack::ack(message, self.route.ack_mode).await;
-        Stats::bump(&self.stats.replays_skipped);
-        self.metrics.replay_skipped();
+        self.recorder.record(Event::ReplaySkipped);
         tracing::debug!(
             replay_for = target.as_str(),
             stream_seq = delivery.stream_sequence(),
@@ -433,8 +428,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     ?limit,
                     "the database has not answered a transaction for longer than its bounds allow; no longer waiting for it (it finishes on its own), and the message is settled as of unknown outcome"
                 );
-                Stats::bump(&self.stats.abandoned_transactions);
-                self.metrics.abandoned_transaction();
+                self.recorder.record(Event::AbandonedTransaction);
                 tokio::spawn(async move {
                     let _ = work.await;
                 });
@@ -482,8 +476,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             };
             if error.is_infrastructure() {
                 if self.mode.answers().is_some() && outage.failures > 0 {
-                    Stats::bump(&self.stats.infrastructure_errors);
-                    self.metrics.infrastructure_error();
+                    self.recorder.record(Event::InfrastructureError);
                     return verdict;
                 }
                 if !self.hold_for_database(error, &mut outage).await {
@@ -498,8 +491,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             if !retry_now || tries >= policy.in_process_attempts {
                 return verdict;
             }
-            Stats::bump(&self.stats.retried_in_process);
-            self.metrics.retried();
+            self.recorder.record(Event::RetriedInProcess);
             tracing::info!(%error, attempt = tries, "retrying at once");
             tokio::time::sleep(policy.in_process_backoff * tries).await;
             tries += 1;
@@ -670,7 +662,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         &self,
         handled: impl Future<Output = Result<T, HandlerError>>,
     ) -> Result<T, HandlerError> {
-        let _timer = self.metrics.handler_call();
+        let _timer = self.recorder.handler_call();
         let guarded = AssertUnwindSafe(handled).catch_unwind();
         let caught = match self.route.handler_timeout {
             Some(limit) => match tokio::time::timeout(limit, guarded).await {
@@ -692,8 +684,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         error: &HandlerError,
         outage: &mut Outage,
     ) -> bool {
-        Stats::bump(&self.stats.infrastructure_errors);
-        self.metrics.infrastructure_error();
+        self.recorder.record(Event::InfrastructureError);
         outage.failures += 1;
         if outage.failures == 1 {
             tracing::warn!(%error, "the database could not be used; retrying at once on a checked connection");
@@ -728,35 +719,31 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         verdict: Verdict,
         lease: Lease,
     ) {
-        let stats = &self.stats;
         let retry = &self.route.retry;
         match verdict {
             Verdict::Processed(_) => {
-                Stats::bump(&stats.processed);
-                self.metrics.processed();
+                self.recorder.record(Event::Processed);
                 #[cfg(feature = "fault-injection")]
                 if self.faults.decide_after_commit(delivery)
                     == crate::fault::AfterCommit::DropWithoutAck
                 {
                     tracing::warn!("fault injection: committed but not acking");
-                    Stats::bump(&stats.dropped_by_fault);
+                    self.recorder.record(Event::DroppedByFault);
                     return;
                 }
                 lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
-                self.metrics.acked_processed(delivery.stored_at());
+                self.recorder.acked_processed(delivery.stored_at());
                 tracing::debug!("processed");
             }
             Verdict::Duplicate | Verdict::Replayed(_) => {
                 lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
-                Stats::bump(&stats.duplicates);
-                self.metrics.duplicate();
+                self.recorder.record(Event::Duplicate);
                 tracing::info!("already processed; acked without running the handler");
             }
             Verdict::Failed(error) => {
-                Stats::bump(&stats.failed);
-                self.metrics.failed();
+                self.recorder.record(Event::Failed);
                 let class = error.class();
                 let text = error.to_string();
                 if matches!(
@@ -776,16 +763,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 }
             }
             Verdict::CommitUnknown(error) => {
-                Stats::bump(&stats.commit_failed);
-                self.metrics.commit_unknown();
+                self.recorder.record(Event::CommitFailed);
                 let delay = retry.nak_delay(delivery.delivered());
                 lease.end().await;
                 ack::nak(message, delay).await;
                 tracing::warn!(%error, "COMMIT failed with an unknown outcome; NAKed, and the claim decides the redelivery");
             }
             Verdict::Rejected(error) => {
-                Stats::bump(&stats.rejected);
-                self.metrics.rejected();
+                self.recorder.record(Event::Rejected);
                 let failure = match error {
                     RejectedMessage::Decode(_) => Failure::Undecodable,
                     RejectedMessage::MessageId(_) => Failure::BadMessageId,
@@ -852,8 +837,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 Ok(()) => break,
                 Err(publish_error) => publish_error,
             };
-            Stats::bump(&self.stats.dead_letter_failed);
-            self.metrics.dead_letter_publish_failed();
+            self.recorder.record(Event::DeadLetterFailed);
             attempt += 1;
             let delay = self.route.retry.hold_delay(attempt);
             match &publish_error {
@@ -889,8 +873,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         if delivery.is_some() {
             ack::term(message).await;
         }
-        Stats::bump(&self.stats.dead_lettered);
-        self.metrics.dead_lettered(failure);
+        self.recorder.record(Event::DeadLettered(failure));
         tracing::error!(
             failure = failure.as_str(),
             error,

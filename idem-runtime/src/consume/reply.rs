@@ -22,6 +22,7 @@ use crate::error::{HandlerError, RejectedMessage};
 use crate::handler::Handler;
 use crate::handler::delivery::Delivery;
 use crate::message_id::{InvalidMessageId, MessageId};
+use crate::observe::recorder::Event;
 use crate::observe::stats::Stats;
 use crate::tasks::Signal;
 
@@ -255,12 +256,10 @@ fn reason_of_rejected(rejected: &RejectedMessage) -> &'static str {
 impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// Answers one request. `_slot` is the concurrency permit.
     async fn answer(self: Arc<Self>, request: async_nats::Message, _slot: OwnedSemaphorePermit) {
-        Stats::bump(&self.stats.received);
-        self.metrics.received();
-        let _in_flight = self.metrics.in_flight(1);
+        self.recorder.record(Event::Received);
+        let _in_flight = self.recorder.in_flight(1);
         let Some(reply) = request.reply.clone() else {
-            Stats::bump(&self.stats.rejected);
-            self.metrics.rejected();
+            self.recorder.record(Event::Rejected);
             tracing::warn!(
                 subject = %request.subject,
                 "a message without a reply subject is not a request; dropped"
@@ -278,8 +277,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         async {
             let answer = match self.prepare_request(&request) {
                 Err(rejected) => {
-                    Stats::bump(&self.stats.rejected);
-                    self.metrics.rejected();
+                    self.recorder.record(Event::Rejected);
                     tracing::warn!(error = %rejected, "request rejected");
                     Answer::error(
                         ErrorClass::Permanent,
@@ -297,9 +295,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                             == crate::fault::AfterCommit::DropWithoutAck
                     {
                         tracing::warn!("fault injection: committed but not replying");
-                        Stats::bump(&self.stats.processed);
-                        self.metrics.processed();
-                        Stats::bump(&self.stats.dropped_by_fault);
+                        self.recorder.record(Event::Processed);
+                        self.recorder.record(Event::DroppedByFault);
                         return;
                     }
                     self.answer_of(verdict)
@@ -364,23 +361,19 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
     /// The reply a request's verdict earns.
     fn answer_of(&self, verdict: Verdict) -> Answer {
-        let stats = &self.stats;
         match verdict {
             Verdict::Processed(result) => {
-                Stats::bump(&stats.processed);
-                self.metrics.processed();
+                self.recorder.record(Event::Processed);
                 tracing::debug!("processed; replying");
                 Answer::Value(result.unwrap_or_default())
             }
             Verdict::Replayed(Some(result)) => {
-                Stats::bump(&stats.duplicates);
-                self.metrics.duplicate();
+                self.recorder.record(Event::Duplicate);
                 tracing::info!("processed before; replying with the stored result");
                 Answer::Value(result.unwrap_or_default())
             }
             Verdict::Replayed(None) => {
-                Stats::bump(&stats.duplicates);
-                self.metrics.duplicate();
+                self.recorder.record(Event::Duplicate);
                 tracing::warn!("processed before, but its claim has expired since");
                 Answer::error(
                     ErrorClass::Permanent,
@@ -389,15 +382,13 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 )
             }
             Verdict::Failed(error) => {
-                Stats::bump(&stats.failed);
-                self.metrics.failed();
+                self.recorder.record(Event::Failed);
                 let class = error.class();
                 tracing::warn!(%error, ?class, "request failed; rolled back");
                 Answer::error(class, reason_of(&error), error.to_string())
             }
             Verdict::CommitUnknown(error) => {
-                Stats::bump(&stats.commit_failed);
-                self.metrics.commit_unknown();
+                self.recorder.record(Event::CommitFailed);
                 tracing::warn!(%error, "COMMIT failed with an unknown outcome");
                 Answer::error(
                     ErrorClass::Transient,
@@ -409,8 +400,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 )
             }
             Verdict::Rejected(error) => {
-                Stats::bump(&stats.rejected);
-                self.metrics.rejected();
+                self.recorder.record(Event::Rejected);
                 Answer::error(
                     ErrorClass::Permanent,
                     reason_of_rejected(&error),
@@ -420,8 +410,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // A request is delivered once (never past a limit), and is
             // answered, not held, while the database is away.
             Verdict::Duplicate | Verdict::Exhausted | Verdict::Interrupted => {
-                Stats::bump(&stats.failed);
-                self.metrics.failed();
+                self.recorder.record(Event::Failed);
                 Answer::error(
                     ErrorClass::Transient,
                     reason::UNAVAILABLE,

@@ -50,6 +50,7 @@ use crate::error::Error;
 use crate::handler::Handler;
 use crate::handler::delivery::{Delivery, Fields};
 use crate::message_id::MessageId;
+use crate::observe::recorder::Event;
 use crate::route::Route;
 
 const ADVISORY_SUBJECTS: &str = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>";
@@ -179,7 +180,11 @@ pub(crate) async fn watch<S: Send + Sync + 'static, H: Handler<S>>(
                         )
                         .into())
                     })
-                    .inspect(|()| pipeline.metrics.dead_lettered(Failure::Undeliverable)),
+                    .inspect(|()| {
+                        pipeline
+                            .recorder
+                            .record(Event::DeadLettered(Failure::Undeliverable))
+                    }),
                 Err(error) => {
                     tracing::error!(%error, route = route.durable, "unreadable MAX_DELIVERIES advisory; dropped");
                     Ok(())

@@ -183,7 +183,7 @@ impl DeadLetter {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MovedPart {
-    /// The object store bucket ([`BUCKET`](super::BUCKET) unless recorded
+    /// The object store bucket ([`super::BUCKET`] unless recorded
     /// otherwise).
     pub bucket: String,
     /// The object's name.

@@ -40,7 +40,7 @@ pub enum HandlerError {
         /// The error the body returned.
         error: BoxError,
         /// Its class, if one was found before it was boxed (its type's
-        /// [`Classify`](crate::Classify), or one along its chain).
+        /// [`Classify`], or one along its chain).
         class: Option<ErrorClass>,
         /// The SQLSTATE of a database error found along its chain before it
         /// was boxed (boxing an `anyhow::Error` hides its root).

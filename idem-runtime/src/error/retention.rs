@@ -121,7 +121,7 @@ impl Value {
 /// A route's retention floor and how it was computed: what
 /// [`Route::retention_floor`](crate::Route::retention_floor) returns and the
 /// start-up refusals show. Its `Display` is the computation, term by term,
-/// on one line. See the [module docs](self) for what each term covers.
+/// on one line. See the [floor's docs](crate::retention::floor) for what each term covers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetentionFloor {
     pub(crate) inputs: Inputs,
@@ -353,7 +353,7 @@ impl fmt::Display for RetentionFloor {
     }
 }
 
-/// The message for [`Error::RetentionBelowFloor`].
+/// The message for [`Error::RetentionBelowFloor`](crate::Error::RetentionBelowFloor).
 pub(crate) fn below_floor_message(
     route: &str,
     retention: Duration,
@@ -378,7 +378,7 @@ pub(crate) fn below_floor_message(
     )
 }
 
-/// The message for [`Error::RetentionFloorUnbounded`].
+/// The message for [`Error::RetentionFloorUnbounded`](crate::Error::RetentionFloorUnbounded).
 pub(crate) fn unbounded_message(
     route: &str,
     retention: Duration,
@@ -619,7 +619,7 @@ pub(crate) fn seconds(duration: Duration) -> String {
     format!("{:.1} s", duration.as_secs_f64())
 }
 
-/// Why a [`purge`] run failed. Nothing is lost: the next run resumes from
+/// Why a [`purge`](crate::retention::expiry::purge) run failed. Nothing is lost: the next run resumes from
 /// the step this one stopped at.
 #[derive(Debug, thiserror::Error)]
 #[error(

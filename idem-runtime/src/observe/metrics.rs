@@ -365,7 +365,7 @@ fn reason_index(failure: Failure) -> usize {
 
 /// One route's handles, built once when it starts.
 #[derive(Clone)]
-pub(crate) struct RouteMetrics {
+pub(super) struct RouteMetrics {
     received: Counter,
     processed: Counter,
     duplicate: Counter,
@@ -387,7 +387,7 @@ pub(crate) struct RouteMetrics {
 
 impl RouteMetrics {
     /// The handles of route `route` from the recorder installed now.
-    pub(crate) fn new(route: &str) -> Self {
+    pub(super) fn new(route: &str) -> Self {
         use metrics::{counter, gauge, histogram};
         // Shared by every handle of the route: one allocation, here.
         let route = metrics::SharedString::from(route.to_owned());
@@ -415,73 +415,73 @@ impl RouteMetrics {
         }
     }
 
-    pub(crate) fn received(&self) {
+    pub(super) fn received(&self) {
         self.received.increment(1);
     }
 
-    pub(crate) fn processed(&self) {
+    pub(super) fn processed(&self) {
         self.processed.increment(1);
     }
 
     /// A message committed and then acked: counts it, and its time from
     /// storage (`stored_at`, the JetStream timestamp) to now.
-    pub(crate) fn acked_processed(&self, stored_at: time::OffsetDateTime) {
+    pub(super) fn acked_processed(&self, stored_at: time::OffsetDateTime) {
         // The NATS server's clock stamps the message; a skewed one must not
         // record a negative latency.
         let since = (time::OffsetDateTime::now_utc() - stored_at).as_seconds_f64();
         self.end_to_end.record(since.max(0.0));
     }
 
-    pub(crate) fn duplicate(&self) {
+    pub(super) fn duplicate(&self) {
         self.duplicate.increment(1);
     }
 
-    pub(crate) fn failed(&self) {
+    pub(super) fn failed(&self) {
         self.failed.increment(1);
     }
 
-    pub(crate) fn retried(&self) {
+    pub(super) fn retried(&self) {
         self.retried.increment(1);
     }
 
-    pub(crate) fn dead_lettered(&self, failure: Failure) {
+    pub(super) fn dead_lettered(&self, failure: Failure) {
         self.dead_lettered[reason_index(failure)].increment(1);
     }
 
-    pub(crate) fn rejected(&self) {
+    pub(super) fn rejected(&self) {
         self.rejected.increment(1);
     }
 
-    pub(crate) fn commit_unknown(&self) {
+    pub(super) fn commit_unknown(&self) {
         self.commit_unknown.increment(1);
     }
 
-    pub(crate) fn dead_letter_publish_failed(&self) {
+    pub(super) fn dead_letter_publish_failed(&self) {
         self.dead_letter_publish_failures.increment(1);
     }
 
-    pub(crate) fn infrastructure_error(&self) {
+    pub(super) fn infrastructure_error(&self) {
         self.infrastructure_errors.increment(1);
     }
 
-    pub(crate) fn batch_fallback(&self) {
+    pub(super) fn batch_fallback(&self) {
         self.batch_fallbacks.increment(1);
     }
 
-    pub(crate) fn replay_skipped(&self) {
+    pub(super) fn replay_skipped(&self) {
         self.replays_skipped.increment(1);
     }
 
-    pub(crate) fn abandoned_transaction(&self) {
+    pub(super) fn abandoned_transaction(&self) {
         self.abandoned_transactions.increment(1);
     }
 
-    pub(crate) fn batch_committed(&self, size: usize) {
+    pub(super) fn batch_committed(&self, size: usize) {
         self.batch_size.record(size as f64);
     }
 
     /// Times one handler call, until the returned guard drops.
-    pub(crate) fn handler_call(&self) -> Timer<'_> {
+    pub(super) fn handler_call(&self) -> Timer<'_> {
         Timer {
             histogram: &self.handler_duration,
             started: Instant::now(),
@@ -490,7 +490,7 @@ impl RouteMetrics {
 
     /// Counts `messages` in flight until the returned guard drops, however
     /// their task ends (settled, or cancelled at shutdown).
-    pub(crate) fn in_flight(&self, messages: usize) -> InFlight {
+    pub(super) fn in_flight(&self, messages: usize) -> InFlight {
         let messages = messages as f64;
         self.in_flight.increment(messages);
         InFlight {

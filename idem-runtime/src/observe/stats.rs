@@ -1,35 +1,37 @@
-//! Per-route counters, readable while the router runs.
+//! Per-route counters, readable while the router runs. They are counted
+//! only through the route's [`Recorder`](super::recorder::Recorder), which
+//! feeds the metrics in the same call.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Counters of what one route did with its messages.
 #[derive(Debug, Default)]
 pub struct Stats {
-    pub(crate) received: AtomicU64,
-    pub(crate) processed: AtomicU64,
-    pub(crate) duplicates: AtomicU64,
-    pub(crate) failed: AtomicU64,
-    pub(crate) commit_failed: AtomicU64,
-    pub(crate) rejected: AtomicU64,
-    pub(crate) retried_in_process: AtomicU64,
-    pub(crate) dead_lettered: AtomicU64,
-    pub(crate) dead_letter_failed: AtomicU64,
-    pub(crate) dropped_by_fault: AtomicU64,
-    pub(crate) batches: AtomicU64,
-    pub(crate) batch_fallbacks: AtomicU64,
-    pub(crate) largest_batch: AtomicU64,
-    pub(crate) infrastructure_errors: AtomicU64,
-    pub(crate) abandoned_transactions: AtomicU64,
-    pub(crate) replays_skipped: AtomicU64,
+    pub(super) received: AtomicU64,
+    pub(super) processed: AtomicU64,
+    pub(super) duplicates: AtomicU64,
+    pub(super) failed: AtomicU64,
+    pub(super) commit_failed: AtomicU64,
+    pub(super) rejected: AtomicU64,
+    pub(super) retried_in_process: AtomicU64,
+    pub(super) dead_lettered: AtomicU64,
+    pub(super) dead_letter_failed: AtomicU64,
+    pub(super) dropped_by_fault: AtomicU64,
+    pub(super) batches: AtomicU64,
+    pub(super) batch_fallbacks: AtomicU64,
+    pub(super) largest_batch: AtomicU64,
+    pub(super) infrastructure_errors: AtomicU64,
+    pub(super) abandoned_transactions: AtomicU64,
+    pub(super) replays_skipped: AtomicU64,
 }
 
 impl Stats {
-    pub(crate) fn bump(counter: &AtomicU64) {
+    pub(super) fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Records a committed batch of `size` messages.
-    pub(crate) fn record_batch(&self, size: usize) {
+    pub(super) fn record_batch(&self, size: usize) {
         Stats::bump(&self.batches);
         self.largest_batch.fetch_max(size as u64, Ordering::Relaxed);
     }
@@ -46,8 +48,9 @@ impl Stats {
     pub fn duplicates(&self) -> u64 {
         self.duplicates.load(Ordering::Relaxed)
     }
-    /// Deliveries whose handler (or BEGIN, or the claim) failed: rolled back,
-    /// then NAKed or dead-lettered.
+    /// Deliveries whose handler, or COMMIT, failed after the in-process
+    /// retries: rolled back, then NAKed or dead-lettered. (BEGIN or the claim
+    /// failing counts under [`infrastructure_errors`](Stats::infrastructure_errors).)
     pub fn failed(&self) -> u64 {
         self.failed.load(Ordering::Relaxed)
     }
@@ -60,7 +63,8 @@ impl Stats {
     pub fn dead_lettered(&self) -> u64 {
         self.dead_lettered.load(Ordering::Relaxed)
     }
-    /// Dead-letter publishes that failed (the message was NAKed instead).
+    /// Dead-letter publishes that failed: the message is held, leased, and
+    /// its dead letter tried again.
     pub fn dead_letter_failed(&self) -> u64 {
         self.dead_letter_failed.load(Ordering::Relaxed)
     }

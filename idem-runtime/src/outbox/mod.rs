@@ -59,7 +59,7 @@
 //!   apart, in a lane of its own, so it never holds up the rows queued after
 //!   it, and a retry that waits out a PubAck timeout holds up no fresh row.
 //!   Failing rows are reported with their subject and error in the
-//!   [`lag`] ([`Lag::failures`]), in the metric
+//!   [`lag`](fn@lag) ([`Lag::failures`]), in the metric
 //!   `idem_outbox_failing_rows`, in a warning at each failure, and by `idem
 //!   status`. Once the cause is fixed, [`retry_failing`] (`idem outbox
 //!   retry`) makes them due at once.

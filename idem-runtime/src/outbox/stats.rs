@@ -61,7 +61,7 @@ struct Counters {
     nats_away: AtomicU64,
     notifications: AtomicU64,
     wakeups: AtomicU64,
-    /// The last [`lag`](super::lag) the relay read, and when.
+    /// The last [`lag`](fn@super::lag::lag) the relay read, and when.
     lag: Mutex<Option<(Lag, Instant)>>,
 }
 
@@ -115,7 +115,7 @@ impl RelayStats {
         self.0.wakeups.load(Ordering::Relaxed)
     }
 
-    /// The outbox's [`lag`] as the relay last read it (about once per poll
+    /// The outbox's [`lag`](fn@super::lag::lag) as the relay last read it (about once per poll
     /// interval, at most once a second, while it runs), and how long ago;
     /// `None` before the first reading. The lag counts every relay's rows,
     /// not only this one's.

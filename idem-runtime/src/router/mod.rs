@@ -152,7 +152,7 @@ impl<S: Send + Sync + 'static> Router<S> {
 
     /// Runs `handler` for every message of `route`'s durable consumer:
     /// the name of an `#[idempotent]` fn, or a value that implements
-    /// [`Handler<S>`](Handler).
+    /// [`Handler<S>`](crate::Handler).
     pub fn route<M>(mut self, route: Route, handler: impl IntoHandler<S, M>) -> Self {
         let handler = handler.into_handler();
         let stats = Arc::new(Stats::default());
