@@ -365,3 +365,11 @@ pub mod fixtures {
         }
     }
 }
+
+/// The README's Rust examples, compiled by `cargo test --doc -p idem-tests`.
+/// The README sits outside every published crate (an `include_str!` of it
+/// from `idem-runtime` would break `cargo package`), so it is checked here,
+/// in a crate that is never published.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;

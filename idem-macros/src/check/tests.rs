@@ -144,8 +144,8 @@ fn takes_any_number_of_parameters_between_tx_and_message() {
         ),
     );
     assert!(!expanded.contains("compile_error"), "{expanded}");
-    assert!(expanded.contains("State < A > : :: idem_runtime :: FromDelivery < __S >"));
-    assert!(expanded.contains("State < B > : :: idem_runtime :: FromDelivery < __S >"));
+    assert!(expanded.contains("State < A > : :: idem_runtime :: handler :: FromDelivery < __S >"));
+    assert!(expanded.contains("State < B > : :: idem_runtime :: handler :: FromDelivery < __S >"));
 }
 
 #[test]

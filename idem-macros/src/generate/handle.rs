@@ -58,7 +58,7 @@ fn batch(cx: &Context<'_>, arguments: &[TokenStream], settle: &TokenStream) -> T
             __idem_delivery: &#krate::Delivery,
             __idem_state: &#state,
         ) -> ::core::result::Result<(), #krate::HandlerError> {
-            <Self as #krate::Handler<#state>>::handle_batch(
+            <Self as #krate::handler::Handler<#state>>::handle_batch(
                 self,
                 __idem_tx,
                 ::std::vec::Vec::from([__idem_payload]),
@@ -96,7 +96,7 @@ fn stored_result(cx: &Context<'_>, arguments: &[TokenStream], settle: &TokenStre
             __idem_delivery: &#krate::Delivery,
             __idem_state: &#state,
         ) -> ::core::result::Result<(), #krate::HandlerError> {
-            <Self as #krate::Handler<#state>>::handle_and_encode(
+            <Self as #krate::handler::Handler<#state>>::handle_and_encode(
                 self,
                 __idem_tx,
                 __idem_payload,

@@ -47,7 +47,7 @@ pub(super) fn handler_impl(cx: &Context<'_>) -> TokenStream {
 
     quote! {
         #(#cfgs)*
-        impl #state_param #krate::Handler<#state> for #ident
+        impl #state_param #krate::handler::Handler<#state> for #ident
         where
             #state_bound
             #(#bounds,)*

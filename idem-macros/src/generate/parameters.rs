@@ -30,15 +30,18 @@ pub(super) fn between(cx: &Context<'_>) -> (Vec<TokenStream>, Vec<TokenStream>) 
                 (true, false) => quote_spanned! {ty.span()=> __idem_delivery},
                 (true, true) => quote_spanned! {ty.span()=> __idem_deliveries},
                 (false, false) => {
-                    bounds.push(quote_spanned! {ty.span()=> #ty: #krate::FromDelivery<#state>});
+                    bounds.push(
+                        quote_spanned! {ty.span()=> #ty: #krate::handler::FromDelivery<#state>},
+                    );
                     quote_spanned! {ty.span()=>
-                        #krate::FromDelivery::from_delivery(__idem_delivery, __idem_state)
+                        #krate::handler::FromDelivery::from_delivery(__idem_delivery, __idem_state)
                     }
                 }
                 (false, true) => {
-                    bounds.push(quote_spanned! {ty.span()=> #ty: #krate::FromBatch<#state>});
+                    bounds
+                        .push(quote_spanned! {ty.span()=> #ty: #krate::handler::FromBatch<#state>});
                     quote_spanned! {ty.span()=>
-                        #krate::FromBatch::from_batch(__idem_deliveries, __idem_state)
+                        #krate::handler::FromBatch::from_batch(__idem_deliveries, __idem_state)
                     }
                 }
             }

@@ -19,7 +19,7 @@ pub(super) fn into_handler_result(cx: &Context<'_>) -> TokenStream {
     let output = handler.output;
     let output_krate = respan(&cx.krate, output.span());
     let into_result = quote_spanned! {output.span()=>
-        #output_krate::HandlerResult::into_result(__idem_result)
+        #output_krate::error::HandlerResult::into_result(__idem_result)
     };
     let error_krate = respan(&cx.krate, handler.error_type_span);
     let into_handler_error = quote_spanned! {handler.error_type_span=>

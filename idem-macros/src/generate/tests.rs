@@ -45,7 +45,7 @@ fn expands_a_minimal_handler() {
                 }
             }
 
-            impl<__S> ::idem_runtime::Handler<__S> for credit
+            impl<__S> ::idem_runtime::handler::Handler<__S> for credit
             where
                 __S: ::core::marker::Send + ::core::marker::Sync + 'static,
             {
@@ -65,7 +65,7 @@ fn expands_a_minimal_handler() {
                     __idem_state: &__S,
                 ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
                     let __idem_result = credit::run(__idem_tx, __idem_payload).await;
-                    match ::idem_runtime::HandlerResult::into_result(__idem_result) {
+                    match ::idem_runtime::error::HandlerResult::into_result(__idem_result) {
                         ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
                         ::core::result::Result::Err(__idem_error) => {
                             ::core::result::Result::Err(::idem_runtime::__private::handler_error!(__idem_error))
@@ -115,12 +115,12 @@ fn name_key_state_delivery_and_attributes() {
     );
     assert!(expanded.contains("pub const NAME : & 'static str = \"credit-v1\" ;"));
     assert!(
-        expanded.contains("State < Fees > : :: idem_runtime :: FromDelivery < __S >"),
+        expanded.contains("State < Fees > : :: idem_runtime :: handler :: FromDelivery < __S >"),
         "{expanded}"
     );
     assert!(
         expanded.contains(
-            "credit :: run (__idem_tx , :: idem_runtime :: FromDelivery :: from_delivery \
+            "credit :: run (__idem_tx , :: idem_runtime :: handler :: FromDelivery :: from_delivery \
              (__idem_delivery , __idem_state) , __idem_delivery , __idem_payload) . await"
         ),
         "{expanded}"
@@ -241,11 +241,11 @@ fn a_batch_handler_takes_the_batch_and_runs_one_message_as_a_batch_of_one() {
     for expected in [
         "type Payload = Credit ;",
         "const BATCHES : bool = true ;",
-        "State < Fees > : :: idem_runtime :: FromBatch < __S >",
-        "< Self as :: idem_runtime :: Handler < __S >> :: handle_batch (self , __idem_tx , \
+        "State < Fees > : :: idem_runtime :: handler :: FromBatch < __S >",
+        "< Self as :: idem_runtime :: handler :: Handler < __S >> :: handle_batch (self , __idem_tx , \
          :: std :: vec :: Vec :: from ([__idem_payload]) , :: core :: slice :: from_ref \
          (__idem_delivery) , __idem_state ,) . await",
-        "credit_many :: run (__idem_tx , :: idem_runtime :: FromBatch :: from_batch \
+        "credit_many :: run (__idem_tx , :: idem_runtime :: handler :: FromBatch :: from_batch \
          (__idem_deliveries , __idem_state) , __idem_deliveries , __idem_payloads) . await",
         "let cmd = __idem_payload ;",
     ] {

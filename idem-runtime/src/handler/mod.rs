@@ -9,6 +9,7 @@ use crate::codec::Decode;
 use crate::error::HandlerError;
 
 pub(crate) mod delivery;
+pub(crate) mod expansion;
 pub mod results;
 pub(crate) mod state;
 

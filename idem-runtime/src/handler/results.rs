@@ -27,9 +27,7 @@
 use bytes::Bytes;
 use sqlx::{PgConnection, PgPool, PgTransaction};
 
-use crate::codec::Encode;
 use crate::error::HandlerError;
-use crate::error::class::ErrorClass;
 
 /// The result stored for `message_id` by the handler named `handler`: the
 /// bytes its codec encoded (for JSON, the JSON text). For a reply route,
@@ -113,29 +111,3 @@ pub(crate) async fn store_many(
     .await?;
     Ok(())
 }
-
-/// Encodes a handler's value with its codec, for storing. A value that does
-/// not encode will not encode on a retry either: a permanent failure, and
-/// the transaction is rolled back.
-#[doc(hidden)]
-pub fn encode<C: Encode<T>, T>(value: &T) -> Result<Option<Bytes>, HandlerError> {
-    C::encode(value)
-        .map(Some)
-        .map_err(|error| HandlerError::classified(error, Some(ErrorClass::Permanent)))
-}
-
-/// What `#[idempotent]` asks of a value it cannot see in the return type
-/// (an alias such as `type Fallible = Result<(), E>`): that it is `()`.
-#[doc(hidden)]
-#[diagnostic::on_unimplemented(
-    message = "this handler returns `{Self}` through a type alias, so idem cannot see that it returns a value",
-    label = "the alias hides the value type `{Self}`",
-    note = "write the value type in the return type, `Result<{Self}, E>` or `MyResult<{Self}>`, so that idem stores it with the claim"
-)]
-pub trait NoValue {}
-
-impl NoValue for () {}
-
-/// Checks that a handler whose return type hides its value returns `()`.
-#[doc(hidden)]
-pub fn no_value<T: NoValue>(_: T) {}
