@@ -4,7 +4,10 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use sqlx::PgPool;
-use tokio::task::JoinSet;
+use tokio::sync::oneshot;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::outbox::{Relay, RelayError};
 
 use super::Router;
 use super::start_up::SetUp;
@@ -19,8 +22,8 @@ pub(super) struct Running {
     pub(super) routes: JoinSet<usize>,
     pub(super) purging: Option<tasks::Owned<()>>,
     pub(super) _polling: tasks::Owned<()>,
-    pub(super) stop_relay: tokio::sync::oneshot::Sender<()>,
-    pub(super) relaying: Option<tokio::task::JoinHandle<Result<(), crate::outbox::RelayError>>>,
+    pub(super) stop_relay: oneshot::Sender<()>,
+    pub(super) relaying: Option<JoinHandle<Result<(), RelayError>>>,
     pub(super) trigger: Trigger,
     pub(super) signal: Signal,
     pub(super) grace: Duration,
@@ -42,27 +45,8 @@ impl<S: Send + Sync + 'static> Router<S> {
             handler_ids,
             requests,
         } = set_up;
+        let purging = self.spawn_purge(pool);
         let bound: Vec<_> = self.routes.into_iter().zip(consumers).collect();
-        // Claims of routes with a retention expire: the purge runs beside
-        // the router (one at a time across all routers, see expiry.rs).
-        let purging = bound
-            .iter()
-            .filter_map(|(route, _)| route.route().retention)
-            .chain(
-                self.replies
-                    .iter()
-                    .filter_map(|reply| reply.route().retention),
-            )
-            .max()
-            .map(|retention| {
-                tasks::Owned(tokio::spawn(
-                    crate::retention::background::run_in_background(
-                        pool.clone(),
-                        crate::retention::expiry::purge_interval(retention),
-                        self.signal.clone(),
-                    ),
-                ))
-            });
         let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
         // Each route may keep at most its share of the pool's connections
         // between messages (see connections.rs).
@@ -113,17 +97,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             running.spawn(reply.start(requests, context(handler_id)));
         }
 
-        // Stopped only after the routes have settled (below), so that it
-        // publishes what their last messages queued. Not aborted if this
-        // future is dropped: the dropped sender stops it after its cycle,
-        // which is never cut short (sqlx#4393).
-        let (stop_relay, relay_stopped) = tokio::sync::oneshot::channel::<()>();
-        let relaying = self.relay.map(|relay| {
-            tracing::info!("outbox relay started");
-            tokio::spawn(relay.run_until(nats.clone(), pool.clone(), async {
-                let _ = relay_stopped.await;
-            }))
-        });
+        let (stop_relay, relaying) = spawn_relay(self.relay, nats, pool);
         Running {
             routes: running,
             purging,
@@ -135,4 +109,51 @@ impl<S: Send + Sync + 'static> Router<S> {
             grace: self.grace,
         }
     }
+
+    /// Claims of routes with a retention expire: the purge runs beside the
+    /// router (one at a time across all routers, see `retention/expiry.rs`),
+    /// for the longest retention any route asks for.
+    fn spawn_purge(&self, pool: &PgPool) -> Option<tasks::Owned<()>> {
+        self.routes
+            .iter()
+            .filter_map(|route| route.route().retention)
+            .chain(
+                self.replies
+                    .iter()
+                    .filter_map(|reply| reply.route().retention),
+            )
+            .max()
+            .map(|retention| {
+                tasks::Owned(tokio::spawn(
+                    crate::retention::background::run_in_background(
+                        pool.clone(),
+                        crate::retention::expiry::purge_interval(retention),
+                        self.signal.clone(),
+                    ),
+                ))
+            })
+    }
+}
+
+/// Spawns the relay, if there is one, with the sender that stops it. It is
+/// stopped only after the routes have settled ([`Running::shut_down`]), so
+/// that it publishes what their last messages queued. Not aborted if the
+/// router's future is dropped: the dropped sender stops it after its
+/// cycle, which is never cut short (sqlx#4393).
+fn spawn_relay(
+    relay: Option<Relay>,
+    nats: &async_nats::Client,
+    pool: &PgPool,
+) -> (
+    oneshot::Sender<()>,
+    Option<JoinHandle<Result<(), RelayError>>>,
+) {
+    let (stop_relay, relay_stopped) = oneshot::channel::<()>();
+    let relaying = relay.map(|relay| {
+        tracing::info!("outbox relay started");
+        tokio::spawn(relay.run_until(nats.clone(), pool.clone(), async {
+            let _ = relay_stopped.await;
+        }))
+    });
+    (stop_relay, relaying)
 }
