@@ -181,8 +181,8 @@ impl System {
 
     /// idem's dead-letter and advisory streams at the system's replica
     /// count, before any worker starts: otherwise each worker's router
-    /// would race to create them, with one replica (see the README's
-    /// "Many workers on a JetStream cluster").
+    /// would race to create them, with one replica (see the guide's
+    /// "Running at scale" chapter).
     async fn create_idem_streams(&self) -> Result<(), BenchError> {
         for config in [
             stream::Config {

@@ -4,7 +4,7 @@
 //! (`idem_runtime::status`, `idem_runtime::dead_letter`,
 //! `idem_runtime::expiry`, `idem_runtime::schema`, `idem_runtime::outbox`):
 //! whatever it shows or does, a program can do with the library too. See
-//! `idem --help`, and the README's "Operating idem".
+//! `idem --help`, and the guide's "Operating" chapter (`idem_runtime::guide::operating`).
 
 mod args;
 mod connect;

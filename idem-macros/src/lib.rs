@@ -179,7 +179,7 @@ use proc_macro::TokenStream;
 /// parameters, and a fn of the same name that returns it: pass `credit` to
 /// `Router::route`. The body stays callable, unchanged, as
 /// `credit::run(tx, .., msg)`, for instance from a test that skips the
-/// claim, and `credit::NAME` is the handler name. The README shows a full
+/// claim, and `credit::NAME` is the handler name. The guide (`idem_runtime::guide::writing_handlers`) shows a full
 /// `cargo expand` of a handler.
 ///
 /// The struct has braces so that `credit` as a value is the fn: a unit struct

@@ -137,7 +137,7 @@ impl MessageId {
     ) -> Result<Self, InvalidMessageId> {
         if let Some(replayed) = headers.get_last(REPLAY_ID) {
             // An unnamed source is the header's: a bounded claim is then
-            // bounded by the replay's recorded storage time (pipeline.rs).
+            // bounded by the replay's recorded storage time (`consume/pipeline.rs`).
             let source = headers
                 .get_last(REPLAY_ID_SOURCE)
                 .and_then(|source| MessageIdSource::parse(source.as_str()))

@@ -246,7 +246,7 @@ pub async fn handler_names(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
 }
 
 /// How durable PostgreSQL makes the commits idem acks after, as the pool's
-/// sessions see it (see the README's "Durability of the database"), with
+/// sessions see it (see the guide's failure handling chapter, "Durability of the database"), with
 /// the warnings a router gives at start-up about it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

@@ -42,7 +42,7 @@ impl Signal {
 
 /// A spawned task that is aborted when this is dropped, unless it ended
 /// before. For tasks that can be cut off at any await: their connections are
-/// their own sessions, guarded (see `connections.rs`), or checked by the
+/// their own sessions, guarded (see `store/connections.rs`), or checked by the
 /// pool when it gets them back.
 pub(crate) struct Owned<T>(pub(crate) JoinHandle<T>);
 

@@ -2,7 +2,7 @@
 //! once, and proves it.
 //!
 //! It publishes a run of credits, including the two kinds of duplicate the
-//! README describes (a publisher retry inside JetStream's duplicate window,
+//! guide describes (a publisher retry inside JetStream's duplicate window,
 //! which JetStream drops, and one after it, which JetStream stores again),
 //! processes them with an `#[idempotent]` handler, and checks every balance
 //! against the sum of the unique credits, less their fees.

@@ -548,7 +548,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             )
             .await;
         // A value goes into the claim's row before COMMIT; `()` costs nothing.
-        // A reply too large to send is refused first (see reply.rs).
+        // A reply too large to send is refused first (see `consume/reply.rs`).
         let outcome = match outcome {
             Ok(Some(result)) => match self.check_reply_size(&result) {
                 Ok(()) => crate::handler::results::store(&mut tx, &key, &result)
@@ -588,7 +588,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     /// The key `delivery`'s message is claimed by: under the handler's
-    /// name, or a request route's own name (see `reply.rs`).
+    /// name, or a request route's own name (see `consume/reply.rs`).
     pub(crate) fn claim_key(&self, delivery: &Delivery) -> String {
         let claims_under = self
             .mode

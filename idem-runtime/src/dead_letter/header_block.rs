@@ -2,7 +2,7 @@
 //! bytes exactly as async-nats reads the headers of a delivered message.
 //!
 //! The runtime reads some messages from their stream rather than through a
-//! consumer: a message JetStream gave up on (`undeliverable.rs`), a dead
+//! consumer: a message JetStream gave up on (`consume/undeliverable.rs`), a dead
 //! letter (`dead_letter/browse.rs`), a header block moved out of a dead
 //! letter (`dead_letter/moved.rs`). The id such a message is recorded under
 //! must be the one the pipeline claimed it by, byte for byte, or its replay

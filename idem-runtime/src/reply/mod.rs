@@ -37,7 +37,7 @@
 //! refuses two reply routes whose subjects overlap (a request to a subject
 //! both match would run in both), and warns when the handler's own name
 //! is registered in the database: an earlier idem keyed a reply route's
-//! claims by it (see the README's upgrade note).
+//! claims by it (see CHANGELOG.md).
 //!
 //! # Error replies
 //!

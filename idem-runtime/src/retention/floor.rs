@@ -161,7 +161,7 @@
 //!
 //! # Not covered
 //!
-//! - A message *held* while the database cannot be used (see the README's
+//! - A message *held* while the database cannot be used (see the guide's
 //!   failure handling) keeps its lease through heartbeats for as long as
 //!   that lasts, before its claim check. The purge needs the database too,
 //!   but a worker cut off from it while the purge runs elsewhere can hold a

@@ -467,7 +467,7 @@ impl Route {
             // whole connection on a header that is not UTF-8, so without it
             // such a message would reset the connection every ack_wait,
             // forever. The advisory JetStream then sends is dead-lettered by
-            // undeliverable.rs.
+            // consume/undeliverable.rs.
             max_deliver: i64::try_from(self.server_max_deliver()).unwrap_or(i64::MAX),
             max_ack_pending: self.max_ack_pending,
             filter_subject,

@@ -20,7 +20,7 @@ use std::time::Duration;
 /// The limit is enforced by the runtime. The consumer's server-side
 /// `max_deliver` is set 3 further out, as a backstop for a message that
 /// never reaches the runtime; the router dead-letters what that backstop
-/// stops (see the README's failure table). A message that arrives past the
+/// stops (see the guide's failure handling chapter). A message that arrives past the
 /// limit (its earlier attempts crashed the worker) is dead-lettered without
 /// running, unless its claim shows it was processed (the check waits for an
 /// attempt still running), in which case it is acked.

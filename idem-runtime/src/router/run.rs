@@ -49,7 +49,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         let bound: Vec<_> = self.routes.into_iter().zip(consumers).collect();
         let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
         // Each route may keep at most its share of the pool's connections
-        // between messages (see connections.rs).
+        // between messages (see `store/connections.rs`).
         let routes = bound.len() + serving.len();
         let share = (pool.options().get_max_connections() as usize / routes.max(1)).max(1);
         // The consumers' and the outbox's gauges, polled beside the routes;

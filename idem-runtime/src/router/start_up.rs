@@ -338,14 +338,14 @@ async fn bind_consumer(
     };
     // A route whose retention does not cover its floor is refused before
     // its consumer is touched; the consumer records the retention, for the
-    // route's dead letters to copy (see dead_letter.rs).
+    // route's dead letters to copy (see `dead_letter/`).
     let floor = crate::retention::floor::judge(
         &route.durable,
         route.retention,
         route.retention_floor(&stream.cached_info().config),
     )?;
     let mut wanted = route.consumer_config();
-    // And its handler and dead letters, for operators (see status.rs).
+    // And its handler and dead letters, for operators (see `status.rs`).
     wanted
         .metadata
         .extend(crate::route::metadata::consumer_metadata(

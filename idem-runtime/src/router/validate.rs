@@ -52,7 +52,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             }
         }
         // A reply route's claims are keyed under its own name, not its
-        // handler's (see reply.rs): it is the name, and the subject, that
+        // handler's (see `reply/`): it is the name, and the subject, that
         // must not be shared.
         for (n, reply) in self.replies.iter().enumerate() {
             let route = reply.route();
