@@ -48,9 +48,11 @@ impl Stats {
     pub fn duplicates(&self) -> u64 {
         self.duplicates.load(Ordering::Relaxed)
     }
-    /// Deliveries whose handler, or COMMIT, failed after the in-process
-    /// retries: rolled back, then NAKed or dead-lettered. (BEGIN or the claim
-    /// failing counts under [`infrastructure_errors`](Stats::infrastructure_errors).)
+    /// Deliveries that failed after the in-process retries (the handler,
+    /// COMMIT, or a claim the database refused, such as one past its
+    /// statement timeout): rolled back, then NAKed or dead-lettered. A BEGIN
+    /// or claim that failed because the database could not be used counts
+    /// under [`infrastructure_errors`](Stats::infrastructure_errors) instead.
     pub fn failed(&self) -> u64 {
         self.failed.load(Ordering::Relaxed)
     }
