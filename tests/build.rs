@@ -7,7 +7,8 @@
 //!   `#[cfg_attr(idem_external_servers, ignore = "...")]` and call
 //!   `idem_tests::require_own_servers()` first.
 //! - `idem_no_cargo_expand`: `cargo expand` is not installed, so the
-//!   expansion snapshots (`tests/tests/expand.rs`) cannot be checked.
+//!   expansion snapshots (`tests/tests/handlers/expand.rs`) cannot be
+//!   checked.
 //!
 //! Neither is ever set under `CI`: there every test runs, and one that
 //! cannot fails loudly, saying why.

@@ -11,14 +11,14 @@
 //! ```no_run
 //! use std::time::Duration;
 //!
-//! // In tests/tests/*.rs, under #[tokio::test]:
+//! // In tests/tests/<feature>/*.rs, under #[tokio::test]:
 //! async fn survives_a_nats_crash() {
 //!     let mut env = idem_tests::TestEnv::start().await;
 //!     let pool = env.pool().await;
 //!     let js = env.jetstream().await;
 //!     // ... create a stream, run the handler, publish ...
 //!     env.nats_server_mut().kill_and_restart().await;
-//!     idem_tests::wait_until(Duration::from_secs(10), async || {
+//!     idem_tests::eventually("the database answers", Duration::from_secs(10), async || {
 //!         let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_class")
 //!             .fetch_one(&pool)
 //!             .await
@@ -29,6 +29,18 @@
 //!     # drop(js);
 //! }
 //! ```
+//!
+//! # Helpers
+//!
+//! - [`scenario`]: what most tests start from (servers, a prepared database,
+//!   a stream), publishing, running routers, reading dead letters and acks
+//!   back, and the small handlers and routes many tests share;
+//!   `use idem_tests::scenario::*` is the one import a test needs.
+//! - [`claims`]: claims and purges by hand, for the retention tests.
+//! - [`pg_proxy`] and [`fault_proxy`]: proxies that cut a COMMIT, or pause,
+//!   drop and reset connections.
+//! - [`ack_events`]: every ack JetStream receives, parsed, with a probe.
+//! - [`eventually`]: the one way to wait for a condition.
 //!
 //! # Environment
 //!
@@ -48,19 +60,23 @@
 //!
 //! `scripts/setup.sh` installs the servers.
 
+pub mod ack_events;
+pub mod claims;
 mod cluster;
 pub mod fault_proxy;
 mod logs;
 mod nats;
+pub mod pg_proxy;
 mod postgres;
 mod process;
 pub use process::die_with_test;
+pub mod scenario;
 pub mod seeded;
 
 use std::future::Future;
 use std::panic::Location;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream;
 use tokio::sync::OnceCell;
@@ -213,7 +229,8 @@ pub async fn consumer_info(
         .unwrap_or_else(|e| panic!("cannot get info of consumer {consumer} on {stream}: {e}"))
 }
 
-/// Polls `condition` every 20 ms until it returns `true`.
+/// Polls `condition` every 20 ms until it returns `true`; `what` says what
+/// is awaited, for the message if it never comes.
 ///
 /// Accepts async closures (`async || ...`) and closures returning a future
 /// (`|| async { ... }`).
@@ -221,7 +238,7 @@ pub async fn consumer_info(
 /// # Panics
 ///
 /// If `condition` is still `false` after `timeout`. The message names the
-/// caller's file and line.
+/// caller's file and line, and `what`.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -230,7 +247,7 @@ pub async fn consumer_info(
 /// use std::time::Duration;
 ///
 /// let polls = AtomicU32::new(0);
-/// idem_tests::wait_until(Duration::from_secs(1), async || {
+/// idem_tests::eventually("the third poll", Duration::from_secs(1), async || {
 ///     polls.fetch_add(1, Ordering::SeqCst) >= 2
 /// })
 /// .await;
@@ -238,7 +255,7 @@ pub async fn consumer_info(
 /// # }
 /// ```
 #[track_caller]
-pub fn wait_until<F>(timeout: Duration, mut condition: F) -> impl Future<Output = ()>
+pub fn eventually<F>(what: &str, timeout: Duration, mut condition: F) -> impl Future<Output = ()>
 where
     F: AsyncFnMut() -> bool,
 {
@@ -246,17 +263,51 @@ where
     // here, before the future exists.
     let caller = Location::caller();
     async move {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if condition().await {
-                return;
-            }
-            if Instant::now() >= deadline {
-                panic!("wait_until at {caller}: condition still false after {timeout:?}");
-            }
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !condition().await {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "eventually at {caller}: condition still false after {timeout:?}, waiting for: {what}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+/// Runs each named scenario, an `async fn(batch: usize)` of the calling
+/// module, as two tests: `per_message::<scenario>` (batches of 1) and
+/// `batched::<scenario>` (batches of `batch`).
+///
+/// ```
+/// async fn applies_once(batch: usize) {
+///     assert!(batch >= 1);
+/// }
+///
+/// // Tests `per_message::applies_once` and `batched::applies_once`.
+/// idem_tests::in_both_modes!(batch = 8; applies_once);
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! in_both_modes {
+    (batch = $batch:literal; $($scenario:ident),* $(,)?) => {
+        mod per_message {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    super::$scenario(1).await;
+                }
+            )*
+        }
+
+        mod batched {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    super::$scenario($batch).await;
+                }
+            )*
+        }
+    };
 }
 
 /// A name no other test uses: `prefix` plus a process-unique counter and a

@@ -8,16 +8,14 @@
 //! - partitioned consumers apply each key's messages in publish order, also
 //!   across a redelivery (checked inside each step's transaction).
 
-mod common;
-
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};
-use common::*;
 use idem_runtime::partition::Partitions;
 use idem_runtime::{Delivery, Route, Router, RouterHandle, State, idempotent};
+use idem_tests::scenario::*;
 use idem_tests::{ClusterEnv, create_idem_streams_r3};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -217,7 +215,7 @@ async fn three_workers_share_a_durable_and_the_claim_absorbs_a_redelivery_to_ano
     let pool = env.pool().await;
     prepare_database(&pool).await;
     let js = env.cluster.jetstream().await;
-    let stream = unique("RACE");
+    let stream = unique_name("RACE");
     let subject = format!("{stream}.deposit");
     create_r3_stream(&js, &stream, Duration::from_millis(500)).await;
 
@@ -366,7 +364,7 @@ async fn leader_killed_mid_flow(fault: Leader) {
     let pool = env.pool().await;
     prepare_database(&pool).await;
     let js = env.cluster.jetstream().await;
-    let stream = unique("FLOW");
+    let stream = unique_name("FLOW");
     let subject = format!("{stream}.deposit");
     create_r3_stream(&js, &stream, Duration::from_secs(120)).await;
     for i in 0..MESSAGES {
@@ -611,7 +609,7 @@ async fn partitioned_consumers_apply_each_key_in_publish_order() {
     .await
     .unwrap();
     let js = env.cluster.jetstream().await;
-    let stream = unique("ORDERED");
+    let stream = unique_name("ORDERED");
     let partitions = Partitions::new(format!("{stream}.in.*"), PARTITIONS);
     js.create_stream(stream::Config {
         num_replicas: 3,

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
-use idem_tests::{TestEnv, unique_name, wait_until};
+use idem_tests::{TestEnv, eventually, unique_name};
 
 /// A file-backed stream on `<name>.>`, so it survives a server crash.
 async fn create_stream(js: &jetstream::Context, name: &str) -> stream::Stream {
@@ -86,12 +86,14 @@ async fn kill_and_restart_keeps_stored_messages() {
     assert_eq!(stored.payload, "kept".as_bytes());
 
     // The old client reconnects by itself and can publish again.
-    wait_until(Duration::from_secs(15), async || {
-        match old_js.publish(format!("{name}.b"), "after".into()).await {
+    eventually(
+        "the old client publishes again",
+        Duration::from_secs(15),
+        async || match old_js.publish(format!("{name}.b"), "after".into()).await {
             Ok(ack) => ack.await.is_ok(),
             Err(_) => false,
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -135,9 +137,11 @@ async fn restart_immediate_keeps_committed_rows() {
     assert_eq!(ids, [1], "committed row kept, open transaction lost");
 
     // A pool from before the crash replaces its broken connections.
-    wait_until(Duration::from_secs(15), async || {
-        sqlx::query("SELECT 1").execute(&pool).await.is_ok()
-    })
+    eventually(
+        "the old pool answers again",
+        Duration::from_secs(15),
+        async || sqlx::query("SELECT 1").execute(&pool).await.is_ok(),
+    )
     .await;
 }
 
@@ -188,10 +192,10 @@ async fn consumer_info_reports_pending_and_ack_pending() {
 }
 
 #[tokio::test]
-async fn wait_until_accepts_both_closure_styles() {
+async fn eventually_accepts_both_closure_styles() {
     let ready = std::sync::atomic::AtomicBool::new(true);
-    wait_until(Duration::from_millis(100), || async { true }).await;
-    wait_until(Duration::from_millis(100), async || {
+    eventually("true", Duration::from_millis(100), || async { true }).await;
+    eventually("ready", Duration::from_millis(100), async || {
         ready.load(std::sync::atomic::Ordering::SeqCst)
     })
     .await;
@@ -199,6 +203,6 @@ async fn wait_until_accepts_both_closure_styles() {
 
 #[tokio::test]
 #[should_panic(expected = "condition still false after")]
-async fn wait_until_panics_on_timeout() {
-    wait_until(Duration::from_millis(50), async || false).await;
+async fn eventually_panics_on_timeout() {
+    eventually("never", Duration::from_millis(50), async || false).await;
 }

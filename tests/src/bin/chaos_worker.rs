@@ -1,5 +1,5 @@
-//! The worker process the chaos tests (`tests/tests/chaos.rs`) start, SIGKILL,
-//! SIGTERM and start again.
+//! The worker process the chaos tests (`tests/tests/chaos/main.rs`) start,
+//! SIGKILL, SIGTERM and start again.
 //!
 //! It credits accounts from JetStream messages with one `#[idempotent]`
 //! handler under [`Router`], until SIGTERM or Ctrl-C, and reports what it sees

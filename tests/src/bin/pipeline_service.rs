@@ -1,4 +1,4 @@
-//! The example pipeline's services, for `tests/tests/metrics.rs`:
+//! The example pipeline's services, for `tests/tests/observe/metrics.rs`:
 //! `pipeline_service orders` or `pipeline_service payments` runs exactly what
 //! the `orders` and `payments` binaries of `examples/pipeline` run
 //! ([`pipeline_example::run`]). It exists because cargo builds a test's

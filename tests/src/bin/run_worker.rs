@@ -1,11 +1,11 @@
-//! A worker process for `tests/tests/failure_paths.rs`, written the way an
+//! A worker process for `tests/tests/lifecycle/shutdown.rs`, written the way an
 //! application would be: it calls [`Router::run`], which handles SIGTERM and
 //! Ctrl-C itself, and exits 0 when `run` returns `Ok`.
 //!
 //! Its handler prints `{"event":"handling","id":..,"seq":..}` on stdout when
 //! its body starts (after the claim), holds the transaction open for
 //! `RUN_HOLD_MS`, then writes one row to the test's `effects` table (see
-//! `tests/tests/common/mod.rs`, which creates it). After `run` returns it
+//! [`idem_tests::scenario::prepare_database`], which creates it). After `run` returns it
 //! prints `{"event":"stopped"}`.
 //!
 //! # Environment

@@ -1,0 +1,229 @@
+//! Batch handlers (`#[idempotent(batch)]`) take the fresh messages of a batch
+//! in one call: each fresh message once, within and across batches; when one
+//! fails, each message runs alone as a batch of one; on a per-message route
+//! they get batches of one.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_runtime::{Delivery, Permanent, Route, Router, State, idempotent};
+use idem_tests::scenario::*;
+
+// --- Batch handlers -----------------------------------------------------------
+
+/// The accounts of each batch a batch handler was called with, in order.
+#[derive(Clone, Default)]
+struct Calls(Arc<Mutex<Vec<Vec<String>>>>);
+
+impl Calls {
+    fn all(&self) -> Vec<Vec<String>> {
+        self.0.lock().unwrap().clone()
+    }
+
+    fn sizes(&self) -> Vec<usize> {
+        self.all().iter().map(Vec::len).collect()
+    }
+}
+
+/// Writes the fresh messages of a batch with one statement, then refuses
+/// the whole batch if it holds the account "refused".
+#[idempotent(name = "deposit-many", key = |d| d.account, batch)]
+async fn deposit_many(
+    tx: &mut sqlx::PgTransaction<'_>,
+    State(calls): State<Calls>,
+    deliveries: &[Delivery],
+    deposits: Vec<Deposit>,
+) -> Result<(), idem_runtime::BoxError> {
+    let accounts: Vec<String> = deposits.iter().map(|d| d.account.clone()).collect();
+    calls.0.lock().unwrap().push(accounts);
+    assert_eq!(deliveries.len(), deposits.len(), "one delivery per message");
+    let ids: Vec<&str> = deliveries.iter().map(|d| d.message_id().as_str()).collect();
+    let delivered: Vec<i64> = deliveries.iter().map(|d| d.delivered() as i64).collect();
+    let accounts: Vec<&str> = deposits.iter().map(|d| d.account.as_str()).collect();
+    let amounts: Vec<i64> = deposits.iter().map(|d| d.amount).collect();
+    sqlx::query(
+        "INSERT INTO effects (handler, message_id, account, amount, delivered)
+         SELECT 'deposit-many', * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[])",
+    )
+    .bind(&ids)
+    .bind(&accounts)
+    .bind(&amounts)
+    .bind(&delivered)
+    .execute(&mut **tx)
+    .await?;
+    if accounts.contains(&"refused") {
+        return Err(Permanent::new("this batch holds an account that refuses deposits").into());
+    }
+    Ok(())
+}
+
+/// A batch handler is called once per batch with only its fresh messages:
+/// a key seen earlier in the same batch, in another batch, or in a later
+/// copy of the stream never reaches it, and each key is written once.
+#[tokio::test]
+async fn a_batch_handler_gets_each_fresh_message_once_within_and_across_batches() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("BHDUP", Duration::from_secs(120)).await;
+    const MESSAGES: usize = 100;
+    const ACCOUNTS: usize = 30;
+    let deposit = |i: usize| Deposit {
+        account: format!("acct-{}", i % ACCOUNTS),
+        amount: 1,
+    };
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit(i), Some(&format!("m-{i}"))).await;
+    }
+    let calls = Calls::default();
+    let (handle, task) = spawn(
+        Router::with_state(calls.clone()).route(
+            Route::new(&stream, "c").batch(32).concurrency(2),
+            deposit_many,
+        ),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    let first_round = calls.sizes();
+    // Every key again, after all were processed: all duplicates.
+    for i in 0..ACCOUNTS {
+        publish(&js, &subject, &deposit(i), Some(&format!("again-{i}"))).await;
+    }
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    assert_eq!(
+        first_round.iter().sum::<usize>(),
+        ACCOUNTS,
+        "each key reached the handler once: {first_round:?}"
+    );
+    assert!(
+        first_round.iter().any(|&size| size > 1),
+        "the handler took several messages in one call: {first_round:?}"
+    );
+    assert_eq!(
+        calls.sizes(),
+        first_round,
+        "no later copy reached the handler"
+    );
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(
+        (stats.processed(), stats.duplicates()),
+        (ACCOUNTS as u64, (MESSAGES - ACCOUNTS + ACCOUNTS) as u64)
+    );
+    assert_eq!(stats.batch_fallbacks(), 0);
+    assert_eq!(
+        ledger(&pool, "deposit-many").await,
+        Ledger::once_each(ACCOUNTS as i64)
+    );
+}
+
+/// A batch handler that fails rolls its whole batch back; each message then
+/// runs alone through the same handler, as a batch of one: the bad message
+/// is dead-lettered, its neighbours are each applied once.
+#[tokio::test]
+async fn a_failing_batch_handler_falls_back_to_one_message_per_call() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("BHFALL", Duration::from_secs(120)).await;
+    const MESSAGES: i64 = 40;
+    for i in 0..MESSAGES {
+        let account = if i == 17 {
+            "refused".to_owned()
+        } else {
+            format!("acct-{i}")
+        };
+        let deposit = Deposit { account, amount: i };
+        publish(&js, &subject, &deposit, Some(&format!("f-{i}"))).await;
+    }
+    let calls = Calls::default();
+    let (handle, task) = spawn(
+        Router::with_state(calls.clone()).route(
+            Route::new(&stream, "c").batch(16).concurrency(2),
+            deposit_many,
+        ),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(
+        stats.batch_fallbacks(),
+        1,
+        "only the batch with the bad message fell back"
+    );
+    assert_eq!((stats.processed(), stats.dead_lettered()), (39, 1));
+    let all = calls.all();
+    let failed = all
+        .iter()
+        .position(|accounts| accounts.len() > 1 && accounts.iter().any(|a| a == "refused"))
+        .expect("the bad message came in a batch of several");
+    let mut expected: Vec<&String> = all[failed].iter().collect();
+    expected.sort();
+    // (A batch that happened to hold one message is a call of one too.)
+    let mut alone: Vec<&String> = all[failed + 1..]
+        .iter()
+        .filter(|accounts| accounts.len() == 1 && expected.contains(&&accounts[0]))
+        .map(|accounts| &accounts[0])
+        .collect();
+    alone.sort();
+    assert_eq!(
+        alone, expected,
+        "after the failed batch, each of its messages ran alone once: {all:?}"
+    );
+    assert_eq!(ledger(&pool, "deposit-many").await, Ledger::once_each(39));
+    let refused: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE account = 'refused'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(refused, 0, "the failing message's write was rolled back");
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(header(&letters[0], "Idem-Message-Id"), "refused");
+}
+
+/// On a route without `batch(..)`, a batch handler runs each message as a
+/// batch of one.
+#[tokio::test]
+async fn a_batch_handler_on_a_per_message_route_gets_batches_of_one() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("BHONE", Duration::from_secs(120)).await;
+    for i in 0..10 {
+        let deposit = Deposit {
+            account: format!("acct-{}", i % 5),
+            amount: 1,
+        };
+        publish(&js, &subject, &deposit, Some(&format!("o-{i}"))).await;
+    }
+    let calls = Calls::default();
+    let (handle, task) = spawn(
+        Router::with_state(calls.clone()).route(Route::new(&stream, "c"), deposit_many),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    assert_eq!(calls.sizes(), vec![1; 5]);
+    let stats = handle.stats("c").unwrap();
+    assert_eq!((stats.processed(), stats.duplicates()), (5, 5));
+    assert_eq!(ledger(&pool, "deposit-many").await, Ledger::once_each(5));
+}

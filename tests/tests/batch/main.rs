@@ -1,0 +1,10 @@
+//! Batch mode against real servers: one claim statement and one COMMIT per
+//! batch, each message still applied exactly once and a failing message never
+//! failing its neighbours; and batch handlers (`#[idempotent(batch)]`), which
+//! take the fresh messages of a batch in one call.
+//!
+//! - `mode`: batch routes with per-message handlers, and the fallback.
+//! - `handlers`: batch handlers.
+
+mod handlers;
+mod mode;

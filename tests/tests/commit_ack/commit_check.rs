@@ -1,0 +1,238 @@
+//! What a COMMIT's outcome tells the runtime, and what it must not be taken
+//! for: a handler that swallowed a failed statement (PostgreSQL turns its
+//! COMMIT into a rollback and reports success), a COMMIT that a deferred
+//! constraint refused, and a handler that committed by itself. None is acked
+//! as processed, and each message is applied once.
+
+use std::time::Duration;
+
+use idem_runtime::{BoxError, Delivery, Route, Router, State, Transient, idempotent};
+use idem_tests::scenario::*;
+
+// --- A handler that swallows a failed statement -------------------------
+
+#[idempotent(name = "swallows")]
+async fn swallows(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "swallows", &d, delivery).await?;
+    // The classic mistake: "insert, and ignore it if it fails". PostgreSQL
+    // has now aborted the whole transaction, effect and claim included.
+    let _ = sqlx::query("INSERT INTO effects (handler) VALUES (NULL)")
+        .execute(&mut **tx)
+        .await;
+    Ok(())
+}
+
+/// A handler that ignores a failed statement and returns `Ok` has lost its
+/// transaction: PostgreSQL turns the COMMIT into a rollback and reports
+/// success. No such message may be acked as processed: each one is
+/// dead-lettered with an error that says what happened, and nothing (no
+/// effect, no claim) is half-applied.
+async fn a_swallowed_sql_error_is_never_acked_as_processed(batch: usize) {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("SWALLOW", Duration::from_secs(120)).await;
+    const MESSAGES: usize = 10;
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit("a", 1), Some(&format!("sw-{i}"))).await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")).batch(batch), swallows),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(stats.processed(), 0, "nothing was acked as processed");
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), MESSAGES, "every message is dead-lettered");
+    for letter in &letters {
+        assert_eq!(header(letter, "Idem-Failure"), "permanent");
+        assert!(
+            header(letter, "Idem-Error").contains("aborted"),
+            "the error says what happened: {}",
+            header(letter, "Idem-Error")
+        );
+        assert_eq!(header(letter, "Idem-Delivered"), "1");
+    }
+    assert_eq!(ledger(&pool, "swallows").await, Ledger::once_each(0));
+}
+
+#[idempotent(name = "swallows-once")]
+async fn swallows_once(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    State(swallowed_once): State<FirstRuns>,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "swallows-once", &d, delivery).await?;
+    let first = swallowed_once.first(delivery);
+    if first {
+        let _ = sqlx::query("INSERT INTO effects (handler) VALUES (NULL)")
+            .execute(&mut **tx)
+            .await;
+    }
+    Ok(())
+}
+
+/// A swallowed error that does not come back on a retry (a lost race, say)
+/// costs a retry, not the message: each message is applied once.
+async fn a_swallowed_error_that_clears_is_retried_and_applied_once(batch: usize) {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("SWALLOW1", Duration::from_secs(120)).await;
+    const MESSAGES: usize = 10;
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit("a", 1), Some(&format!("s1-{i}"))).await;
+    }
+    let swallowed_once = FirstRuns::default();
+    let (handle, task) = spawn(
+        Router::with_state(swallowed_once.clone())
+            .route(fast(Route::new(&stream, "c")).batch(batch), swallows_once),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let seen = swallowed_once.0.lock().unwrap().clone();
+    assert_eq!(seen.len(), MESSAGES, "each message swallowed an error once");
+    assert!(dead_letters(&js, &stream).await.is_empty());
+    assert_eq!(
+        ledger(&pool, "swallows-once").await,
+        Ledger::once_each(MESSAGES as i64)
+    );
+}
+
+// --- A COMMIT that a deferred constraint refuses ------------------------
+
+#[idempotent(name = "deferred")]
+async fn deferred(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "deferred", &d, delivery).await?;
+    // Checked only at COMMIT, which then fails: the server answered, so the
+    // outcome is known, and nothing was committed.
+    sqlx::query("INSERT INTO children (parent) VALUES (42)")
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// A COMMIT that the server refused (a deferred constraint) is a failure
+/// whose outcome is known: it is classed and counted like any other
+/// failure, not NAKed as "unknown" until the delivery limit runs out.
+#[tokio::test]
+async fn a_commit_refused_by_a_deferred_constraint_is_a_known_failure() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("DEFERRED", Duration::from_secs(120)).await;
+    sqlx::raw_sql(
+        "CREATE TABLE parents (id int PRIMARY KEY);
+         CREATE TABLE children (parent int REFERENCES parents DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    publish(&js, &subject, &deposit("a", 1), Some("orphan-child-1")).await;
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")).max_deliver(2), deferred),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(stats.commit_failed(), 0, "not an unknown outcome");
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(header(&letters[0], "Idem-Failure"), "permanent");
+    assert_eq!(header(&letters[0], "Idem-Delivered"), "1");
+    assert!(header(&letters[0], "Idem-Error").contains("23503"));
+    assert_eq!(ledger(&pool, "deferred").await, Ledger::once_each(0));
+}
+
+idem_tests::in_both_modes!(batch = 8; a_swallowed_sql_error_is_never_acked_as_processed, a_swallowed_error_that_clears_is_retried_and_applied_once);
+
+// ---------------------------------------------------------------------------
+// A handler that commits by itself: half its work is acked as done.
+// ---------------------------------------------------------------------------
+
+/// "Commit in chunks": a handler that ends the transaction with a raw
+/// `COMMIT` (and opens another), then fails before its second chunk.
+#[idempotent(name = "chunked")]
+async fn chunked(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), BoxError> {
+    record_effect(tx, "chunked-1", &d, delivery).await?;
+    sqlx::raw_sql("COMMIT; BEGIN").execute(&mut **tx).await?;
+    if delivery.delivered() == 1 {
+        return Err(Transient::new("the second chunk failed").into());
+    }
+    record_effect(tx, "chunked-2", &d, delivery).await?;
+    Ok(())
+}
+
+/// `HandlerError::ClaimLost` promises that a handler that ends the
+/// transaction itself ("a raw COMMIT or ROLLBACK") is caught at COMMIT. The
+/// check only counts the claim row, which a raw COMMIT has made permanent,
+/// so it never fires for a raw COMMIT; and when the handler then fails, the
+/// redelivery finds the claim and is acked as a duplicate: the second half
+/// of the work is never done, and nothing is dead-lettered.
+#[tokio::test]
+async fn a_handler_that_commits_by_itself_is_not_acked_half_done() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("CHUNKED", Duration::from_secs(120)).await;
+    publish(&js, &subject, &deposit("a", 1), Some("chunk-1")).await;
+    let (handle, task) = spawn(
+        Router::new().route(fast(Route::new(&stream, "c")), chunked),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert!(
+        stats.failed() >= 1,
+        "the first delivery failed after its raw COMMIT"
+    );
+    let first = ledger(&pool, "chunked-1").await.effects;
+    let second = ledger(&pool, "chunked-2").await.effects;
+    let letters = dead_letters(&js, &stream).await.len();
+    assert!(
+        second == 1 || letters == 1,
+        "acked half done: first chunk applied {first}, second chunk {second}, dead letters \
+         {letters}, acked as a duplicate {} time(s)",
+        stats.duplicates()
+    );
+}

@@ -1,0 +1,279 @@
+//! What a router refuses at start-up, before anything runs, saying why: a
+//! missing dedup schema, stream or dead-letter stream, a dead-letter stream
+//! that keeps nothing, a conflicting consumer, unsafe route settings, a
+//! handler timeout PostgreSQL cannot take, and one handler on two routes.
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use idem_runtime::{BoxError, Error, Permanent, Route, Router, idempotent};
+use idem_tests::TestEnv;
+use idem_tests::scenario::*;
+
+// ---------------------------------------------------------------------------
+// A failure before the handler that can never clear is held forever.
+// ---------------------------------------------------------------------------
+
+/// `Begin::new` puts the handler timeout into `SET LOCAL statement_timeout`
+/// in milliseconds; PostgreSQL takes at most i32::MAX (about 24.8 days). A
+/// longer timeout once passed `Route::validate`, then every BEGIN failed and
+/// every message was held forever. Now it is refused at start-up.
+#[tokio::test]
+async fn a_handler_timeout_postgresql_cannot_take_is_refused_at_startup() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js: _js,
+        stream,
+        subject: _subject,
+    } = scenario("LONGTIMEOUT", Duration::from_secs(120)).await;
+    let error = Router::new()
+        .route(
+            fast(Route::new(&stream, "c")).handler_timeout(Duration::from_secs(25 * 24 * 3600)),
+            plain,
+        )
+        .run_until(nats, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, idem_runtime::Error::Config { .. }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("about 24.8 days"), "{error}");
+}
+
+// ---------------------------------------------------------------------------
+// A dead-letter stream that does not keep what it is sent.
+// ---------------------------------------------------------------------------
+
+#[idempotent(name = "always-refuses")]
+async fn always_refuses(_tx: &mut sqlx::PgTransaction<'_>, _d: Deposit) -> Result<(), BoxError> {
+    Err(Permanent::new("this handler refuses everything").into())
+}
+
+/// `dead_letter::ensure_stream` once only checked that some stream captures
+/// a route's own dead-letter subject. An interest-retention stream with no
+/// consumer acknowledges the publish and keeps nothing; the runtime took the
+/// PubAck for "stored" and TERMed the original: gone, with no dead letter
+/// anywhere. Now such a stream is refused at start-up.
+#[tokio::test]
+async fn a_dead_letter_stream_that_keeps_nothing_is_refused_at_startup() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject: _subject,
+    } = scenario("INTEREST", Duration::from_secs(120)).await;
+    let dead_stream = format!("{stream}_DEAD");
+    js.create_stream(jetstream::stream::Config {
+        name: dead_stream.clone(),
+        subjects: vec![format!("{dead_stream}.>")],
+        retention: jetstream::stream::RetentionPolicy::Interest,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let error = Router::new()
+        .route(
+            fast(Route::new(&stream, "c")).dead_letter_subject(format!("{dead_stream}.letters")),
+            always_refuses,
+        )
+        .run_until(nats, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, idem_runtime::Error::DeadLetterStreamRetention { .. }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("interest retention"), "{error}");
+}
+
+/// A durable consumer that exists with other settings is not silently
+/// reused or overwritten.
+#[tokio::test]
+async fn conflicting_consumer_is_refused_unless_update_is_asked_for() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject: _subject,
+    } = scenario("CONFLICT", Duration::from_secs(120)).await;
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("c".into()),
+            ack_wait: Duration::from_secs(5),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let error = Router::new()
+        .route(Route::new(&stream, "c"), plain)
+        .run_until(nats.clone(), pool.clone(), std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, Error::ConsumerConflict { .. }), "{error}");
+    assert!(error.to_string().contains("ack_wait: 5s -> 30s"), "{error}");
+
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c").update_consumer(), plain),
+        nats,
+        pool,
+    );
+    eventually(
+        "the consumer is updated",
+        Duration::from_secs(30),
+        || async {
+            js.get_stream(&stream)
+                .await
+                .unwrap()
+                .consumer_info("c")
+                .await
+                .is_ok_and(|info| info.config.ack_wait == Duration::from_secs(30))
+        },
+    )
+    .await;
+    stop(handle, task).await;
+}
+
+/// A route that names its own dead-letter subject needs a stream that
+/// stores it; without one it is refused at start-up.
+#[tokio::test]
+async fn missing_dead_letter_stream_is_refused_at_startup() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js: _js,
+        stream,
+        subject: _subject,
+    } = scenario("NODLQ", Duration::from_secs(120)).await;
+    let error = Router::new()
+        .route(
+            Route::new(&stream, "c").dead_letter_subject("nowhere.dead"),
+            plain,
+        )
+        .run_until(nats, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::DeadLetterStreamMissing { .. }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("nowhere.dead"), "{error}");
+}
+
+/// A worker refuses to start against a database without the dedup schema,
+/// and says which call creates it.
+#[tokio::test]
+async fn missing_dedup_schema_is_refused_at_startup() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let stream = unique_name("NOSCHEMA");
+    create_stream(
+        &js,
+        &stream,
+        &format!("{stream}.x"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let error = Router::new()
+        .route(Route::new(&stream, "c"), ids)
+        .run_until(nats, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::SchemaMissing { found: None, .. }),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("idem_runtime::schema::migrate"),
+        "{error}"
+    );
+}
+
+/// A route whose stream does not exist, and that was not asked to create it,
+/// is refused at start-up with the stream's name.
+#[tokio::test]
+async fn missing_stream_is_refused_at_startup() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    let error = Router::new()
+        .route(Route::new("NO_SUCH_STREAM", "c"), ids)
+        .run_until(env.nats().await, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, Error::StreamMissing { .. }), "{error}");
+    assert!(error.to_string().contains("NO_SUCH_STREAM"), "{error}");
+}
+
+/// Settings that would stall delivery are refused before anything runs.
+#[tokio::test]
+async fn unsafe_route_settings_are_refused_at_startup() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    let error = Router::new()
+        .route(
+            Route::new("S", "c").concurrency(50).max_ack_pending(10),
+            ids,
+        )
+        .run_until(env.nats().await, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, Error::Config { .. }), "{error}");
+}
+
+/// One handler on two routes is refused (they would share dedup rows),
+/// unless the routes are the partitions of one partitioned consumer; two
+/// partitioned consumers sharing a handler are refused too.
+#[tokio::test]
+async fn a_handler_shared_by_routes_is_refused_unless_they_are_one_consumers_partitions() {
+    use idem_runtime::partition::Partitions;
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    let refusal = |router: Router| {
+        let (nats, pool) = (env.nats(), pool.clone());
+        async move {
+            router
+                .run_until(nats.await, pool, std::future::pending())
+                .await
+                .unwrap_err()
+        }
+    };
+    let error = refusal(
+        Router::new()
+            .route(Route::new("S", "a"), ids)
+            .route(Route::new("S", "b"), ids),
+    )
+    .await;
+    assert!(
+        matches!(&error, Error::Config { reason, .. } if reason.contains("also used by route")),
+        "{error}"
+    );
+    let partitions = Partitions::new("S.in.*", 2);
+    let error = refusal(
+        Router::new()
+            .route_partitions(partitions.routes("S", "a"), ids)
+            .route_partitions(partitions.routes("S", "b"), ids),
+    )
+    .await;
+    assert!(
+        matches!(&error, Error::Config { reason, .. } if reason.contains("also used by route")),
+        "{error}"
+    );
+    // One consumer's partitions pass the check: start-up goes on, and stops
+    // at the missing stream.
+    let error = refusal(Router::new().route_partitions(partitions.routes("S", "a"), ids)).await;
+    assert!(matches!(error, Error::StreamMissing { .. }), "{error}");
+}

@@ -1,0 +1,29 @@
+//! The transactional outbox against a real nats-server and PostgreSQL.
+//!
+//! - `publishing`: what a handler queues is published once, in order, also
+//!   across relay crashes and two relays.
+//! - `relay_liveness`: the relay never stops, whatever its rows or NATS do.
+
+mod publishing;
+mod relay_liveness;
+
+use async_nats::jetstream;
+use idem_runtime::outbox;
+use sqlx::PgPool;
+
+/// How many messages `stream` stores.
+async fn stored_count(js: &jetstream::Context, stream: &str) -> u64 {
+    js.get_stream(stream)
+        .await
+        .expect("stream exists")
+        .info()
+        .await
+        .expect("stream info")
+        .state
+        .messages
+}
+
+/// The outbox rows not yet published.
+async fn pending_rows(pool: &PgPool) -> i64 {
+    outbox::lag(pool).await.expect("lag is read").pending
+}
