@@ -36,10 +36,10 @@ impl credit_many {
         Ok(())
     }
 }
-impl<__S> ::idem_runtime::Handler<__S> for credit_many
+impl<__S> ::idem_runtime::handler::Handler<__S> for credit_many
 where
     __S: ::core::marker::Send + ::core::marker::Sync + 'static,
-    State<Fees>: ::idem_runtime::FromBatch<__S>,
+    State<Fees>: ::idem_runtime::handler::FromBatch<__S>,
 {
     type Payload = Credit;
     type Codec = ::idem_runtime::codec::Json;
@@ -65,7 +65,7 @@ where
         __idem_delivery: &::idem_runtime::Delivery,
         __idem_state: &__S,
     ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
-        <Self as ::idem_runtime::Handler<
+        <Self as ::idem_runtime::handler::Handler<
             __S,
         >>::handle_batch(
                 self,
@@ -86,12 +86,15 @@ where
     ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
         let __idem_result = credit_many::run(
                 __idem_tx,
-                ::idem_runtime::FromBatch::from_batch(__idem_deliveries, __idem_state),
+                ::idem_runtime::handler::FromBatch::from_batch(
+                    __idem_deliveries,
+                    __idem_state,
+                ),
                 __idem_deliveries,
                 __idem_payloads,
             )
             .await;
-        match ::idem_runtime::HandlerResult::into_result(__idem_result) {
+        match ::idem_runtime::error::HandlerResult::into_result(__idem_result) {
             ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
             ::core::result::Result::Err(__idem_error) => {
                 ::core::result::Result::Err({

@@ -26,9 +26,9 @@ impl archive {
         Ok(())
     }
 }
-impl ::idem_runtime::Handler<Ledger> for archive
+impl ::idem_runtime::handler::Handler<Ledger> for archive
 where
-    State<Ledger>: ::idem_runtime::FromDelivery<Ledger>,
+    State<Ledger>: ::idem_runtime::handler::FromDelivery<Ledger>,
 {
     type Payload = Bytes;
     type Codec = ::idem_runtime::codec::Raw;
@@ -64,14 +64,14 @@ where
         let __idem_result = archive::run(
                 __idem_tx,
                 __idem_delivery,
-                ::idem_runtime::FromDelivery::from_delivery(
+                ::idem_runtime::handler::FromDelivery::from_delivery(
                     __idem_delivery,
                     __idem_state,
                 ),
                 __idem_payload,
             )
             .await;
-        match ::idem_runtime::HandlerResult::into_result(__idem_result) {
+        match ::idem_runtime::error::HandlerResult::into_result(__idem_result) {
             ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
             ::core::result::Result::Err(__idem_error) => {
                 ::core::result::Result::Err({

@@ -21,7 +21,7 @@ impl ping {
         Ok(())
     }
 }
-impl<__S> ::idem_runtime::Handler<__S> for ping
+impl<__S> ::idem_runtime::handler::Handler<__S> for ping
 where
     __S: ::core::marker::Send + ::core::marker::Sync + 'static,
 {
@@ -39,7 +39,7 @@ where
         __idem_state: &__S,
     ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
         let __idem_result = ping::run(__idem_tx, __idem_payload).await;
-        match ::idem_runtime::HandlerResult::into_result(__idem_result) {
+        match ::idem_runtime::error::HandlerResult::into_result(__idem_result) {
             ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
             ::core::result::Result::Err(__idem_error) => {
                 ::core::result::Result::Err({

@@ -48,7 +48,7 @@ impl credit {
         Ok(())
     }
 }
-impl<__S> ::idem_runtime::Handler<__S> for credit
+impl<__S> ::idem_runtime::handler::Handler<__S> for credit
 where
     __S: ::core::marker::Send + ::core::marker::Sync + 'static,
 {
@@ -79,7 +79,7 @@ where
     ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
         let __idem_result = credit::run(__idem_tx, __idem_delivery, __idem_payload)
             .await;
-        match ::idem_runtime::HandlerResult::into_result(__idem_result) {
+        match ::idem_runtime::error::HandlerResult::into_result(__idem_result) {
             ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
             ::core::result::Result::Err(__idem_error) => {
                 ::core::result::Result::Err({

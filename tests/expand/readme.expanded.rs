@@ -34,10 +34,10 @@ impl credit {
         Ok(())
     }
 }
-impl<__S> ::idem_runtime::Handler<__S> for credit
+impl<__S> ::idem_runtime::handler::Handler<__S> for credit
 where
     __S: ::core::marker::Send + ::core::marker::Sync + 'static,
-    State<Fees>: ::idem_runtime::FromDelivery<__S>,
+    State<Fees>: ::idem_runtime::handler::FromDelivery<__S>,
 {
     type Payload = Credit;
     type Codec = ::idem_runtime::codec::Json;
@@ -65,14 +65,14 @@ where
     ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
         let __idem_result = credit::run(
                 __idem_tx,
-                ::idem_runtime::FromDelivery::from_delivery(
+                ::idem_runtime::handler::FromDelivery::from_delivery(
                     __idem_delivery,
                     __idem_state,
                 ),
                 __idem_payload,
             )
             .await;
-        match ::idem_runtime::HandlerResult::into_result(__idem_result) {
+        match ::idem_runtime::error::HandlerResult::into_result(__idem_result) {
             ::core::result::Result::Ok(_) => ::core::result::Result::Ok(()),
             ::core::result::Result::Err(__idem_error) => {
                 ::core::result::Result::Err({

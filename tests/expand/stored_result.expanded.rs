@@ -28,7 +28,7 @@ impl place {
         Ok(Receipt { order: cmd.order })
     }
 }
-impl<__S> ::idem_runtime::Handler<__S> for place
+impl<__S> ::idem_runtime::handler::Handler<__S> for place
 where
     __S: ::core::marker::Send + ::core::marker::Sync + 'static,
 {
@@ -44,7 +44,7 @@ where
         __idem_delivery: &::idem_runtime::Delivery,
         __idem_state: &__S,
     ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
-        <Self as ::idem_runtime::Handler<
+        <Self as ::idem_runtime::handler::Handler<
             __S,
         >>::handle_and_encode(
                 self,
@@ -67,7 +67,7 @@ where
         ::idem_runtime::HandlerError,
     > {
         let __idem_result = place::run(__idem_tx, __idem_payload).await;
-        match ::idem_runtime::HandlerResult::into_result(__idem_result) {
+        match ::idem_runtime::error::HandlerResult::into_result(__idem_result) {
             ::core::result::Result::Ok(__idem_value) => {
                 ::idem_runtime::__private::encode::<Self::Codec, _>(&__idem_value)
             }

@@ -82,21 +82,28 @@ fn expansions_match_their_snapshots() {
     }
 }
 
-/// The code block in the README after `marker`.
+/// The guide chapter that shows the handler and its expansion.
+const CHAPTER: &str = "../idem-runtime/docs/guide/writing-handlers.md";
+
+/// The code block in the guide chapter after `marker`, without the lines
+/// rustdoc hides (`# ...`), which only set the doctest up.
 fn readme_block(marker: &str) -> String {
-    let readme =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
-            .expect("README.md is readable");
-    let after = readme
+    let chapter = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(CHAPTER))
+        .unwrap_or_else(|e| panic!("{CHAPTER} is unreadable: {e}"));
+    let after = chapter
         .split_once(marker)
-        .unwrap_or_else(|| panic!("README.md has no `{marker}`"))
+        .unwrap_or_else(|| panic!("{CHAPTER} has no `{marker}`"))
         .1;
     let block = after
         .split_once("```rust\n")
         .and_then(|(_, rest)| rest.split_once("```\n"))
-        .unwrap_or_else(|| panic!("no ```rust block follows `{marker}` in README.md"))
+        .unwrap_or_else(|| panic!("no ```rust block follows `{marker}` in {CHAPTER}"))
         .0;
-    block.trim().to_owned()
+    let shown: Vec<&str> = block
+        .lines()
+        .filter(|line| *line != "#" && !line.starts_with("# "))
+        .collect();
+    shown.join("\n").trim().to_owned()
 }
 
 /// The part of an expansion case or snapshot from the handler's doc comment
@@ -114,19 +121,20 @@ fn handler_part(path: &str) -> String {
         .to_owned()
 }
 
-/// The README shows the handler of `tests/expand/readme.rs` and what it
-/// really expands to, kept so by this test: regenerate the snapshot, then
-/// paste it into the README when the expansion changes.
+/// The guide (`writing-handlers.md`) shows the handler of
+/// `tests/expand/readme.rs` and what it really expands to, kept so by this
+/// test: regenerate the snapshot, then paste it into the chapter when the
+/// expansion changes.
 #[test]
 fn the_readme_shows_the_real_expansion() {
     assert_eq!(
         readme_block("<!-- handler: tests/expand/readme.rs -->"),
         handler_part("expand/readme.rs"),
-        "README.md's handler differs from tests/expand/readme.rs"
+        "the guide's handler differs from tests/expand/readme.rs"
     );
     assert_eq!(
         readme_block("<!-- expansion: tests/expand/readme.expanded.rs -->"),
         handler_part("expand/readme.expanded.rs"),
-        "README.md's expansion differs from tests/expand/readme.expanded.rs; copy the snapshot's handler part into it"
+        "the guide's expansion differs from tests/expand/readme.expanded.rs; copy the snapshot's handler part into it"
     );
 }

@@ -1296,3 +1296,73 @@ async fn the_request_route_counters_count_what_happened() {
         "r-1, r-2, r-5, r-6, r-7 and r-8 applied, each once"
     );
 }
+
+/// A message JetStream gave up on (its deliveries ran out while no router
+/// ran) is dead-lettered from its advisory. That event is counted through
+/// the route's one recorder: once in `Stats::dead_lettered`, once in the
+/// scraped `idem_messages_dead_lettered_total{reason="undeliverable"}`,
+/// and every other counter of the route agrees with its `Stats` too. (The
+/// metric used to be counted alone on this path, and `Stats` missed it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_jetstream_gave_up_on_is_counted_once_in_stats_and_in_the_metric() {
+    use idem_runtime::dead_letter;
+    use idem_tests::scenario::{
+        Scenario, dead_letters, eventually_get_stream, exhaust_deliveries, given_up_route, header,
+        no_ids, scenario,
+    };
+    exporter();
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("M_GIVENUP", Duration::from_secs(120)).await;
+    // A first start creates the consumer and its advisory watcher.
+    let (handle, task) = spawn(
+        Router::new().route(given_up_route(&stream), no_ids),
+        nats.clone(),
+        pool.clone(),
+    );
+    eventually_get_stream(&js, dead_letter::DEFAULT_STREAM).await;
+    stop(handle, task).await;
+
+    idem_tests::scenario::publish(&js, &subject, &deposit("a", 1), Some("given-up-1")).await;
+    // The fault: JetStream delivers it until its limit, and gives up.
+    assert_eq!(exhaust_deliveries(&nats, &stream, "c").await, 4);
+
+    let (handle, task) = spawn(
+        Router::new().route(given_up_route(&stream), no_ids),
+        nats,
+        pool.clone(),
+    );
+    let stats = handle.stats("c").expect("the route's stats");
+    eventually(
+        "the given-up message is dead-lettered",
+        Duration::from_secs(30),
+        || async { !dead_letters(&js, &stream).await.is_empty() },
+    )
+    .await;
+    let letters = dead_letters(&js, &stream).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(header(&letters[0], "Idem-Failure"), "undeliverable");
+    eventually(
+        "the route's Stats count the dead letter",
+        Duration::from_secs(10),
+        || async { stats.dead_lettered() == 1 },
+    )
+    .await;
+    stop(handle, task).await;
+
+    let metrics = scrape_here();
+    assert_eq!(
+        metrics.value(
+            "idem_messages_dead_lettered_total",
+            &[("route", "c"), ("reason", "undeliverable")]
+        ),
+        Some(1.0),
+        "the scraped counter counts the dead letter once"
+    );
+    assert_counters_equal_stats(&metrics, &[("c", stats)]);
+}
