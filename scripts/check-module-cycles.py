@@ -28,7 +28,7 @@ IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 
 # idem-runtime's top-level modules, bottom layer first (see ARCHITECTURE.md).
 LAYERS = [
-    ["codec", "message_id", "tasks"],  # leaves: bytes, ids, task lifetimes
+    ["codec", "message_id", "tasks", "guide"],  # leaves: bytes, ids, task lifetimes, the guide (docs only)
     ["error"],  # what went wrong, and its class
     ["observe", "store"],  # counters and metrics; everything that speaks SQL
     ["handler", "retention"],  # what a handler is; how long claims are kept
