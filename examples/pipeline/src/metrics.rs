@@ -6,7 +6,7 @@
 //! then answers in the Prometheus text format. Unset, no exporter is
 //! installed and idem's metrics cost nothing.
 //!
-//! [`scrape`] reads such an endpoint back (`tests/tests/metrics.rs` and the
+//! [`scrape`] reads such an endpoint back (`tests/tests/observe/metrics.rs` and the
 //! dashboard renderer, `src/bin/pipeline-dashboard.rs`, use it).
 
 use std::collections::HashMap;

@@ -1,5 +1,5 @@
 //! Counters a service prints for a test that runs it as a process
-//! (`tests/tests/pipeline_chaos.rs`), off unless `PIPELINE_REPORT_MS` is set.
+//! (`tests/tests/chaos/pipeline.rs`), off unless `PIPELINE_REPORT_MS` is set.
 //!
 //! With `PIPELINE_REPORT_MS=<ms>`, the service prints one JSON object per
 //! line on stdout whenever a counter changed (checked every 10 ms) and at

@@ -1,7 +1,7 @@
 //! The expansion adds no rustc warning of its own, even where rustc's lints
 //! are denied. trybuild runs rustc only, never clippy: that the expansion is
 //! clippy-clean (`clippy::pedantic` included) is proven by
-//! `tests/tests/lint_clean.rs`, which `cargo clippy --all-targets` compiles.
+//! `tests/tests/handlers/lint_clean.rs`, which `cargo clippy --all-targets` compiles.
 #![deny(
     warnings,
     unused,
