@@ -76,8 +76,25 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         self.run_batch(messages).instrument(span).await;
     }
 
+    /// Runs a batch (see the module docs): its messages are made ready,
+    /// those ready are committed in one transaction, and if that fails,
+    /// each is run again in a transaction of its own.
     async fn run_batch(self: &Arc<Self>, messages: Vec<Message>) {
         let _in_flight = self.recorder.in_flight(messages.len());
+        let ready = self.make_ready(messages).await;
+        if ready.is_empty() {
+            return;
+        }
+        let Some((failure, ready)) = self.commit_batch(ready).await else {
+            return;
+        };
+        self.fall_back(failure, ready).await;
+    }
+
+    /// Decodes each message, resolves its id and leases it. One that is not
+    /// for the batch is settled on its own: not a delivery, a replay for
+    /// another handler, rejected, or past its delivery limit.
+    async fn make_ready(self: &Arc<Self>, messages: Vec<Message>) -> Vec<Ready<H::Payload>> {
         let mut ready = Vec::with_capacity(messages.len());
         for message in messages {
             self.recorder.record(Event::Received);
@@ -107,42 +124,20 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 }),
             }
         }
-        if ready.is_empty() {
-            return;
-        }
+        ready
+    }
 
+    /// Commits the batch in one transaction and settles its messages;
+    /// while the database cannot be used, the batch is held and retried
+    /// whole. Returns why it failed otherwise, with its messages, for the
+    /// fallback; `None` once each is settled.
+    async fn commit_batch(
+        self: &Arc<Self>,
+        mut ready: Vec<Ready<H::Payload>>,
+    ) -> Option<(BatchFailure, Vec<Ready<H::Payload>>)> {
         let mut outage = Outage::default();
         let failure = loop {
-            let transacted = {
-                let pipeline = Arc::clone(self);
-                let deliveries: Vec<Delivery> =
-                    ready.iter().map(|item| item.delivery.clone()).collect();
-                let payloads: Vec<Option<H::Payload>> =
-                    ready.iter_mut().map(|item| item.payload.take()).collect();
-                // A batch handler is called once; any other once per fresh
-                // message, in the one transaction.
-                let calls = if H::BATCHES { 1 } else { ready.len() };
-                self.watched(
-                    calls,
-                    async move {
-                        let mut payloads = payloads;
-                        let result = pipeline.transact_batch(&deliveries, &mut payloads).await;
-                        (Some(payloads), result)
-                    },
-                    |limit| (None, Err(BatchFailure::CommitUnknown(no_answer(limit)))),
-                )
-                .await
-            };
-            // What the handlers did not take goes back for the fallback; a
-            // batch left to finish on its own keeps its payloads, and the
-            // fallback decodes them again.
-            let (payloads, result) = transacted;
-            if let Some(payloads) = payloads {
-                for (item, payload) in ready.iter_mut().zip(payloads) {
-                    item.payload = payload;
-                }
-            }
-            match result {
+            match self.try_batch(&mut ready).await {
                 Ok(fresh) => {
                     self.recorder.batch_committed(ready.len());
                     for (item, fresh) in ready.into_iter().zip(fresh) {
@@ -154,7 +149,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                         self.settle(&item.message, &item.delivery, verdict, item.lease)
                             .await;
                     }
-                    return;
+                    return None;
                 }
                 Err(BatchFailure::Infrastructure(error)) => {
                     let error = HandlerError::Infrastructure(error);
@@ -168,13 +163,59 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                             )
                             .await;
                         }
-                        return;
+                        return None;
                     }
                 }
                 Err(failure) => break failure,
             }
         };
+        Some((failure, ready))
+    }
 
+    /// One try of the batch's transaction ([`transact_batch`](Self::transact_batch)),
+    /// under the handler timeout's watch. Returns, per message, whether it
+    /// was fresh.
+    async fn try_batch(
+        self: &Arc<Self>,
+        ready: &mut [Ready<H::Payload>],
+    ) -> Result<Vec<bool>, BatchFailure> {
+        let transacted = {
+            let pipeline = Arc::clone(self);
+            let deliveries: Vec<Delivery> =
+                ready.iter().map(|item| item.delivery.clone()).collect();
+            let payloads: Vec<Option<H::Payload>> =
+                ready.iter_mut().map(|item| item.payload.take()).collect();
+            // A batch handler is called once; any other once per fresh
+            // message, in the one transaction.
+            let calls = if H::BATCHES { 1 } else { ready.len() };
+            self.watched(
+                calls,
+                async move {
+                    let mut payloads = payloads;
+                    let result = pipeline.transact_batch(&deliveries, &mut payloads).await;
+                    (Some(payloads), result)
+                },
+                |limit| (None, Err(BatchFailure::CommitUnknown(no_answer(limit)))),
+            )
+            .await
+        };
+        // What the handlers did not take goes back for the fallback; a
+        // batch left to finish on its own keeps its payloads, and the
+        // fallback decodes them again.
+        let (payloads, result) = transacted;
+        if let Some(payloads) = payloads {
+            for (item, payload) in ready.iter_mut().zip(payloads) {
+                item.payload = payload;
+            }
+        }
+        result
+    }
+
+    /// After a batch failed (`failure`): rolled back, each of its messages
+    /// runs in a transaction of its own, and takes the normal retry and
+    /// dead-letter path there, so that a failure does not fail its
+    /// neighbours.
+    async fn fall_back(self: &Arc<Self>, failure: BatchFailure, ready: Vec<Ready<H::Payload>>) {
         self.recorder.record(Event::BatchFallback);
         tracing::warn!(%failure, size = ready.len(), "batch rolled back; running its messages one per transaction");
         for item in ready {

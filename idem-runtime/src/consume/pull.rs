@@ -25,14 +25,17 @@ use std::time::Duration;
 
 use async_nats::jetstream::Message;
 use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::consumer::pull::Stream as PullStream;
 use futures_util::{FutureExt, StreamExt};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::consume::ack;
+use crate::consume::health::Health;
 use crate::consume::heartbeat::Lease;
 use crate::consume::pipeline::Pipeline;
 use crate::handler::Handler;
+use crate::route::Route;
 use crate::tasks::Signal;
 
 /// The first pause after the pull failed; it doubles with each failure in a
@@ -52,110 +55,97 @@ const PULL_HEARTBEAT: Duration = Duration::from_secs(2);
 pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>(
     consumer: PullConsumer,
     pipeline: Arc<Pipeline<H, S>>,
-    mut shutdown: Signal,
+    shutdown: Signal,
     grace: Duration,
 ) -> usize {
-    let route = &pipeline.route;
-    let health = &pipeline.health;
-    let slots = Arc::new(Semaphore::new(route.concurrency));
-    let mut in_flight = JoinSet::new();
-    let mut pull = None;
-    let mut parked: VecDeque<(Message, Lease)> = VecDeque::new();
-    let mut failures = 0u32;
-    'pulling: loop {
-        if health.is_paused() {
-            // Park what was fetched and not started, and take nothing new
-            // until the database answers again.
-            for message in unstarted(pull.take()) {
-                let lease = pipeline.heartbeats.lease(&message);
-                parked.push_back((message, lease));
-            }
-            tracing::warn!(
-                route = route.durable,
-                parked = parked.len(),
-                "paused: the database cannot be used; messages fetched and not started are kept leased until it can"
-            );
-            tokio::select! {
-                biased;
-                _ = shutdown.fired() => break 'pulling,
-                _ = health.resumed() => {}
-            }
-            tracing::info!(route = route.durable, "resumed");
+    let mut puller = Puller {
+        parked: VecDeque::new(),
+        pull: None,
+        in_flight: JoinSet::new(),
+        slots: Arc::new(Semaphore::new(pipeline.route.concurrency)),
+        shutdown,
+        failures: 0,
+        consumer: &consumer,
+        pipeline: &pipeline,
+    };
+    loop {
+        if let Err(Cut::Stop) = puller.turn().await {
+            break;
         }
-        if !parked.is_empty() {
-            // The parked messages first, as slots free up.
-            let slot = tokio::select! {
-                biased;
-                _ = shutdown.fired() => break 'pulling,
-                _ = health.paused() => continue 'pulling,
-                slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
-            };
-            while let Some(finished) = in_flight.try_join_next() {
-                report_panic(finished);
-            }
-            let mut group = Vec::with_capacity(route.batch);
-            while group.len() < route.batch {
-                // Its own lease takes over once it starts; a heartbeat of
-                // this one in between is harmless (it is not settled).
-                let Some((message, _lease)) = parked.pop_front() else {
-                    break;
-                };
-                group.push(message);
-            }
-            if route.batch == 1 {
-                let message = group.pop().expect("a group has its first message");
-                in_flight.spawn(pipeline.clone().process(message, slot));
-            } else {
-                in_flight.spawn(pipeline.clone().process_batch(group, slot));
-            }
-            continue 'pulling;
+    }
+    let Puller {
+        pull,
+        parked,
+        in_flight,
+        ..
+    } = puller;
+    give_back_unstarted(pull, parked, &pipeline.nats).await;
+    drain(in_flight, &pipeline.route, grace).await
+}
+
+/// Why a turn of the pull loop ended before it started a message.
+enum Cut {
+    /// Start the next turn at once (the route was paused, the pull failed).
+    Again,
+    /// Shutdown: stop pulling.
+    Stop,
+}
+
+/// The pull loop's state, from one turn to the next.
+///
+/// Fields drop in the order declared: should the loop be cancelled, the
+/// parked messages' leases end and the pull goes before the tasks in
+/// flight are aborted.
+struct Puller<'a, H, S> {
+    /// Fetched, not started, and kept leased while the route was paused.
+    parked: VecDeque<(Message, Lease)>,
+    /// The open pull, if one is.
+    pull: Option<PullStream>,
+    in_flight: JoinSet<()>,
+    /// One permit per message (or batch) being processed.
+    slots: Arc<Semaphore>,
+    shutdown: Signal,
+    /// Failures of the pull in a row.
+    failures: u32,
+    consumer: &'a PullConsumer,
+    pipeline: &'a Arc<Pipeline<H, S>>,
+}
+
+impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
+    /// One turn of the pull loop: sits out a pause, starts parked messages
+    /// first, backs off after failures of the pull, opens it if it is not,
+    /// and starts what it delivers, once a slot is free.
+    async fn turn(&mut self) -> Result<(), Cut> {
+        if self.pipeline.health.is_paused() {
+            self.sit_out_pause().await?;
         }
-        if failures > 0 {
-            let pause = PULL_RETRY
-                .saturating_mul(1 << (failures - 1).min(16))
-                .min(PULL_RETRY_MAX);
-            tokio::select! {
-                biased;
-                _ = shutdown.fired() => break 'pulling,
-                _ = tokio::time::sleep(pause) => {}
-            }
+        if !self.parked.is_empty() {
+            return self.start_parked().await;
         }
-        let messages = match &mut pull {
+        if self.failures > 0 {
+            self.back_off().await?;
+        }
+        let messages = match &mut self.pull {
             Some(messages) => messages,
             None => {
-                let opened = consumer
-                    .stream()
-                    .max_messages_per_batch(route.concurrency * route.batch)
-                    .expires(PULL_EXPIRES)
-                    .heartbeat(PULL_HEARTBEAT)
-                    .messages()
-                    .await;
-                match opened {
-                    Ok(messages) => pull.insert(messages),
-                    Err(error) => {
-                        failures += 1;
-                        tracing::warn!(%error, route = route.durable, "pull request failed; retrying");
-                        continue 'pulling;
-                    }
-                }
+                let opened = self.open_pull().await?;
+                self.pull.insert(opened)
             }
         };
         // A free slot first, so that a message is taken only when it can
-        // start. Shutdown first: with both ready, an unbiased select could go
-        // on taking messages after shutdown.
-        let slot = tokio::select! {
-            biased;
-            _ = shutdown.fired() => break 'pulling,
-            _ = health.paused() => continue 'pulling,
-            slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
-        };
-        while let Some(finished) = in_flight.try_join_next() {
-            report_panic(finished);
-        }
+        // start.
+        let slot = free_slot(
+            &self.slots,
+            &mut self.shutdown,
+            &self.pipeline.health,
+            &mut self.in_flight,
+        )
+        .await?;
+        let route = &self.pipeline.route;
         let first = tokio::select! {
             biased;
-            _ = shutdown.fired() => break 'pulling,
-            _ = health.paused() => continue 'pulling,
+            _ = self.shutdown.fired() => return Err(Cut::Stop),
+            _ = self.pipeline.health.paused() => return Err(Cut::Again),
             next = messages.next() => match next {
                 Some(Ok(message)) => message,
                 Some(Err(error)) => {
@@ -165,44 +155,179 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
                     // request of the dead connection, while the client
                     // waits for deliveries that went into it) until the
                     // request expires.
-                    failures += 1;
+                    self.failures += 1;
                     tracing::debug!(%error, route = route.durable, "pull interrupted; opening a new one");
-                    pull = None;
-                    continue 'pulling;
+                    self.pull = None;
+                    return Err(Cut::Again);
                 }
                 None => {
-                    failures += 1;
+                    self.failures += 1;
                     tracing::debug!(route = route.durable, "pull ended; opening a new one");
-                    pull = None;
-                    continue 'pulling;
+                    self.pull = None;
+                    return Err(Cut::Again);
                 }
             },
         };
-        failures = 0;
-        // Whatever else has already arrived joins the batch; never wait to
-        // fill it.
-        let mut group = vec![first];
-        while group.len() < route.batch {
-            match messages.next().now_or_never() {
-                Some(Some(Ok(message))) => group.push(message),
-                _ => break,
-            }
+        self.failures = 0;
+        let group = gather(first, messages, route.batch);
+        self.start(group, slot);
+        Ok(())
+    }
+
+    /// While the route is paused: parks what the pull fetched and did not
+    /// start (the pull is dropped), and takes nothing new until the
+    /// database answers again.
+    async fn sit_out_pause(&mut self) -> Result<(), Cut> {
+        let route = &self.pipeline.route;
+        let health = &self.pipeline.health;
+        for message in unstarted(self.pull.take()) {
+            let lease = self.pipeline.heartbeats.lease(&message);
+            self.parked.push_back((message, lease));
         }
-        if route.batch == 1 {
-            let message = group.pop().expect("a group has its first message");
-            in_flight.spawn(pipeline.clone().process(message, slot));
-        } else {
-            in_flight.spawn(pipeline.clone().process_batch(group, slot));
+        tracing::warn!(
+            route = route.durable,
+            parked = self.parked.len(),
+            "paused: the database cannot be used; messages fetched and not started are kept leased until it can"
+        );
+        tokio::select! {
+            biased;
+            _ = self.shutdown.fired() => return Err(Cut::Stop),
+            _ = health.resumed() => {}
+        }
+        tracing::info!(route = route.durable, "resumed");
+        Ok(())
+    }
+
+    /// Starts the parked messages (a batch of them at most), once a slot is
+    /// free.
+    async fn start_parked(&mut self) -> Result<(), Cut> {
+        // The parked messages first, as slots free up.
+        let slot = free_slot(
+            &self.slots,
+            &mut self.shutdown,
+            &self.pipeline.health,
+            &mut self.in_flight,
+        )
+        .await?;
+        let batch = self.pipeline.route.batch;
+        let mut group = Vec::with_capacity(batch);
+        while group.len() < batch {
+            // Its own lease takes over once it starts; a heartbeat of
+            // this one in between is harmless (it is not settled).
+            let Some((message, _lease)) = self.parked.pop_front() else {
+                break;
+            };
+            group.push(message);
+        }
+        self.start(group, slot);
+        Ok(())
+    }
+
+    /// After failures of the pull in a row, waits a pause that doubles with
+    /// each, so that a pull that keeps failing is never retried in a tight
+    /// loop.
+    async fn back_off(&mut self) -> Result<(), Cut> {
+        let pause = PULL_RETRY
+            .saturating_mul(1 << (self.failures - 1).min(16))
+            .min(PULL_RETRY_MAX);
+        tokio::select! {
+            biased;
+            _ = self.shutdown.fired() => return Err(Cut::Stop),
+            _ = tokio::time::sleep(pause) => {}
+        }
+        Ok(())
+    }
+
+    /// Opens the long-lived pull (see the module docs); a failure is
+    /// counted, and the next turn tries again.
+    async fn open_pull(&mut self) -> Result<PullStream, Cut> {
+        let route = &self.pipeline.route;
+        let opened = self
+            .consumer
+            .stream()
+            .max_messages_per_batch(route.concurrency * route.batch)
+            .expires(PULL_EXPIRES)
+            .heartbeat(PULL_HEARTBEAT)
+            .messages()
+            .await;
+        match opened {
+            Ok(messages) => Ok(messages),
+            Err(error) => {
+                self.failures += 1;
+                tracing::warn!(%error, route = route.durable, "pull request failed; retrying");
+                Err(Cut::Again)
+            }
         }
     }
 
+    /// Spawns the processing of `group` in `slot`: one message alone, or a
+    /// batch.
+    fn start(&mut self, mut group: Vec<Message>, slot: OwnedSemaphorePermit) {
+        if self.pipeline.route.batch == 1 {
+            let message = group.pop().expect("a group has its first message");
+            self.in_flight
+                .spawn(self.pipeline.clone().process(message, slot));
+        } else {
+            self.in_flight
+                .spawn(self.pipeline.clone().process_batch(group, slot));
+        }
+    }
+}
+
+/// Waits for a free slot, then reaps the tasks that have finished. Shutdown
+/// first: with both ready, an unbiased select could go on taking messages
+/// after shutdown.
+async fn free_slot(
+    slots: &Arc<Semaphore>,
+    shutdown: &mut Signal,
+    health: &Health,
+    in_flight: &mut JoinSet<()>,
+) -> Result<OwnedSemaphorePermit, Cut> {
+    let slot = tokio::select! {
+        biased;
+        _ = shutdown.fired() => return Err(Cut::Stop),
+        _ = health.paused() => return Err(Cut::Again),
+        slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
+    };
+    while let Some(finished) = in_flight.try_join_next() {
+        report_panic(finished);
+    }
+    Ok(slot)
+}
+
+/// `first`, and whatever else has already arrived, up to `batch` messages:
+/// it never waits to fill the batch.
+fn gather(first: Message, messages: &mut PullStream, batch: usize) -> Vec<Message> {
+    let mut group = vec![first];
+    while group.len() < batch {
+        match messages.next().now_or_never() {
+            Some(Some(Ok(message))) => group.push(message),
+            _ => break,
+        }
+    }
+    group
+}
+
+/// At shutdown, gives back what was fetched and not started: what the
+/// pull holds, and the parked messages, whose leases end first.
+async fn give_back_unstarted(
+    pull: Option<PullStream>,
+    parked: VecDeque<(Message, Lease)>,
+    nats: &async_nats::Client,
+) {
     let mut unstarted = unstarted(pull);
     for (message, lease) in parked {
         // No heartbeat may follow its NAK.
         lease.end().await;
         unstarted.push(message);
     }
-    hand_back(unstarted, &pipeline.nats).await;
+    hand_back(unstarted, nats).await;
+}
+
+/// Waits up to `grace` for the messages in flight, then cancels the rest
+/// (JetStream redelivers them after ack_wait). Returns how many it
+/// cancelled.
+async fn drain(mut in_flight: JoinSet<()>, route: &Route, grace: Duration) -> usize {
     while let Some(finished) = in_flight.try_join_next() {
         report_panic(finished);
     }

@@ -209,6 +209,10 @@ pub(crate) async fn watch<S: Send + Sync + 'static, H: Handler<S>>(
 }
 
 impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
+    /// Dead-letters the message a `MAX_DELIVERIES` advisory names (see the
+    /// module docs): read raw from its stream, under the id it was (or
+    /// would have been) deduplicated by; only a record of it, if its stream
+    /// no longer has it. A replay for another handler is left alone.
     async fn dead_letter_given_up(
         &self,
         js: &jetstream::Context,
@@ -239,28 +243,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // Its stream's retention removed it first: nothing is left but
             // the record of it.
             None => {
-                let why = format!(
-                    "{why}; the message is no longer in the stream ({:?})",
-                    got.error
-                );
-                let origin = Origin {
-                    subject: "",
-                    position: Some((stream, given_up.stream_seq)),
-                    stored_at: None,
-                    message_id: None,
-                    handler: self.handler.name(),
-                    delivered: Some(given_up.deliveries),
-                    consumer: Some(&self.route.durable),
-                };
-                return Ok(dead_letter::publish_letter(
-                    js,
-                    self.route.dead_letter_target(),
-                    origin,
-                    Kept::default(),
-                    Failure::Undeliverable,
-                    &why,
-                )
-                .await?);
+                return self
+                    .dead_letter_record(js, given_up, &why, got.error.as_ref())
+                    .await;
             }
         };
         let payload = bytes::Bytes::from(BASE64.decode(raw.payload.as_bytes())?);
@@ -268,18 +253,58 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             Some(encoded) => Some(BASE64.decode(encoded.as_bytes())?),
             None => None,
         };
-        // As a delivery would have carried them, where async-nats can read
-        // them; else what can be kept of them.
-        let read = block.as_deref().map(header_block::read);
-        let parsed = match (&read, &block) {
-            (Some(Ok(headers)), _) => header_block::to_map(headers),
-            (_, Some(block)) => header_block::lenient(block),
-            _ => HeaderMap::new(),
+        let (parsed, readable) = read_headers(block.as_deref());
+        if self.is_replay_for_another(&parsed, given_up) {
+            return Ok(());
+        }
+        let delivery = self.delivery_of_raw(&raw, &parsed, given_up);
+        let message_id = self.id_of_raw(&payload, block.as_deref(), readable, &delivery);
+        let kept = Kept {
+            headers: dead_letter::kept_headers(Some(&parsed)),
+            block,
+            payload,
         };
-        // A replay for another handler is acked unrun by this route, never
-        // its to dead-letter (the route it is for has a copy of its own);
-        // given up on, the acks were lost.
-        if let Some(target) = parsed.get(dead_letter::REPLAY_FOR)
+        self.publish_given_up(js, &raw, given_up, message_id, kept, &why)
+            .await
+    }
+
+    /// Dead-letters what is left of a message JetStream gave up on and its
+    /// stream's retention removed: the record of it, without payload or
+    /// headers. `error` is JetStream's answer to reading it.
+    async fn dead_letter_record(
+        &self,
+        js: &jetstream::Context,
+        given_up: &MaxDeliveries,
+        why: &str,
+        error: Option<&serde_json::Value>,
+    ) -> Result<(), async_nats::Error> {
+        let stream = &self.route.stream;
+        let why = format!("{why}; the message is no longer in the stream ({error:?})");
+        let origin = Origin {
+            subject: "",
+            position: Some((stream, given_up.stream_seq)),
+            stored_at: None,
+            message_id: None,
+            handler: self.handler.name(),
+            delivered: Some(given_up.deliveries),
+            consumer: Some(&self.route.durable),
+        };
+        Ok(dead_letter::publish_letter(
+            js,
+            self.route.dead_letter_target(),
+            origin,
+            Kept::default(),
+            Failure::Undeliverable,
+            &why,
+        )
+        .await?)
+    }
+
+    /// Whether the message is a replay for another handler: this route
+    /// acks one unrun, so it is never its to dead-letter (the route it is
+    /// for has a copy of its own); given up on, the acks were lost.
+    fn is_replay_for_another(&self, headers: &HeaderMap, given_up: &MaxDeliveries) -> bool {
+        if let Some(target) = headers.get(dead_letter::REPLAY_FOR)
             && target.as_str() != self.handler.name()
         {
             tracing::warn!(
@@ -288,27 +313,45 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 replay_for = target.as_str(),
                 "JetStream gave up on a replay of another handler's dead letter; not this route's to dead-letter, so it is left (the route it is for takes its own copy)"
             );
-            return Ok(());
+            return true;
         }
-        // What a delivery of it would have carried, for the handler's key.
-        let delivery = Delivery::new(Fields {
+        false
+    }
+
+    /// What a delivery of the raw message would have carried, for the
+    /// handler's key; `headers` are its headers as read.
+    fn delivery_of_raw(
+        &self,
+        raw: &stream::RawMessage,
+        headers: &HeaderMap,
+        given_up: &MaxDeliveries,
+    ) -> Delivery {
+        let stream = &self.route.stream;
+        Delivery::new(Fields {
             subject: raw.subject.clone(),
             stream: stream.clone(),
             consumer: self.route.durable.clone(),
             stream_sequence: given_up.stream_seq,
             delivered: given_up.deliveries,
             stored_at: raw.time,
-            headers: parsed.clone(),
+            headers: headers.clone(),
             message_id: MessageId::from_stream_position(stream, given_up.stream_seq, raw.time),
             handler: "",
-        });
-        let readable = !matches!(read, Some(Err(_)));
-        let message_id = self.id_of_raw(&payload, block.as_deref(), readable, &delivery);
-        let kept = Kept {
-            headers: dead_letter::kept_headers(Some(&parsed)),
-            block,
-            payload,
-        };
+        })
+    }
+
+    /// Publishes the dead letter of the raw message, with what is `kept` of
+    /// it, under `message_id` (unknown: `None`), and says so.
+    async fn publish_given_up(
+        &self,
+        js: &jetstream::Context,
+        raw: &stream::RawMessage,
+        given_up: &MaxDeliveries,
+        message_id: Option<MessageId>,
+        kept: Kept,
+        why: &str,
+    ) -> Result<(), async_nats::Error> {
+        let stream = &self.route.stream;
         let origin = Origin {
             subject: &raw.subject,
             position: Some((stream, given_up.stream_seq)),
@@ -324,7 +367,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             origin,
             kept,
             Failure::Undeliverable,
-            &why,
+            why,
         )
         .await?;
         tracing::error!(
@@ -379,6 +422,20 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             )),
         }
     }
+}
+
+/// The headers of a raw message's header block as a delivery would have
+/// carried them, where async-nats can read them, else what can be kept of
+/// them; and whether async-nats can read it (true when there is none).
+fn read_headers(block: Option<&[u8]>) -> (HeaderMap, bool) {
+    let read = block.map(header_block::read);
+    let parsed = match (&read, &block) {
+        (Some(Ok(headers)), _) => header_block::to_map(headers),
+        (_, Some(block)) => header_block::lenient(block),
+        _ => HeaderMap::new(),
+    };
+    let readable = !matches!(read, Some(Err(_)));
+    (parsed, readable)
 }
 
 #[cfg(test)]

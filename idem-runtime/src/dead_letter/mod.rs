@@ -766,8 +766,32 @@ pub async fn replay_with(
         .await
         .map_err(|error| read_error(error.into()))?;
 
+    let mut headers = carried_headers(&original.headers);
+    let original_bytes = header_block::wire_len(&headers) + original.payload.len();
+    add_replay_headers(
+        &mut headers,
+        &letter,
+        target.as_deref(),
+        dead_letter_stream,
+        sequence,
+    );
+    publish_replay(
+        js,
+        &letter,
+        original_subject,
+        headers,
+        original.payload,
+        sequence,
+        original_bytes,
+    )
+    .await
+}
+
+/// The original's headers that its replay carries: all but idem's own
+/// (`Idem-*`) and those that steer JetStream (`Nats-*`).
+fn carried_headers(original: &HeaderMap) -> HeaderMap {
     let mut headers = HeaderMap::new();
-    for (name, values) in original.headers.iter() {
+    for (name, values) in original.iter() {
         let name_str: &str = name.as_ref();
         if name_str.starts_with("Idem-") || name_str.starts_with("Nats-") {
             continue;
@@ -776,7 +800,20 @@ pub async fn replay_with(
             headers.append(name.clone(), value.clone());
         }
     }
-    let original_bytes = header_block::wire_len(&headers) + original.payload.len();
+    headers
+}
+
+/// Adds what makes the replay of dead letter `sequence` of
+/// `dead_letter_stream` one (see [Replays](self#replays)): the id it is
+/// deduplicated by, for `target`, the handler it is for (if the dead
+/// letter names one), where it came from, and the original's storage time.
+fn add_replay_headers(
+    headers: &mut HeaderMap,
+    letter: &DeadLetter,
+    target: Option<&str>,
+    dead_letter_stream: &str,
+    sequence: u64,
+) {
     let replayed_from = format!("{dead_letter_stream}:{sequence}");
     // The dead letter's own id: a second replay of it is a duplicate, not
     // a new message. Its storage time keeps it apart from the dead letter
@@ -786,10 +823,10 @@ pub async fn replay_with(
         letter.stored_at.unix_timestamp_nanos()
     );
     let recorded = letter.message_id().map(str::to_owned);
-    match &target {
+    match target {
         Some(handler) => {
             headers.insert(NATS_MESSAGE_ID, own_id.as_str());
-            headers.insert(REPLAY_FOR, handler.as_str());
+            headers.insert(REPLAY_FOR, handler);
             // Without the original's id (allowed by the options), the dead
             // letter's own, from the header.
             let (id, source) = match &recorded {
@@ -811,9 +848,24 @@ pub async fn replay_with(
     if let Some(stored_at) = letter.original_stored_at() {
         headers.insert(STORED_AT, rfc3339(stored_at).as_str());
     }
+}
 
-    let (subject, stream_limit) = replay_subject(js, &letter, original_subject).await;
-    let size = header_block::wire_len(&headers) + original.payload.len();
+/// Publishes the replay to the subject its original's stream stores
+/// `original_subject` under, unless it is too large for the server or
+/// that stream (`original_bytes` of it are the original's headers and
+/// payload), and awaits its PubAck: a replay JetStream drops as a
+/// duplicate is [`ReplayError::InsideDuplicateWindow`].
+async fn publish_replay(
+    js: &jetstream::Context,
+    letter: &DeadLetter,
+    original_subject: String,
+    headers: HeaderMap,
+    payload: bytes::Bytes,
+    sequence: u64,
+    original_bytes: usize,
+) -> Result<jetstream::publish::PublishAck, ReplayError> {
+    let (subject, stream_limit) = replay_subject(js, letter, original_subject).await;
+    let size = header_block::wire_len(&headers) + payload.len();
     let too_large = |limit: usize, what: &'static str| ReplayError::TooLarge {
         sequence,
         size,
@@ -829,7 +881,7 @@ pub async fn replay_with(
         return Err(too_large(limit, "its stream's max_msg_size"));
     }
     let published = match js
-        .publish_with_headers(subject.clone(), headers, original.payload)
+        .publish_with_headers(subject.clone(), headers, payload)
         .await
     {
         Ok(ack) => ack.await,

@@ -177,6 +177,9 @@ pub const HISTOGRAM_BUCKETS: [(&str, &[f64]); 3] = [
 /// Describes every metric to the installed recorder (an exporter prints the
 /// descriptions as `# HELP`). The router calls it when it starts; call it
 /// yourself to have the descriptions before then.
+///
+/// Its body is one table of every metric's description, kept in one place
+/// on purpose (so one reads them all together), hence its length.
 pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     describe_counter!(RECEIVED, Unit::Count, "Messages taken from the consumer.");

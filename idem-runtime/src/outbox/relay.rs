@@ -75,7 +75,7 @@ use async_nats::jetstream::{self, publish::PublishAck};
 use bytes::Bytes;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::watch;
 
 use super::lag::lag;
@@ -258,6 +258,29 @@ struct Taken {
     msg_id: String,
     subject: String,
     attempts: i32,
+}
+
+/// What a cycle's publishing left ([`Relay::send_rows`]).
+struct Sends {
+    /// Rows the client refused, or would panic on, each with why: the
+    /// row's own fault, whatever NATS does.
+    refused: Vec<(Taken, String)>,
+    /// Why a publish could not be queued, if one could not: the rows from
+    /// it on were not sent.
+    unsent: Option<String>,
+    /// The rows sent, with their PubAcks to come.
+    in_flight: Vec<(Taken, PublishAckFuture)>,
+}
+
+/// A cycle's failed rows, each with why, by who answered for it; what
+/// [`Relay::blame`] leaves of them is recorded on the rows.
+struct Failed {
+    /// Refused by the client (or it would panic).
+    refused: Vec<(Taken, String)>,
+    /// Failures the server answered for (no stream, a JetStream error).
+    answered: Vec<(Taken, String)>,
+    /// Failures it did not answer for (no PubAck in time, given up on).
+    unanswered: Vec<(Taken, String)>,
 }
 
 /// A lane's back-off: none, or the current wait.
@@ -621,6 +644,10 @@ impl Relay {
     /// One cycle of `lane` (see the module docs); `alone` takes a single
     /// row, to find one over which the server drops the connection
     /// ([`LostConnections`]).
+    ///
+    /// The module docs' five steps in order, in one transaction: BEGIN and
+    /// COMMIT stay here, so that the steps in between are all a reader has
+    /// to look up.
     async fn cycle(
         &self,
         js: &jetstream::Context,
@@ -630,6 +657,64 @@ impl Relay {
     ) -> Result<Cycle, RelayError> {
         let limit = if alone { 1 } else { self.batch_size };
         let mut tx = pool.begin().await?;
+        let rows = self.take(&mut tx, lane, limit).await?;
+        let Some(&(.., locked)) = rows.first() else {
+            tx.commit().await?;
+            self.stats.empty_cycle();
+            return Ok(Cycle::default());
+        };
+        let locked = usize::try_from(locked).unwrap_or(usize::MAX);
+        let mut cycle = Cycle {
+            taken: rows.len(),
+            more: locked >= limit || rows.len() < locked,
+            ..Cycle::default()
+        };
+        let statistics = js.client().statistics();
+        let connects = statistics.connects.load(Ordering::Relaxed);
+
+        let Sends {
+            refused,
+            unsent,
+            in_flight,
+        } = Self::send_rows(js, rows, &mut cycle).await;
+        let acks = await_acks(in_flight, || {
+            statistics.connects.load(Ordering::Relaxed) != connects
+        })
+        .await;
+        let (sent, mut failed) = Self::sort_acks(acks, refused, &mut cycle);
+        cycle.failed += failed.refused.len() + failed.answered.len() + failed.unanswered.len();
+        cycle.reconnected = statistics.connects.load(Ordering::Relaxed) != connects;
+        let away = Self::blame(js, &cycle, alone, unsent, &mut failed).await;
+
+        #[cfg(feature = "fault-injection")]
+        if let Some(hook) = &self.after_pubacks
+            && hook(&cycle.published) == crate::fault::AfterPubAcks::Crash
+        {
+            // As a dead process's connection would: its locks go now. (A
+            // dropped transaction's ROLLBACK waits in its pooled connection
+            // until that is used again, and the rows stay locked meanwhile.)
+            tx.rollback().await?;
+            return Err(RelayError::InjectedCrash(cycle.published.len()));
+        }
+        let marked = self.record(&mut tx, sent, failed).await?;
+        tx.commit().await?;
+        cycle.failing = marked.len();
+        cycle.nats_away = away;
+        self.warn_failing(&marked, lane);
+        self.report(&cycle, lane);
+        Ok(cycle)
+    }
+
+    /// Step 1, take: bounds the cycle's transaction on the server, then
+    /// locks up to `limit` of `lane`'s rows (as many as fit in
+    /// `max_cycle_bytes`, at least one). Each row also says how many the
+    /// take locked.
+    async fn take(
+        &self,
+        tx: &mut PgConnection,
+        lane: Lane,
+        limit: usize,
+    ) -> Result<Vec<Row>, RelayError> {
         // Bounded on the server: a cycle whose process froze, or whose
         // network went away without a reset, must not keep its rows locked
         // (every relay skips them) until TCP keepalive gives up, hours
@@ -645,20 +730,15 @@ impl Relay {
             .bind(i64::try_from(self.max_cycle_bytes).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
             .await?;
-        let Some(&(.., locked)) = rows.first() else {
-            tx.commit().await?;
-            self.stats.empty_cycle();
-            return Ok(Cycle::default());
-        };
-        let locked = usize::try_from(locked).unwrap_or(usize::MAX);
-        let mut cycle = Cycle {
-            taken: rows.len(),
-            more: locked >= limit || rows.len() < locked,
-            ..Cycle::default()
-        };
-        let statistics = js.client().statistics();
-        let connects = statistics.connects.load(Ordering::Relaxed);
+        Ok(rows)
+    }
 
+    /// Step 2, publish: sends every row, in id order, before any PubAck is
+    /// awaited. A row the client refuses, or would panic on, fails at once;
+    /// once a publish cannot be queued, the rest of the cycle is left as it
+    /// is (counted as failed in `cycle`), since each further send would
+    /// wait out its own timeout.
+    async fn send_rows(js: &jetstream::Context, rows: Vec<Row>, cycle: &mut Cycle) -> Sends {
         // Refused by the client (or it would panic): the row's own fault,
         // whatever NATS does.
         let mut refused: Vec<(Taken, String)> = Vec::new();
@@ -705,13 +785,22 @@ impl Relay {
                 }
             }
         }
-        let acks = await_acks(in_flight, || {
-            statistics.connects.load(Ordering::Relaxed) != connects
-        })
-        .await;
+        Sends {
+            refused,
+            unsent,
+            in_flight,
+        }
+    }
+
+    /// Step 3's PubAcks, sorted: the ids of the rows JetStream acknowledged
+    /// (each recorded in `cycle` as published), and the failures, with the
+    /// rows the client `refused`.
+    fn sort_acks(
+        acks: Acks,
+        refused: Vec<(Taken, String)>,
+        cycle: &mut Cycle,
+    ) -> (Vec<i64>, Failed) {
         let mut sent = Vec::with_capacity(acks.answered.len());
-        // Failures the server answered for (no stream, a JetStream error),
-        // and those it did not (no PubAck in time, given up on).
         let mut answered: Vec<(Taken, String)> = Vec::new();
         let mut unanswered: Vec<(Taken, String)> = Vec::new();
         for (row, ack) in acks.answered {
@@ -739,10 +828,30 @@ impl Relay {
         unanswered.extend(acks.stragglers.into_iter().map(|row| {
             (row, "no PubAck while others of its cycle came back: the relay's NATS user may lack permission to publish to this subject (the server drops a refused publish without an answer), or its stream is slow or has no leader".to_owned())
         }));
-        cycle.failed += refused.len() + answered.len() + unanswered.len();
-        cycle.reconnected = statistics.connects.load(Ordering::Relaxed) != connects;
+        let failed = Failed {
+            refused,
+            answered,
+            unanswered,
+        };
+        (sent, failed)
+    }
 
-        // Whose fault (see the module docs, step 4).
+    /// Step 4, whose fault (see the module docs): drops from `failed` what
+    /// is not the rows' doing, so that it is not recorded on them, and
+    /// returns why NATS is away, if it is. `unsent` is why a publish could
+    /// not be queued, if one could not.
+    async fn blame(
+        js: &jetstream::Context,
+        cycle: &Cycle,
+        alone: bool,
+        unsent: Option<String>,
+        failed: &mut Failed,
+    ) -> Option<String> {
+        let Failed {
+            answered,
+            unanswered,
+            ..
+        } = failed;
         let published = !cycle.published.is_empty();
         let failures = !answered.is_empty() || !unanswered.is_empty();
         let mut away = None;
@@ -762,7 +871,7 @@ impl Relay {
             // this row (a protocol line it would not take, say).
             let answers = nats_answers(js).await;
             if alone && answers.is_ok() {
-                for (_, why) in &mut unanswered {
+                for (_, why) in unanswered.iter_mut() {
                     *why = "the NATS connection was lost each time this row was published, alone too, and JetStream answered at once after: the server may refuse it (a subject or header too long for it); fix or delete the row".to_owned();
                 }
             } else {
@@ -801,26 +910,27 @@ impl Relay {
                 }
             }
         }
+        away
+    }
 
-        #[cfg(feature = "fault-injection")]
-        if let Some(hook) = &self.after_pubacks
-            && hook(&cycle.published) == crate::fault::AfterPubAcks::Crash
-        {
-            // As a dead process's connection would: its locks go now. (A
-            // dropped transaction's ROLLBACK waits in its pooled connection
-            // until that is used again, and the rows stay locked meanwhile.)
-            tx.rollback().await?;
-            return Err(RelayError::InjectedCrash(cycle.published.len()));
-        }
+    /// Step 5, up to the COMMIT: deletes the rows JetStream acknowledged
+    /// (`sent`), and records each failure on its row with its own back-off.
+    /// Returns the failures recorded.
+    async fn record(
+        &self,
+        tx: &mut PgConnection,
+        sent: Vec<i64>,
+        failed: Failed,
+    ) -> Result<Vec<(Taken, String)>, RelayError> {
         if !sent.is_empty() {
             sqlx::query(DELETE_SQL)
                 .bind(&sent)
                 .execute(&mut *tx)
                 .await?;
         }
-        let mut marked = refused;
-        marked.extend(answered);
-        marked.extend(unanswered);
+        let mut marked = failed.refused;
+        marked.extend(failed.answered);
+        marked.extend(failed.unanswered);
         if !marked.is_empty() {
             let ids: Vec<i64> = marked.iter().map(|(row, _)| row.id).collect();
             let errors: Vec<&str> = marked.iter().map(|(_, why)| why.as_str()).collect();
@@ -835,13 +945,14 @@ impl Relay {
                 .execute(&mut *tx)
                 .await?;
         }
-        tx.commit().await?;
-        cycle.failing = marked.len();
-        cycle.nats_away = away;
-        self.warn_failing(&marked, lane);
+        Ok(marked)
+    }
 
+    /// Counts a committed cycle into the stats and the metrics, and traces
+    /// it.
+    fn report(&self, cycle: &Cycle, lane: Lane) {
         let duplicates = cycle.published.iter().filter(|p| p.duplicate).count();
-        self.stats.record_cycle(&cycle, duplicates);
+        self.stats.record_cycle(cycle, duplicates);
         tracing::debug!(
             lane = lane.name(),
             taken = cycle.taken,
@@ -852,7 +963,6 @@ impl Relay {
             reconnected = cycle.reconnected,
             "outbox cycle"
         );
-        Ok(cycle)
     }
 
     /// A failing row's next wait, after `attempts` earlier failures.
