@@ -1018,7 +1018,7 @@ impl Lane {
 /// Cycles in a row of one lane that lost the NATS connection while their
 /// publishes were out. After two, the lane publishes one row per cycle
 /// until one goes through: if a row makes the server drop the connection,
-/// it is then found alone, and blamed (see [`Relay::cycle`]), instead of
+/// it is then found alone, and blamed (see `Relay::blame`), instead of
 /// cutting the relay off at every cycle.
 #[derive(Debug, Default)]
 struct LostConnections(u32);
