@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use idem_runtime::{Classify, ErrorClass, Route, Router, idempotent};
-use idem_tests::{TestEnv, wait_until};
+use idem_tests::{TestEnv, eventually};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sqlx::{Connection, PgPool};
@@ -143,19 +143,25 @@ async fn last_sequence(js: &jetstream::Context, stream: &str) -> u64 {
 
 /// Waits until the consumer has acked every message of its stream.
 async fn wait_settled(js: &jetstream::Context, stream: &str) {
-    wait_until(Duration::from_secs(60), async || {
-        let last = last_sequence(js, stream).await;
-        let Ok(info) = js
-            .get_stream_no_info(stream)
-            .await
-            .expect("stream exists")
-            .consumer_info(DURABLE)
-            .await
-        else {
-            return false;
-        };
-        info.num_pending == 0 && info.num_ack_pending == 0 && info.ack_floor.stream_sequence >= last
-    })
+    eventually(
+        "the consumer acks every message of its stream",
+        Duration::from_secs(60),
+        async || {
+            let last = last_sequence(js, stream).await;
+            let Ok(info) = js
+                .get_stream_no_info(stream)
+                .await
+                .expect("stream exists")
+                .consumer_info(DURABLE)
+                .await
+            else {
+                return false;
+            };
+            info.num_pending == 0
+                && info.num_ack_pending == 0
+                && info.ack_floor.stream_sequence >= last
+        },
+    )
     .await;
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use idem_runtime::{BoxError, Permanent, Route, Router, State, idempotent};
-use idem_tests::{TestEnv, wait_until};
+use idem_tests::{TestEnv, eventually};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -143,7 +143,12 @@ async fn a_cli_replay_after_the_duplicate_window_is_stored_and_skipped_by_the_cl
     let handle = router.handle();
     let task = tokio::spawn(router.run_until(nats, pool.clone(), std::future::pending()));
     let stats = handle.stats("notes").unwrap();
-    wait_until(Duration::from_secs(30), async || stats.dead_lettered() == 1).await;
+    eventually(
+        "the message is dead-lettered",
+        Duration::from_secs(30),
+        async || stats.dead_lettered() == 1,
+    )
+    .await;
 
     bug.0.store(false, Ordering::SeqCst);
     // The publisher retries after the window: stored, processed.
@@ -155,7 +160,12 @@ async fn a_cli_replay_after_the_duplicate_window_is_stored_and_skipped_by_the_cl
         }
     };
     assert_eq!(retried.sequence, 2);
-    wait_until(Duration::from_secs(30), async || stats.processed() == 1).await;
+    eventually(
+        "the replay is processed",
+        Duration::from_secs(30),
+        async || stats.processed() == 1,
+    )
+    .await;
 
     // Past the window of the retry too.
     tokio::time::sleep(Duration::from_millis(1_200)).await;
@@ -186,7 +196,12 @@ async fn a_cli_replay_after_the_duplicate_window_is_stored_and_skipped_by_the_cl
         "JetStream stored the replay"
     );
 
-    wait_until(Duration::from_secs(30), async || stats.duplicates() == 1).await;
+    eventually(
+        "the second replay is a duplicate",
+        Duration::from_secs(30),
+        async || stats.duplicates() == 1,
+    )
+    .await;
     handle.shutdown();
     task.await.unwrap().unwrap();
     assert_eq!((stats.processed(), stats.duplicates()), (1, 1));
@@ -224,7 +239,12 @@ async fn show_says_where_a_moved_payload_is_and_replay_sends_it() {
     let handle = router.handle();
     let task = tokio::spawn(router.run_until(nats, pool.clone(), std::future::pending()));
     let stats = handle.stats("notes").unwrap();
-    wait_until(Duration::from_secs(30), async || stats.dead_lettered() == 1).await;
+    eventually(
+        "the message is dead-lettered",
+        Duration::from_secs(30),
+        async || stats.dead_lettered() == 1,
+    )
+    .await;
 
     let (code, shown, _) = idem_json(
         &env,
@@ -279,7 +299,12 @@ async fn show_says_where_a_moved_payload_is_and_replay_sends_it() {
     .await;
     assert_eq!(code, 0, "{replay:#}");
     assert_eq!(replay["dead_letters"][0]["discarded"], true);
-    wait_until(Duration::from_secs(30), async || stats.processed() == 1).await;
+    eventually(
+        "the replay is processed",
+        Duration::from_secs(30),
+        async || stats.processed() == 1,
+    )
+    .await;
     handle.shutdown();
     task.await.unwrap().unwrap();
     let booked: i64 = sqlx::query_scalar("SELECT text FROM notes")

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use idem_runtime::outbox::{self, Outbox, Relay};
-use idem_tests::{TestEnv, wait_until};
+use idem_tests::{TestEnv, eventually};
 use serde_json::Value;
 
 /// Runs `idem args...` with the test's servers, and returns its exit code
@@ -86,9 +86,14 @@ async fn idem_status_lists_failing_outbox_rows_and_idem_outbox_retry_sends_them_
     let task = tokio::spawn(relay.run_until(nats, pool.clone(), async {
         let _ = stopped.await;
     }));
-    wait_until(Duration::from_secs(30), async || {
-        stored(&js, &ok).await == 3 && outbox::lag(&pool).await.is_ok_and(|lag| lag.failing == 3)
-    })
+    eventually(
+        "the failing rows are recorded",
+        Duration::from_secs(30),
+        async || {
+            stored(&js, &ok).await == 3
+                && outbox::lag(&pool).await.is_ok_and(|lag| lag.failing == 3)
+        },
+    )
     .await;
     // Pushed out as a long back-off would have them.
     sqlx::query("UPDATE idem_outbox SET not_before = now() + interval '1 hour'")
@@ -123,9 +128,14 @@ async fn idem_status_lists_failing_outbox_rows_and_idem_outbox_retry_sends_them_
     .unwrap();
     let retried = idem_json(&env, &["outbox", "retry", "--json"]).await;
     assert_eq!(retried["retried"], 3, "{retried:#}");
-    wait_until(Duration::from_secs(10), async || {
-        stored(&js, &late).await == 3 && outbox::lag(&pool).await.is_ok_and(|lag| lag.pending == 0)
-    })
+    eventually(
+        "the retried rows are published",
+        Duration::from_secs(10),
+        async || {
+            stored(&js, &late).await == 3
+                && outbox::lag(&pool).await.is_ok_and(|lag| lag.pending == 0)
+        },
+    )
     .await;
     assert_eq!(stats.duplicates(), 0, "each stored once");
     let (code, text) = idem(&env, &["outbox", "retry"]).await;
