@@ -57,7 +57,34 @@ pub struct Router<S = ()> {
     faults: crate::fault::FaultHooks,
 }
 
-/// Reads a running router's counters and stops it.
+/// Reads a running router's counters and stops it. Take it with
+/// [`Router::handle`] before the router runs; it can be cloned into a
+/// health endpoint, a signal handler or a test.
+///
+/// ```no_run
+/// # use idem_runtime::{Route, Router, idempotent};
+/// # #[derive(serde::Deserialize)] struct Credit {}
+/// # #[idempotent] async fn credit(tx: &mut sqlx::PgTransaction<'_>, c: Credit) -> Result<(), sqlx::Error> { Ok(()) }
+/// # async fn run(nats: async_nats::Client, pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let router = Router::new().route(Route::new("LEDGER", "credit"), credit);
+/// let handle = router.handle();
+/// let running = tokio::spawn(router.run(nats, pool));
+///
+/// // Later: the route's counters, by its durable consumer's name...
+/// let stats = handle.stats("credit").expect("a route on durable `credit`");
+/// println!(
+///     "{} processed, {} duplicates, {} dead-lettered",
+///     stats.processed(),
+///     stats.duplicates(),
+///     stats.dead_lettered()
+/// );
+/// // ...and a graceful stop: in-flight messages finish and ack, then `run`
+/// // returns.
+/// handle.shutdown();
+/// running.await??;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct RouterHandle {
     stats: Arc<HashMap<String, Arc<Stats>>>,
