@@ -58,17 +58,18 @@ step "cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc -p idem-runtime --no-deps --document-private-items "${locked[@]}"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps "${locked[@]}"
 
-# The published crates must package: every dependency has a version, the
-# metadata and the files a crate needs are in it. `cargo package`, not
-# `cargo publish --dry-run`: the dry run asks crates.io over HTTP even with
-# --no-verify, and refuses --offline. --offline reads the index cached by the
-# build above, so this takes a second and needs no network. --no-verify: a
-# verification build of the packages compiles every dependency again, under
-# the packaged manifests' profile (still compiling after a minute on 2 cores).
-# Listed by name: `--workspace` would also package the members marked
+# The published crates must publish: every dependency has a version, the
+# metadata and the files a crate needs are in it, and crates.io's index
+# resolves them (the three are packaged together, so idem-runtime finds the
+# idem-macros it is packaged with). A dry run: nothing is uploaded. It reads
+# crates.io's index over HTTP (about 8 s; the build above needed crates.io
+# anyway). --no-verify: a verification build of the packages compiles every
+# dependency again, under the packaged manifests' profile (minutes on 2
+# cores), and the workspace build above already compiled these sources.
+# Listed by name: `--workspace` would also take the members marked
 # `publish = false`.
-step "cargo package (the published crates)"
-cargo package -p idem-macros -p idem-runtime -p idem-cli --no-verify --offline --allow-dirty "${locked[@]}"
+step "cargo publish --dry-run (the published crates)"
+cargo publish --dry-run --no-verify -p idem-macros -p idem-runtime -p idem-cli --allow-dirty "${locked[@]}"
 
 # nextest and the doctests build with the same (test) profile and features,
 # so the second step reuses the first step's dependencies.
