@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::{StreamExt, TryStreamExt};
-use idem_runtime::expiry;
+use idem_runtime::retention::expiry;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 use tokio::sync::Mutex;
 

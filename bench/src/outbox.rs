@@ -650,7 +650,7 @@ async fn publish_after_commit(
                         .message_id(msg.key);
                     js.send_publish(out.clone(), publish).await?.await?;
                     message.ack().await?;
-                    Ok::<_, idem_runtime::BoxError>(())
+                    Ok::<_, idem_runtime::error::BoxError>(())
                 };
                 if let Err(error) = handled.await {
                     tracing::warn!(%error, "after-commit handler failed");

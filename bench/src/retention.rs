@@ -8,7 +8,8 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use idem_runtime::{expiry, schema};
+use idem_runtime::retention::expiry;
+use idem_runtime::schema;
 use serde_json::json;
 use sqlx::{AssertSqlSafe, PgPool};
 

@@ -191,7 +191,7 @@ impl System {
                 ..Default::default()
             },
             stream::Config {
-                name: idem_runtime::ADVISORY_STREAM.to_owned(),
+                name: idem_runtime::dead_letter::ADVISORY_STREAM.to_owned(),
                 subjects: vec!["$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>".to_owned()],
                 retention: stream::RetentionPolicy::WorkQueue,
                 max_age: Duration::from_secs(7 * 24 * 3600),
@@ -562,7 +562,10 @@ async fn settled_transactions(admin: &mut PgConnection, database: &str) -> Resul
 /// the cluster, do not add to later runs' server CPU.
 async fn remove_advisory_watchers(js: &jetstream::Context) {
     use futures_util::StreamExt;
-    let Ok(stream) = js.get_stream(idem_runtime::ADVISORY_STREAM).await else {
+    let Ok(stream) = js
+        .get_stream(idem_runtime::dead_letter::ADVISORY_STREAM)
+        .await
+    else {
         return;
     };
     let names: Vec<String> = stream

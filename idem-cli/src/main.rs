@@ -2,7 +2,7 @@
 //!
 //! A thin layer over the runtime's public functions
 //! (`idem_runtime::status`, `idem_runtime::dead_letter`,
-//! `idem_runtime::expiry`, `idem_runtime::schema`, `idem_runtime::outbox`):
+//! `idem_runtime::retention::expiry`, `idem_runtime::schema`, `idem_runtime::outbox`):
 //! whatever it shows or does, a program can do with the library too. See
 //! `idem --help`, and the guide's "Operating" chapter (`idem_runtime::guide::operating`).
 

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use idem_runtime::{expiry, schema};
+use idem_runtime::retention::expiry;
+use idem_runtime::schema;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use sqlx::PgPool;

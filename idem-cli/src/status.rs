@@ -1,7 +1,7 @@
 //! `idem status` and `idem dedup check`.
 
 use async_nats::jetstream;
-use idem_runtime::expiry::Transition;
+use idem_runtime::retention::expiry::Transition;
 use idem_runtime::status::ExpiryStatus;
 use idem_runtime::{outbox, status};
 use serde_json::{Value, json};

@@ -10,7 +10,8 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
-use idem_runtime::{Classify, ErrorClass, Route, Router, idempotent};
+use idem_runtime::error::{Classify, ErrorClass};
+use idem_runtime::{Route, Router, idempotent};
 use idem_tests::{TestEnv, eventually};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -281,7 +282,10 @@ async fn the_cli_reports_a_known_run_and_replays_its_dead_letters_once() {
     // Only routes' consumers are idem consumers: not the advisory consumer
     // each route also binds.
     for consumer in consumers {
-        assert_ne!(consumer["stream"], idem_runtime::ADVISORY_STREAM);
+        assert_ne!(
+            consumer["stream"],
+            idem_runtime::dead_letter::ADVISORY_STREAM
+        );
         assert!(consumer["handler"].is_string(), "{consumer:#}");
     }
     let ours: Vec<&Value> = consumers

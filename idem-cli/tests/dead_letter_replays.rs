@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
-use idem_runtime::{BoxError, Permanent, Route, Router, State, idempotent};
+use idem_runtime::error::BoxError;
+use idem_runtime::{Permanent, Route, Router, State, idempotent};
 use idem_tests::{TestEnv, eventually};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

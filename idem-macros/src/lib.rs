@@ -175,7 +175,7 @@ use proc_macro::TokenStream;
 /// # What it generates
 ///
 /// A struct named like the fn, with the fn's visibility, that implements
-/// `idem_runtime::Handler<S>` for every router state `S` that provides its
+/// `idem_runtime::handler::Handler<S>` for every router state `S` that provides its
 /// parameters, and a fn of the same name that returns it: pass `credit` to
 /// `Router::route`. The body stays callable, unchanged, as
 /// `credit::run(tx, .., msg)`, for instance from a test that skips the
@@ -202,7 +202,8 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// `anyhow::Error`, a `Box<dyn Error>`, or another error's `source()`.
 ///
 /// ```
-/// use idem_runtime::{Classify, ErrorClass, classify};
+/// use idem_runtime::classify;
+/// use idem_runtime::error::{Classify, ErrorClass};
 ///
 /// #[derive(Debug, thiserror::Error)]
 /// #[error("account {0} is closed")]

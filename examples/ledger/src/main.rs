@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};
 use clap::Parser;
-use idem_runtime::{Classify, ErrorClass, FromRef, Route, Router, State, idempotent};
+use idem_runtime::error::{Classify, ErrorClass};
+use idem_runtime::{FromRef, Route, Router, State, idempotent};
 use serde::{Deserialize, Serialize};
 
 const STREAM: &str = "LEDGER";

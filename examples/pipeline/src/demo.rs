@@ -58,7 +58,7 @@ pub async fn publish_orders(
             let id = format!("order-{}", order.order);
             headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
             tracing::info_span!("shop.place_order", order = order.order)
-                .in_scope(|| idem_runtime::trace::inject_current(&mut headers));
+                .in_scope(|| idem_runtime::observe::trace::inject_current(&mut headers));
             headers
         })
         .collect();
@@ -217,7 +217,7 @@ pub async fn follow(js: &jetstream::Context, order: i64) -> Result<Vec<Hop>, Err
             if serde_json::from_slice::<ForOrder>(&message.payload)?.order == order {
                 break message
                     .headers
-                    .get(idem_runtime::trace::TRACEPARENT)
+                    .get(idem_runtime::observe::trace::TRACEPARENT)
                     .map(|value| value.as_str().to_owned());
             }
         };

@@ -33,13 +33,13 @@ pub fn install_exporter() -> Result<Option<SocketAddr>, Error> {
         .parse()
         .map_err(|error| format!("{ADDR_VAR}={addr:?} is not a host:port address: {error}"))?;
     let mut exporter = PrometheusBuilder::new().with_http_listener(addr);
-    for (name, buckets) in idem_runtime::metrics::HISTOGRAM_BUCKETS {
+    for (name, buckets) in idem_runtime::observe::metrics::HISTOGRAM_BUCKETS {
         exporter = exporter.set_buckets_for_metric(Matcher::Full(name.into()), buckets)?;
     }
     exporter
         .install()
         .map_err(|error| format!("cannot serve /metrics on {addr}: {error}"))?;
-    idem_runtime::metrics::describe();
+    idem_runtime::observe::metrics::describe();
     tracing::info!(%addr, "serving /metrics");
     Ok(Some(addr))
 }

@@ -1,8 +1,9 @@
 //! The orders service: takes placed orders and asks for their payment, then
 //! marks them paid when the payment service says so.
 
+use idem_runtime::error::{Classify, ErrorClass};
 use idem_runtime::outbox::{Outbox, OutboxError};
-use idem_runtime::{Classify, ErrorClass, Route, Router, idempotent};
+use idem_runtime::{Route, Router, idempotent};
 
 use crate::{ORDERS_STREAM, OrderPaid, OrderPlaced, PaymentRequested, stream_config, tuned};
 

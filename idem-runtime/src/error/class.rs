@@ -224,7 +224,7 @@ inventory::collect!(Classifier);
 /// Lets an error type choose its own class.
 ///
 /// ```
-/// use idem_runtime::{Classify, ErrorClass};
+/// use idem_runtime::error::{Classify, ErrorClass};
 ///
 /// #[derive(Debug, thiserror::Error)]
 /// enum LedgerError {
@@ -253,7 +253,8 @@ inventory::collect!(Classifier);
 /// implement `Classify` on the wrapper instead.)
 ///
 /// ```
-/// use idem_runtime::{Classify, ErrorClass, classify};
+/// use idem_runtime::classify;
+/// use idem_runtime::error::{Classify, ErrorClass};
 ///
 /// #[derive(Debug, thiserror::Error)]
 /// #[error("account {0} is closed")]
@@ -267,7 +268,7 @@ inventory::collect!(Classifier);
 /// }
 ///
 /// let wrapped = anyhow::Error::new(AccountClosed(7)).context("crediting");
-/// let boxed: idem_runtime::BoxError = wrapped.into();
+/// let boxed: idem_runtime::error::BoxError = wrapped.into();
 /// # let _ = boxed;
 /// ```
 pub trait Classify {
@@ -279,7 +280,8 @@ pub trait Classify {
 ///
 /// ```
 /// # #[derive(serde::Deserialize)] struct Order { quantity: i64 }
-/// use idem_runtime::{BoxError, Permanent, idempotent};
+/// use idem_runtime::error::BoxError;
+/// use idem_runtime::{Permanent, idempotent};
 ///
 /// #[idempotent]
 /// async fn place(tx: &mut sqlx::PgTransaction<'_>, order: Order) -> Result<(), BoxError> {

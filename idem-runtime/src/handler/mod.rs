@@ -32,7 +32,8 @@ pub use state::{FromBatch, FromDelivery, FromRef, Parameter, State};
 /// By hand it is as short as this:
 ///
 /// ```
-/// use idem_runtime::{Delivery, Handler, HandlerError, codec::Json};
+/// use idem_runtime::handler::Handler;
+/// use idem_runtime::{Delivery, HandlerError, codec::Json};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Credit { account: i64, amount: i64 }
@@ -121,7 +122,8 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
     ///
     /// ```
     /// use bytes::Bytes;
-    /// use idem_runtime::{Delivery, Handler, HandlerError, codec::{Encode, Json}};
+    /// use idem_runtime::handler::Handler;
+    /// use idem_runtime::{Delivery, HandlerError, codec::{Encode, Json}};
     ///
     /// #[derive(serde::Deserialize)]
     /// struct Place { order: i64 }

@@ -44,7 +44,7 @@ use crate::error::HandlerError;
 /// #[derive(serde::Deserialize)]
 /// struct Receipt { order: i64 }
 ///
-/// if let Some(bytes) = idem_runtime::results::stored(&pool, "orders.place.v1", "order-7").await? {
+/// if let Some(bytes) = idem_runtime::handler::results::stored(&pool, "orders.place.v1", "order-7").await? {
 ///     let receipt: Receipt = serde_json::from_slice(&bytes)?;
 ///     println!("order {} was placed", receipt.order);
 /// }

@@ -65,7 +65,7 @@
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let mut exporter = PrometheusBuilder::new().with_http_listener(([127, 0, 0, 1], 9464));
-//! for (name, buckets) in idem_runtime::metrics::HISTOGRAM_BUCKETS {
+//! for (name, buckets) in idem_runtime::observe::metrics::HISTOGRAM_BUCKETS {
 //!     exporter = exporter.set_buckets_for_metric(Matcher::Full(name.into()), buckets)?;
 //! }
 //! exporter.install()?; // before the router starts: GET http://127.0.0.1:9464/metrics

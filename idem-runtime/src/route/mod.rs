@@ -338,7 +338,8 @@ impl Route {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use idem_runtime::{Route, Unbounded};
+    /// use idem_runtime::Route;
+    /// use idem_runtime::retention::Unbounded;
     ///
     /// // The stream keeps messages forever; old replays may apply twice.
     /// let route = Route::new("AUDIT", "archive")

@@ -30,7 +30,7 @@ use crate::route::Route;
 /// `orders.p.3.order-17`; one durable consumer reads each partition.
 ///
 /// ```
-/// use idem_runtime::partition::Partitions;
+/// use idem_runtime::route::partition::Partitions;
 ///
 /// let partitions = Partitions::new("orders.*", 4);
 /// let stream = partitions.stream_config("ORDERS");
@@ -47,7 +47,7 @@ use crate::route::Route;
 /// partitions share its dedup rows, as one consumer would):
 ///
 /// ```no_run
-/// # use idem_runtime::{Router, idempotent, partition::Partitions};
+/// # use idem_runtime::{Router, idempotent, route::partition::Partitions};
 /// # #[idempotent(name = "orders.apply.v1", codec = raw)]
 /// # async fn apply(tx: &mut sqlx::PgTransaction<'_>, body: Vec<u8>) -> Result<(), sqlx::Error> { Ok(()) }
 /// let partitions = Partitions::new("orders.*", 4);
