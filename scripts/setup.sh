@@ -19,6 +19,17 @@ as_root() {
     fi
 }
 
+# --- python3 --------------------------------------------------------------
+# The nats-server install below (pip) and scripts/check-module-cycles.py
+# need it; a bare Debian image has neither python3 nor pip.
+if python3 -m pip --version >/dev/null 2>&1; then
+    log "python3 and pip: present"
+else
+    log "installing python3 and pip with apt-get"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pip >/dev/null
+fi
+
 # --- nats-server ----------------------------------------------------------
 # Pinned: the tests rely on server behaviour (sync_interval: always, the
 # JetStream API level) and must not drift with whatever is on PATH.
