@@ -73,8 +73,23 @@ cargo publish --dry-run --no-verify -p idem-macros -p idem-runtime -p idem-cli -
 
 # nextest and the doctests build with the same (test) profile and features,
 # so the second step reuses the first step's dependencies.
-step "cargo nextest run (profile $profile)"
-cargo nextest run --workspace "${locked[@]}" --profile "$profile" "$@"
+#
+# The macro's compile tests (trybuild's tests/ui and macrotest's
+# tests/expand) run cargo themselves, on target dirs of their own: on a clean
+# clone they first compile every dependency again (over 5 minutes on 2
+# cores). Run beside the integration tests, that build and those tests slow
+# each other down until one of them times out; so they run first, alone, and
+# the rest after them. With arguments, one run with exactly those arguments.
+compile_tests='binary(handlers) & (test(/^ui::/) | test(/^expand::/))'
+if [ $# -eq 0 ]; then
+    step "cargo nextest run (profile $profile): the macro's compile tests, alone"
+    cargo nextest run --workspace "${locked[@]}" --profile "$profile" -E "$compile_tests"
+    step "cargo nextest run (profile $profile): everything else"
+    cargo nextest run --workspace "${locked[@]}" --profile "$profile" -E "not ($compile_tests)"
+else
+    step "cargo nextest run (profile $profile) $*"
+    cargo nextest run --workspace "${locked[@]}" --profile "$profile" "$@"
+fi
 
 # The benchmark's smoke pass: every mode with a small N, a tenth of it
 # published twice (stored twice by JetStream), checking effects = distinct
