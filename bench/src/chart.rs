@@ -18,10 +18,12 @@ const LINES: [(Mode, RGBColor); 2] = [
 ];
 
 /// The modes drawn as horizontal references, and their colours.
-const REFERENCES: [(Mode, RGBColor); 3] = [
+const REFERENCES: [(Mode, RGBColor); 5] = [
     (Mode::Raw, RGBColor(0x33, 0x33, 0x33)),
     (Mode::Naive, RGBColor(0x8c, 0x56, 0x4b)),
     (Mode::Idem, RGBColor(0x2c, 0xa0, 0x2c)),
+    (Mode::IdemDefault, RGBColor(0x94, 0x67, 0xbd)),
+    (Mode::IdemDefaultBatchHandler, RGBColor(0xff, 0x7f, 0x0e)),
 ];
 
 /// The y axis' ticks, msgs/s; those within the drawn range are shown.
@@ -38,6 +40,8 @@ fn legend_name(mode: Mode) -> String {
         Mode::Idem => "#[idempotent], one message per transaction",
         Mode::IdemBatch => "Route::batch(B), one claim + INSERT per message",
         Mode::IdemBatchHandler => "#[idempotent(batch)], one INSERT per batch",
+        Mode::IdemDefault => "#[idempotent], the route's default batching",
+        Mode::IdemDefaultBatchHandler => "#[idempotent(batch)], the route's default batching",
     };
     format!("{}: {what}", mode.name())
 }
@@ -237,6 +241,7 @@ pub(crate) mod tests {
                 before_consume: None,
                 time_in_tx: false,
                 id_from_header: false,
+                hot_rows: false,
             },
             msgs_per_sec: rate,
             elapsed: Duration::from_secs_f64(20_000.0 / rate),

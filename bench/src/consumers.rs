@@ -13,6 +13,11 @@
 //! - `idem-batch-handler`: the same batches, handed to an
 //!   `#[idempotent(batch)]` handler that writes the fresh messages of each
 //!   with one statement.
+//! - `idem-default`: the `idem` handler on a route left at its defaults for
+//!   batching (adaptive: see `Route::adaptive_batch`), where `idem` asks
+//!   for `Route::per_message()`.
+//! - `idem-default-batch-handler`: the `idem-batch-handler` handler on a
+//!   route left at its defaults.
 //!
 //! The hand-written modes pull the way an async-nats user would by default:
 //! `consumer.messages()` (pull requests of 200, refilled ahead of need) fed
@@ -60,16 +65,20 @@ pub enum Mode {
     Idem,
     IdemBatch,
     IdemBatchHandler,
+    IdemDefault,
+    IdemDefaultBatchHandler,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 6] = [
+    pub const ALL: [Mode; 8] = [
         Mode::Raw,
         Mode::Naive,
         Mode::Manual,
         Mode::Idem,
         Mode::IdemBatch,
         Mode::IdemBatchHandler,
+        Mode::IdemDefault,
+        Mode::IdemDefaultBatchHandler,
     ];
 
     pub fn name(self) -> &'static str {
@@ -80,6 +89,8 @@ impl Mode {
             Mode::Idem => "idem",
             Mode::IdemBatch => "idem-batch",
             Mode::IdemBatchHandler => "idem-batch-handler",
+            Mode::IdemDefault => "idem-default",
+            Mode::IdemDefaultBatchHandler => "idem-default-batch-handler",
         }
     }
 
@@ -96,7 +107,12 @@ impl Mode {
     pub fn dedups(self) -> bool {
         matches!(
             self,
-            Mode::Manual | Mode::Idem | Mode::IdemBatch | Mode::IdemBatchHandler
+            Mode::Manual
+                | Mode::Idem
+                | Mode::IdemBatch
+                | Mode::IdemBatchHandler
+                | Mode::IdemDefault
+                | Mode::IdemDefaultBatchHandler
         )
     }
 
@@ -105,9 +121,21 @@ impl Mode {
         matches!(self, Mode::IdemBatch | Mode::IdemBatchHandler)
     }
 
-    /// Messages per transaction, as reported.
+    /// Messages per transaction, as reported: the largest, for the modes
+    /// left at the runtime's defaults.
     pub fn batch(self, batch: usize) -> usize {
-        if self.batches() { batch } else { 1 }
+        match self {
+            _ if self.batches() => batch,
+            Mode::IdemDefault | Mode::IdemDefaultBatchHandler => {
+                idem_runtime::route::DEFAULT_ADAPTIVE_MAX
+            }
+            _ => 1,
+        }
+    }
+
+    /// Whether the mode runs the batch handler.
+    fn batch_handler(self) -> bool {
+        matches!(self, Mode::IdemBatchHandler | Mode::IdemDefaultBatchHandler)
     }
 }
 
@@ -139,6 +167,22 @@ async fn effect_by_msg_id(
     msg: Payload,
 ) -> Result<(), sqlx::Error> {
     insert_effect(tx, &msg).await
+}
+
+/// The contention scenario's handler: the effect, and 1 added to one of the
+/// hot rows, picked by the key.
+#[idempotent(name = "bench.effect.v1", key = msg.key)]
+async fn effect_on_a_hot_row(
+    tx: &mut sqlx::PgTransaction<'_>,
+    msg: Payload,
+) -> Result<(), sqlx::Error> {
+    insert_effect(tx, &msg).await?;
+    sqlx::query("UPDATE bench_hot SET total = total + 1 WHERE id = abs(hashtext($1)) % $2")
+        .bind(&msg.key)
+        .bind(crate::run::HOT_ROWS)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
 }
 
 /// The `idem-batch-handler` handler: the fresh messages of a batch, written
@@ -260,7 +304,11 @@ impl Consumer {
                 ));
                 Ok(Consumer::HandWritten { stop, counts, task })
             }
-            Mode::Idem | Mode::IdemBatch | Mode::IdemBatchHandler => {
+            Mode::Idem
+            | Mode::IdemBatch
+            | Mode::IdemBatchHandler
+            | Mode::IdemDefault
+            | Mode::IdemDefaultBatchHandler => {
                 let pool = pool.expect("idem modes have a database").clone();
                 let mut route = Route::new(source.stream, durable.clone())
                     .filter_subject(source.subject)
@@ -269,6 +317,8 @@ impl Consumer {
                     .max_ack_pending(max_ack_pending(concurrency * mode.batch(batch)));
                 if mode.batches() {
                     route = batch_route(route, batch);
+                } else if mode == Mode::Idem {
+                    route = route.per_message();
                 }
                 if let Some(retention) = retention {
                     // The bench's streams keep their messages (max_age 0),
@@ -279,8 +329,10 @@ impl Consumer {
                         .publisher_retry_horizon(Duration::ZERO)
                         .accept_duplicates_after_retention(Unbounded::StreamMaxAge);
                 }
-                let router = if mode == Mode::IdemBatchHandler {
+                let router = if mode.batch_handler() {
                     Router::new().route(route, effects)
+                } else if plan.hot_rows {
+                    Router::new().route(route, effect_on_a_hot_row)
                 } else if plan.id_from_header {
                     Router::new().route(route, effect_by_msg_id)
                 } else {

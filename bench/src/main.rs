@@ -97,7 +97,7 @@ enum Command {
     /// As idem-batch, with an #[idempotent(batch)] handler: one INSERT per batch
     #[command(mut_arg("concurrency", |arg| arg.help("Batches in flight")))]
     IdemBatchHandler(IdemBatchArgs),
-    /// All six modes, one after another, and a table
+    /// Every mode, one after another, and a table
     #[command(mut_arg("concurrency", |arg| arg.help(CONCURRENCY_WITH_BATCHES)))]
     Compare(CompareArgs),
     /// raw, naive and idem, then both batch modes at B = 1, 16, 64, 256: a table and an SVG chart
@@ -105,6 +105,9 @@ enum Command {
     Chart(ChartArgs),
     /// idem and naive at a fixed offered load: p50/p99 publish to commit
     Latency(LatencyArgs),
+    /// idem (per message) and idem-default, each message also updating one of 8 hot rows
+    #[command(after_help = CONTENTION)]
+    Contention(ContentionArgs),
     /// idem over a large backlog: peak RSS
     Backlog(BacklogArgs),
     /// idem and manual with an empty dedup table, then a pre-filled one
@@ -129,6 +132,13 @@ enum Command {
     #[command(after_help = SMOKE)]
     Smoke(SmokeArgs),
 }
+
+const CONTENTION: &str = "\
+Each message also adds 1 to one of 8 rows of bench_hot, picked by its key,
+as the chaos suite's ledger does: concurrent transactions wait on each
+other's row locks, and batches that lock rows in different orders deadlock.
+It runs idem (Route::per_message) and idem-default (the route's default
+batching), and checks that the hot rows' total equals the distinct messages.";
 
 const SMOKE: &str = "\
 Every mode and scenario with small numbers, a tenth of the messages
@@ -264,6 +274,17 @@ struct CompareArgs {
     pools: Pools,
     #[command(flatten)]
     fetch: Fetch,
+}
+
+#[derive(Debug, Args)]
+struct ContentionArgs {
+    /// Messages per mode, published, then consumed
+    #[arg(long, value_name = "N", default_value_t = 20_000, value_parser = positive::<usize>)]
+    messages: usize,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    pools: Pools,
 }
 
 #[derive(Debug, Args)]
@@ -493,6 +514,7 @@ enum Job {
     Compare,
     Chart,
     Latency,
+    Contention,
     Backlog,
     Prefilled,
     Steady,
@@ -617,6 +639,10 @@ impl From<Command> for Options {
                 ping: a.pools.ping(),
                 pull: a.fetch.pull,
                 ..Options::new(Job::Compare, a.messages, a.load)
+            },
+            Command::Contention(a) => Options {
+                ping: a.pools.ping(),
+                ..Options::new(Job::Contention, a.messages, a.load)
             },
             Command::Chart(a) => Options {
                 ping: a.pools.ping(),
@@ -808,6 +834,9 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
         Job::Latency => {
             latency(&ctx, options, messages, options.rate).await?;
         }
+        Job::Contention => {
+            contention(&ctx, options, messages).await?;
+        }
         Job::Backlog => {
             backlog(&ctx, options, messages).await?;
         }
@@ -873,6 +902,7 @@ fn plan(options: &Options, mode: Mode, scenario: &'static str, messages: usize) 
         before_consume: None,
         time_in_tx: false,
         id_from_header: false,
+        hot_rows: false,
     }
 }
 
@@ -963,7 +993,13 @@ async fn chart(
         )));
     }
     let mut runs = Vec::new();
-    for mode in [Mode::Raw, Mode::Naive, Mode::Idem] {
+    for mode in [
+        Mode::Raw,
+        Mode::Naive,
+        Mode::Idem,
+        Mode::IdemDefault,
+        Mode::IdemDefaultBatchHandler,
+    ] {
         runs.push(run_and_print(ctx, plan(options, mode, "throughput", messages), None).await?);
     }
     for batch in CHART_BATCHES {
@@ -980,6 +1016,28 @@ async fn chart(
     eprint!("{}", report::chart_table(&runs));
     eprintln!("idem-bench: chart written to {}", out.display());
     println!("{}", report::chart_summary(&runs, out));
+    Ok(runs)
+}
+
+/// The contention scenario (see [`CONTENTION`]): idem and idem-default over
+/// the same backlog, each message also updating one of the hot rows.
+async fn contention(
+    ctx: &Context,
+    options: &Options,
+    messages: usize,
+) -> Result<Vec<Measurement>, BenchError> {
+    let mut runs = Vec::new();
+    for mode in [Mode::Idem, Mode::IdemDefault] {
+        let plan = Plan {
+            hot_rows: true,
+            ..plan(options, mode, "contention", messages)
+        };
+        runs.push(run_and_print(ctx, plan, None).await?);
+    }
+    eprintln!();
+    eprint!("{}", report::compare_table(&runs));
+    eprintln!("{}", report::contention_targets(&runs));
+    println!("{}", report::contention_summary(&runs));
     Ok(runs)
 }
 
@@ -1089,6 +1147,7 @@ async fn smoke(ctx: &Context, servers: &Servers, options: &Options) -> Result<()
     );
     let mut runs = compare(ctx, options, n).await?;
     runs.extend(latency(ctx, options, n.min(250), options.rate).await?);
+    runs.extend(contention(ctx, options, n).await?);
     runs.push(backlog(ctx, options, n).await?);
     runs.extend(prefilled(ctx, options, n, 20_000).await?);
     // The retention scenarios, tiny: no duplicates (they check their own

@@ -215,6 +215,8 @@ pub fn compare_targets(runs: &[Measurement]) -> String {
     let batch = rate_of(runs, Mode::IdemBatch);
     let batch_handler = rate_of(runs, Mode::IdemBatchHandler);
     let raw = rate_of(runs, Mode::Raw);
+    let default = rate_of(runs, Mode::IdemDefault);
+    let default_batch_handler = rate_of(runs, Mode::IdemDefaultBatchHandler);
     let over = |a: Option<f64>, b: Option<f64>| Some(a? / b?);
     [
         "targets:".to_owned(),
@@ -235,8 +237,71 @@ pub fn compare_targets(runs: &[Measurement]) -> String {
             "x",
             |v| v >= 0.4,
         ),
+        target(
+            "idem >= 0.9x naive (issue 20)",
+            over(idem, naive),
+            "x",
+            |v| v >= 0.9,
+        ),
+        target("idem-default >= 4x naive", over(default, naive), "x", |v| {
+            v >= 4.0
+        }),
+        target(
+            "idem-default-batch-handler >= 12x naive",
+            over(default_batch_handler, naive),
+            "x",
+            |v| v >= 12.0,
+        ),
+        target(
+            "idem-default-batch-handler >= 0.5x raw",
+            over(default_batch_handler, raw),
+            "x",
+            |v| v >= 0.5,
+        ),
     ]
     .join("\n")
+}
+
+/// The contention scenario's target: the route's default batching at least
+/// 1.5× per-message mode (and never below it).
+pub fn contention_targets(runs: &[Measurement]) -> String {
+    let over = rate_of(runs, Mode::IdemDefault)
+        .zip(rate_of(runs, Mode::Idem))
+        .map(|(default, idem)| default / idem);
+    [
+        "targets:".to_owned(),
+        target("idem-default >= 1.5x idem (contention)", over, "x", |v| {
+            v >= 1.5
+        }),
+    ]
+    .join("\n")
+}
+
+/// The last line of `contention`: both modes' msgs/s and their ratio.
+pub fn contention_summary(runs: &[Measurement]) -> String {
+    #[derive(Serialize)]
+    struct Summary {
+        mode: &'static str,
+        messages: usize,
+        concurrency: usize,
+        msgs_per_sec: Rates,
+        idem_default_vs_idem: Option<f64>,
+    }
+    let first = &runs[0].plan;
+    let summary = Summary {
+        mode: "contention",
+        messages: first.messages,
+        concurrency: first.concurrency,
+        msgs_per_sec: Rates(
+            runs.iter()
+                .map(|m| (m.plan.mode.name(), round(m.msgs_per_sec, 1)))
+                .collect(),
+        ),
+        idem_default_vs_idem: rate_of(runs, Mode::IdemDefault)
+            .zip(rate_of(runs, Mode::Idem))
+            .map(|(default, idem)| round(default / idem, 3)),
+    };
+    serde_json::to_string(&summary).expect("a summary serializes")
 }
 
 /// The last line of `compare`: every mode's msgs/s and the ratios.
@@ -256,6 +321,9 @@ pub fn compare_summary(runs: &[Measurement]) -> String {
         idem_batch_vs_manual: Option<f64>,
         idem_batch_handler_vs_naive: Option<f64>,
         idem_batch_handler_vs_raw: Option<f64>,
+        idem_default_vs_naive: Option<f64>,
+        idem_default_batch_handler_vs_naive: Option<f64>,
+        idem_default_batch_handler_vs_raw: Option<f64>,
     }
     let ratio = |a: Mode, b: Mode| Some(round(rate_of(runs, a)? / rate_of(runs, b)?, 3));
     let first = &runs[0].plan;
@@ -276,6 +344,9 @@ pub fn compare_summary(runs: &[Measurement]) -> String {
         idem_batch_vs_manual: ratio(Mode::IdemBatch, Mode::Manual),
         idem_batch_handler_vs_naive: ratio(Mode::IdemBatchHandler, Mode::Naive),
         idem_batch_handler_vs_raw: ratio(Mode::IdemBatchHandler, Mode::Raw),
+        idem_default_vs_naive: ratio(Mode::IdemDefault, Mode::Naive),
+        idem_default_batch_handler_vs_naive: ratio(Mode::IdemDefaultBatchHandler, Mode::Naive),
+        idem_default_batch_handler_vs_raw: ratio(Mode::IdemDefaultBatchHandler, Mode::Raw),
     };
     serde_json::to_string(&summary).expect("a summary serializes")
 }

@@ -49,7 +49,13 @@ pub struct Plan {
     /// idem: publish each message with its key as `Nats-Msg-Id`, and take
     /// that as its id, instead of the handler's key expression.
     pub id_from_header: bool,
+    /// Each message also adds 1 to one of [`HOT_ROWS`] rows of `bench_hot`,
+    /// picked by its key: the contention scenario.
+    pub hot_rows: bool,
 }
+
+/// The rows the contention scenario's messages update.
+pub const HOT_ROWS: i32 = 8;
 
 /// What a run measured.
 #[derive(Debug, Clone)]
@@ -471,6 +477,17 @@ pub(crate) async fn verify(
             report.processed, report.errors
         )));
     }
+    if plan.hot_rows {
+        let total: i64 = sqlx::query_scalar("SELECT sum(total)::int8 FROM bench_hot")
+            .fetch_one(&db.pool)
+            .await
+            .map_err(|e| BenchError::failed(format!("sum the hot rows: {e}")))?;
+        if total as u64 != n {
+            return Err(BenchError::failed(format!(
+                "{mode}: the hot rows add up to {total}, expected {n}: one per distinct message"
+            )));
+        }
+    }
     if plan.mode.dedups() && report.duplicates != twice {
         return Err(BenchError::failed(format!(
             "{mode}: the consumer skipped {} duplicates, expected {twice}: one per second copy",
@@ -624,6 +641,20 @@ impl Database {
             .execute(&self.pool)
             .await
             .map_err(sql("create bench_effects"))?;
+        if plan.hot_rows {
+            sqlx::query(
+                "CREATE TABLE bench_hot AS
+                     SELECT id, 0::bigint AS total FROM generate_series(0, $1 - 1) AS id",
+            )
+            .bind(HOT_ROWS)
+            .execute(&self.pool)
+            .await
+            .map_err(sql("create bench_hot"))?;
+            sqlx::query("ALTER TABLE bench_hot ADD PRIMARY KEY (id)")
+                .execute(&self.pool)
+                .await
+                .map_err(sql("key bench_hot"))?;
+        }
         if plan.mode == Mode::Manual {
             // What a hand-written consumer keeps: the message id as it is.
             sqlx::raw_sql(

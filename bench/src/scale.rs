@@ -346,6 +346,7 @@ async fn run_once(
         before_consume: None,
         time_in_tx: false,
         id_from_header: false,
+        hot_rows: false,
     };
     let outcome = match Database::create(ctx, &tag, &plan).await {
         Ok(db) => {
@@ -763,6 +764,7 @@ async fn run_worker(args: WorkerArgs) -> Result<(), BenchError> {
         before_consume: None,
         time_in_tx: false,
         id_from_header: false,
+        hot_rows: false,
     };
     let source = Source {
         stream: &args.stream,

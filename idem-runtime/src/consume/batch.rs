@@ -14,14 +14,24 @@
 //! unnest($1, $2)`): a batch then costs a fixed four round trips, whatever
 //! its size.
 //!
-//! A failure inside the batch must not fail its neighbours, so on any
-//! failure of a handler (an error, a timeout, a panic) or of the COMMIT, the
-//! whole batch is rolled back and each message is run again in a
-//! transaction of its own, where it takes the normal retry and dead-letter
-//! path. A COMMIT with an unknown outcome resolves the same way: each
-//! message's own claim finds its row if the batch did commit. If the
-//! database cannot be used at all (BEGIN or the claim fails), the batch is
-//! held and retried whole, as one message would be.
+//! A failure inside the batch must not fail its neighbours. On a handler's
+//! error, or a COMMIT that did not commit (a deadlock, a serialization
+//! failure), the batch is rolled back and *split*: each half is tried again
+//! as a batch, and a half that fails is split again, down to single
+//! messages, which run in a transaction of their own and take the normal
+//! retry and dead-letter path there. One bad message in a batch of `n` then
+//! costs about `2 log2 n` batch transactions instead of `n` single ones, and
+//! its good neighbours still commit in batches. A handler that timed out or
+//! panicked is not run again in halves (each half would wait out its
+//! timeout again): its batch falls back to one transaction per message at
+//! once. A COMMIT with an unknown outcome does too: each message's own
+//! claim finds its row if the batch did commit. If the database cannot be
+//! used at all (BEGIN or the claim fails), the batch is held and retried
+//! whole, as one message would be.
+//!
+//! Every batch that committed, and every one that fell back, tells the
+//! route's [`BatchSizer`](crate::consume::sizing::BatchSizer), which sizes an
+//! adaptive route's next batches.
 
 use std::sync::Arc;
 
@@ -49,6 +59,7 @@ struct Ready<P> {
 /// Why a batch did not commit.
 #[derive(Debug, thiserror::Error)]
 enum BatchFailure {
+    // (Split in halves on these two; not on the others, see the module docs.)
     #[error("the database could not be used: {0}")]
     Infrastructure(sqlx::Error),
     #[error("a handler failed: {0}")]
@@ -57,6 +68,17 @@ enum BatchFailure {
     NotCommitted(HandlerError),
     #[error("COMMIT failed, outcome unknown: {0}")]
     CommitUnknown(sqlx::Error),
+}
+
+impl BatchFailure {
+    /// Whether the batch is tried again in halves (see the module docs).
+    fn splits(&self) -> bool {
+        match self {
+            BatchFailure::Handler(HandlerError::TimedOut(_) | HandlerError::Panicked(_)) => false,
+            BatchFailure::Handler(_) | BatchFailure::NotCommitted(_) => true,
+            BatchFailure::Infrastructure(_) | BatchFailure::CommitUnknown(_) => false,
+        }
+    }
 }
 
 impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
@@ -88,6 +110,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let Some((failure, ready)) = self.commit_batch(ready).await else {
             return;
         };
+        self.recorder.record(Event::BatchFallback);
+        self.sizer.fell_back();
         self.fall_back(failure, ready).await;
     }
 
@@ -140,6 +164,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             match self.try_batch(&mut ready).await {
                 Ok(fresh) => {
                     self.recorder.batch_committed(ready.len());
+                    self.sizer.committed(ready.len());
                     for (item, fresh) in ready.into_iter().zip(fresh) {
                         let verdict = if fresh {
                             Verdict::Processed(None)
@@ -211,13 +236,43 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         result
     }
 
-    /// After a batch failed (`failure`): rolled back, each of its messages
-    /// runs in a transaction of its own, and takes the normal retry and
-    /// dead-letter path there, so that a failure does not fail its
-    /// neighbours.
-    async fn fall_back(self: &Arc<Self>, failure: BatchFailure, ready: Vec<Ready<H::Payload>>) {
-        self.recorder.record(Event::BatchFallback);
+    /// After a batch failed (`failure`) and was rolled back: its halves are
+    /// tried again as batches, or each of its messages runs in a
+    /// transaction of its own (see the module docs), so that a failure does
+    /// not fail its neighbours.
+    async fn fall_back(self: &Arc<Self>, failure: BatchFailure, mut ready: Vec<Ready<H::Payload>>) {
+        if failure.splits() && ready.len() > 1 && self.decode_again(&mut ready) {
+            tracing::warn!(%failure, size = ready.len(), "batch rolled back; trying its halves");
+            let second = ready.split_off(ready.len() / 2);
+            for half in [ready, second] {
+                if half.len() == 1 {
+                    self.one_per_transaction(half).await;
+                } else if let Some((failure, half)) = self.commit_batch(half).await {
+                    Box::pin(self.fall_back(failure, half)).await;
+                }
+            }
+            return;
+        }
         tracing::warn!(%failure, size = ready.len(), "batch rolled back; running its messages one per transaction");
+        self.one_per_transaction(ready).await;
+    }
+
+    /// Decodes again the payloads the failed batch's handlers took, for its
+    /// halves. False if one no longer decodes (then each message runs on
+    /// its own, where that is decided).
+    fn decode_again(&self, ready: &mut [Ready<H::Payload>]) -> bool {
+        for item in ready.iter_mut().filter(|item| item.payload.is_none()) {
+            match self.decode(&item.message.payload) {
+                Ok(payload) => item.payload = Some(payload),
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    /// Runs each message in a transaction of its own, where it takes the
+    /// normal retry and dead-letter path.
+    async fn one_per_transaction(self: &Arc<Self>, ready: Vec<Ready<H::Payload>>) {
         for item in ready {
             // Each message settles, and its heartbeats stop, as soon as it is
             // decided, not when the whole fallback ends.

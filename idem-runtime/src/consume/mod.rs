@@ -56,6 +56,7 @@ pub(crate) mod heartbeat;
 pub(crate) mod pipeline;
 pub(crate) mod pull;
 pub(crate) mod reply;
+pub(crate) mod sizing;
 pub(crate) mod start;
 pub(crate) mod undeliverable;
 

@@ -27,6 +27,7 @@ use crate::codec::Decode;
 use crate::consume::ack;
 use crate::consume::health::Health;
 use crate::consume::heartbeat::{Heartbeats, Lease};
+use crate::consume::sizing::BatchSizer;
 use crate::dead_letter::{self, Failure};
 use crate::error::class::ErrorClass;
 use crate::error::{HandlerError, RejectedMessage};
@@ -55,6 +56,8 @@ pub(crate) struct Pipeline<H, S> {
     pub(crate) health: Health,
     /// Counts what happens to its messages, into its `Stats` and metrics.
     pub(crate) recorder: Recorder,
+    /// How many messages its next batch takes (see `consume/sizing.rs`).
+    pub(crate) sizer: BatchSizer,
     pub(crate) shutdown: Signal,
     /// How it ends a message: acked on JetStream, or answered to a caller
     /// who waits (a request route, see `consume/reply.rs`: a duplicate then
@@ -104,6 +107,11 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
         Pipeline {
             begin: Begin::new(route.handler_timeout, context.session),
             recorder: Recorder::new(&route.durable, stats),
+            sizer: if route.adaptive {
+                BatchSizer::adaptive(route.batch_cap())
+            } else {
+                BatchSizer::fixed(route.batch)
+            },
             heartbeats: Heartbeats::start(context.nats.clone(), heartbeat),
             connections: Connections::start(context.pool.clone(), context.keep_connections),
             route,

@@ -169,7 +169,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             },
         };
         self.failures = 0;
-        let group = gather(first, messages, route.batch);
+        let group = gather(first, messages, self.pipeline.sizer.next());
         self.start(group, slot);
         Ok(())
     }
@@ -209,7 +209,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             &mut self.in_flight,
         )
         .await?;
-        let batch = self.pipeline.route.batch;
+        let batch = self.pipeline.sizer.next();
         let mut group = Vec::with_capacity(batch);
         while group.len() < batch {
             // Its own lease takes over once it starts; a heartbeat of
@@ -245,7 +245,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
         let opened = self
             .consumer
             .stream()
-            .max_messages_per_batch(route.concurrency * route.batch)
+            .max_messages_per_batch(route.concurrency * route.batch_cap())
             .expires(PULL_EXPIRES)
             .heartbeat(PULL_HEARTBEAT)
             .messages()
@@ -261,9 +261,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
     }
 
     /// Spawns the processing of `group` in `slot`: one message alone, or a
-    /// batch.
+    /// batch. On an adaptive route, a message that came alone runs alone.
     fn start(&mut self, mut group: Vec<Message>, slot: OwnedSemaphorePermit) {
-        if self.pipeline.route.batch == 1 {
+        if group.len() == 1 && self.pipeline.sizer.runs_one_alone() {
             let message = group.pop().expect("a group has its first message");
             self.in_flight
                 .spawn(self.pipeline.clone().process(message, slot));

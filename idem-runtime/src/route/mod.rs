@@ -19,6 +19,10 @@ pub use retry::RetryPolicy;
 /// The largest batch: one claim statement binds this many ids.
 const MAX_BATCH: usize = 1000;
 
+/// The largest batch of an adaptive route unless it says otherwise
+/// ([`Route::adaptive_batch`]).
+pub const DEFAULT_ADAPTIVE_MAX: usize = 64;
+
 /// Deliveries past the retry policy's limit after which JetStream itself
 /// stops redelivering a message.
 const SERVER_BACKSTOP: u64 = 3;
@@ -62,7 +66,7 @@ pub(crate) fn default_dead_letter_subject(stream: &str, durable: &str) -> String
 /// | `handler_timeout` | 5 min (the handler only; never BEGIN or COMMIT) |
 /// | `max_ack_pending` | 1000 (JetStream's default); must be ≥ `concurrency` |
 /// | `concurrency` | 8 messages (or batches) in flight per route in this process |
-/// | `batch` | 1: per-message mode |
+/// | `batch` | 1: per-message mode (see also [`adaptive_batch`](Route::adaptive_batch)) |
 /// | heartbeat | `+WPI` every ack_wait / 3 while a handler runs |
 /// | ack | plain `+ACK` ([`AckMode::Ack`]) |
 /// | existing consumer | used if its settings match; refused if they differ, unless `update_consumer()` |
@@ -88,7 +92,12 @@ pub struct Route {
     pub(crate) ack_wait: Duration,
     pub(crate) max_ack_pending: i64,
     pub(crate) concurrency: usize,
+    /// The most messages per transaction: the fixed size, or an adaptive
+    /// route's largest.
     pub(crate) batch: usize,
+    /// Whether batches are sized by the backlog and by conflicts (see
+    /// `consume/sizing.rs`), up to `batch`.
+    pub(crate) adaptive: bool,
     heartbeat: HeartbeatSetting,
     pub(crate) handler_timeout: Option<Duration>,
     allow_redelivery_while_running: bool,
@@ -123,6 +132,7 @@ impl Route {
             max_ack_pending: 1000,
             concurrency: 8,
             batch: 1,
+            adaptive: false,
             heartbeat: HeartbeatSetting::Auto,
             handler_timeout: Some(Duration::from_secs(300)),
             allow_redelivery_while_running: false,
@@ -249,7 +259,64 @@ impl Route {
     /// `concurrency × size` messages are taken at once.
     pub fn batch(mut self, size: usize) -> Self {
         self.batch = size;
+        self.adaptive = false;
         self
+    }
+
+    /// Adaptive batching: batch mode whose size follows the backlog and the
+    /// conflicts, up to `max` messages per transaction (see
+    /// [`DEFAULT_ADAPTIVE_MAX`]).
+    ///
+    /// - A message that arrives alone runs alone, in a transaction of its
+    ///   own, as in per-message mode: an idle route keeps per-message
+    ///   latency. It never waits to fill a batch.
+    /// - Under a backlog, each full batch that commits grows the size: it
+    ///   doubles until the first fallback, then grows by one.
+    /// - A batch that falls back (a deadlock, a serialization failure, a
+    ///   handler's error) halves it.
+    /// - A batch that fails is split in two and each half is tried again,
+    ///   down to single messages, which take the normal retry and
+    ///   dead-letter path: one bad message costs a few batches, not a
+    ///   transaction for each of its neighbours.
+    ///
+    /// Inside a batch a handler shares its transaction with the other
+    /// messages of the batch: its writes are visible to the next message's
+    /// handler, its row locks are held until the batch commits, and `SET
+    /// LOCAL` or `pg_advisory_xact_lock` last until then too. A handler that
+    /// depends on having the transaction to itself belongs on a
+    /// [`per_message`](Self::per_message) route.
+    ///
+    /// `concurrency` counts batches in flight; the size is capped so that
+    /// `concurrency × size` stays within `max_ack_pending`.
+    ///
+    /// ```
+    /// use idem_runtime::Route;
+    ///
+    /// let route = Route::new("LEDGER", "ledger-credit").adaptive_batch(128);
+    /// # drop(route);
+    /// ```
+    pub fn adaptive_batch(mut self, max: usize) -> Self {
+        self.batch = max;
+        self.adaptive = true;
+        self
+    }
+
+    /// Per-message mode: each message in a transaction of its own.
+    pub fn per_message(mut self) -> Self {
+        self.batch = 1;
+        self.adaptive = false;
+        self
+    }
+
+    /// The most messages one transaction takes: the fixed size, or an
+    /// adaptive route's largest, capped so that `concurrency` batches fit
+    /// in `max_ack_pending`.
+    pub(crate) fn batch_cap(&self) -> usize {
+        if !self.adaptive || self.max_ack_pending < 0 {
+            return self.batch;
+        }
+        let fits = (self.max_ack_pending as usize) / self.concurrency.max(1);
+        self.batch.min(fits).max(1)
     }
 
     /// Send a progress heartbeat (`+WPI`) every `interval` while a handler
@@ -415,7 +482,7 @@ impl Route {
                 "the handler timeout ({timeout:?}) must be between 1 ms and about 24.8 days (PostgreSQL's statement_timeout); use `without_handler_timeout()` for none"
             ));
         }
-        let in_flight = self.concurrency.saturating_mul(self.batch) as u64;
+        let in_flight = self.concurrency.saturating_mul(self.batch_cap()) as u64;
         if self.max_ack_pending >= 0 && (self.max_ack_pending as u64) < in_flight {
             return refuse(format!(
                 "max_ack_pending ({}) is below the messages in flight (concurrency {} × batch {}); raise max_ack_pending or lower concurrency",
@@ -489,7 +556,7 @@ impl Route {
             nak_delays: policy.nak_delay_runs(),
             jitter: policy.jitter,
             handler_timeout: self.handler_timeout,
-            batch: self.batch,
+            batch: self.batch_cap(),
             max_age: stream.max_age,
             duplicate_window: stream.duplicate_window,
             publisher_retry_horizon: self.publisher_retry_horizon,
@@ -526,6 +593,20 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(err.to_string().contains("shorter than ack_wait"));
+    }
+
+    #[test]
+    fn an_adaptive_route_caps_its_size_to_fit_max_ack_pending_where_a_fixed_one_is_refused() {
+        let adaptive = Route::new("S", "c")
+            .concurrency(16)
+            .max_ack_pending(100)
+            .adaptive_batch(64);
+        adaptive.validate().unwrap();
+        assert_eq!(adaptive.batch_cap(), 6, "16 batches of 6 fit in 100");
+        let fixed = adaptive.clone().batch(64);
+        let err = fixed.validate().unwrap_err();
+        assert!(err.to_string().contains("max_ack_pending (100)"), "{err}");
+        assert_eq!(adaptive.per_message().batch_cap(), 1);
     }
 
     #[test]

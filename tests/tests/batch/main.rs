@@ -4,7 +4,9 @@
 //! take the fresh messages of a batch in one call.
 //!
 //! - `mode`: batch routes with per-message handlers, and the fallback.
+//! - `adaptive`: adaptive batching, and the fallback that splits a batch.
 //! - `handlers`: batch handlers.
 
+mod adaptive;
 mod handlers;
 mod mode;
