@@ -763,3 +763,96 @@ async fn partitioned_consumers_apply_each_key_in_publish_order() {
         "the keys were spread over the partitions"
     );
 }
+
+/// The node a worker is connected to is SIGKILLed, while the consumer's
+/// leader lives on another node (which may still count the dead
+/// connection's pull request as waiting). A message published once the
+/// worker's client has reconnected elsewhere is processed within 1 s of
+/// the reconnect: the pull asks again at once, instead of waiting for
+/// missed idle heartbeats.
+#[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test runs its own NATS cluster"
+)]
+async fn a_worker_whose_node_died_takes_messages_within_a_second_of_reconnecting() {
+    use std::sync::atomic::Ordering;
+    let mut env = ClusterEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let js = env.cluster.jetstream().await;
+    create_idem_streams_r3(&js).await;
+    let stream = unique_name("NODEDIED");
+    let subject = format!("{stream}.deposit");
+    create_r3_stream(&js, &stream, Duration::from_secs(120)).await;
+    let nats = env.cluster.client().await;
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), no_ids),
+        nats.clone(),
+        worker_pool(&env, "worker").await,
+    );
+    publish_with_id(&js, &subject, deposit_json(1), "before").await;
+    wait_all_acked(&js, &stream, "c").await;
+    let stats = handle.stats("c").unwrap();
+    let node = env
+        .cluster
+        .node_named(&nats.server_info().server_name)
+        .expect("the worker is connected to a node of the cluster");
+    // The consumer's leader elsewhere, so that it outlives the kill.
+    for _ in 0..10 {
+        if env.cluster.consumer_leader(&js, &stream, "c").await != node {
+            break;
+        }
+        let _: Result<jetstream::response::Response<serde_json::Value>, _> = js
+            .request(
+                format!("CONSUMER.LEADER.STEPDOWN.{stream}.c"),
+                &serde_json::json!({}),
+            )
+            .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let leader = env.cluster.consumer_leader(&js, &stream, "c").await;
+    assert_ne!(
+        leader, node,
+        "the consumer's leader is not on the node killed"
+    );
+    env.cluster
+        .wait_consumer_replicas_current(&js, &stream, "c")
+        .await;
+
+    let statistics = nats.statistics();
+    let connected_before = statistics.connects.load(Ordering::Relaxed);
+    env.cluster.kill(node);
+    eventually(
+        "the worker's client reconnects to another node",
+        Duration::from_secs(30),
+        || async { statistics.connects.load(Ordering::Relaxed) > connected_before },
+    )
+    .await;
+    let reconnected = Instant::now();
+    let publisher = jetstream::new(
+        async_nats::connect(env.cluster.url(leader))
+            .await
+            .expect("a client of the consumer leader's node"),
+    );
+    publish_with_id(&publisher, &subject, deposit_json(2), "after").await;
+    eventually(
+        "the message published after the reconnect is processed",
+        Duration::from_secs(30),
+        || async { stats.processed() == 2 },
+    )
+    .await;
+    let taken_after = reconnected.elapsed();
+    println!("n{node} killed; from reconnect to the first message processed: {taken_after:?}");
+    assert!(
+        taken_after < Duration::from_secs(1),
+        "the worker took a message {taken_after:?} after its client reconnected, not within 1 s"
+    );
+    handle.shutdown();
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the router shuts down within 30 s")
+        .unwrap()
+        .unwrap();
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(2));
+}

@@ -1,15 +1,20 @@
 //! The pull loop: one long-lived pull per route, processed as slots free up.
 //!
-//! The pull (async-nats's `Consumer::stream`) keeps at most about
-//! `concurrency × batch` messages requested ahead, re-requesting at half, and
-//! asks for idle heartbeats so that a dead server is noticed: on a missed
-//! heartbeat or any other error of the pull, it is dropped and a new one
-//! opened. A message is taken off it only once a slot
+//! The pull (`pull_stream.rs`) keeps at most about `concurrency × batch`
+//! messages requested ahead, re-requesting at half, asks again as soon as
+//! the client reconnects, and asks for idle heartbeats so that a silent
+//! server is noticed: then, or on any other error of the pull, it is
+//! dropped and a new one opened. A message is taken off it only once a slot
 //! is free, so what waits locally is bounded; one that waited past ack_wait
 //! is redelivered, and its claim skips whichever copy comes second.
 //!
+//! The pull is *closed*, not dropped, when the route pauses and at
+//! shutdown: it stops asking and collects what its last requests deliver
+//! until the server has ended them all, so that nothing goes into an inbox
+//! no one reads (and waits out ack_wait there).
+//!
 //! While the route is paused (its database cannot be used, see
-//! `health.rs`), the pull is dropped and nothing new is taken until the
+//! `health.rs`), the pull is closed and nothing new is taken until the
 //! database answers again. What it fetched but did not start is *parked*:
 //! kept leased by heartbeats, and started first once the route resumes. It
 //! is not handed back: a NAK makes the message's next delivery count as
@@ -25,8 +30,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::Message;
 use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::consumer::pull::Stream as PullStream;
-use futures_util::{FutureExt, StreamExt};
+use futures_util::FutureExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
@@ -34,6 +38,7 @@ use crate::consume::ack;
 use crate::consume::health::Health;
 use crate::consume::heartbeat::Lease;
 use crate::consume::pipeline::Pipeline;
+use crate::consume::pull_stream::PullStream;
 use crate::handler::Handler;
 use crate::route::Route;
 use crate::tasks::Signal;
@@ -42,13 +47,6 @@ use crate::tasks::Signal;
 /// row, up to [`PULL_RETRY_MAX`].
 const PULL_RETRY: Duration = Duration::from_millis(100);
 const PULL_RETRY_MAX: Duration = Duration::from_secs(5);
-
-/// How long one pull request lives on the server before it is renewed.
-const PULL_EXPIRES: Duration = Duration::from_secs(10);
-
-/// How often an idle server must say it is alive; two misses re-issue the
-/// pull (after a server restart, say).
-const PULL_HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// Pulls and processes messages until shutdown, then waits up to `grace` for
 /// in-flight ones. Returns how many it had to abandon.
@@ -79,8 +77,13 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
         in_flight,
         ..
     } = puller;
-    give_back_unstarted(pull, parked, &pipeline.nats).await;
-    drain(in_flight, &pipeline.route, grace).await
+    // Both at once: the pull's last requests end while in-flight messages
+    // finish.
+    let ((), abandoned) = tokio::join!(
+        give_back_unstarted(pull, parked, &pipeline.nats, &pipeline.route),
+        drain(in_flight, &pipeline.route, grace),
+    );
+    abandoned
 }
 
 /// Why a turn of the pull loop ended before it started a message.
@@ -149,12 +152,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             next = messages.next() => match next {
                 Some(Ok(message)) => message,
                 Some(Err(error)) => {
-                    // Missed idle heartbeats, a reconnect, a server-side
-                    // limit: open a new pull. Keeping this one can stall it
-                    // (after a reconnect the server may still count a pull
-                    // request of the dead connection, while the client
-                    // waits for deliveries that went into it) until the
-                    // request expires.
+                    // A silent server, a deleted consumer, no JetStream:
+                    // open a new pull, after a pause. (A reconnect is not
+                    // an error: the pull asks again by itself.)
                     self.failures += 1;
                     tracing::debug!(%error, route = route.durable, "pull interrupted; opening a new one");
                     self.pull = None;
@@ -180,7 +180,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
     async fn sit_out_pause(&mut self) -> Result<(), Cut> {
         let route = &self.pipeline.route;
         let health = &self.pipeline.health;
-        for message in unstarted(self.pull.take()) {
+        for message in close(self.pull.take(), route).await {
             let lease = self.pipeline.heartbeats.lease(&message);
             self.parked.push_back((message, lease));
         }
@@ -242,14 +242,12 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
     /// counted, and the next turn tries again.
     async fn open_pull(&mut self) -> Result<PullStream, Cut> {
         let route = &self.pipeline.route;
-        let opened = self
-            .consumer
-            .stream()
-            .max_messages_per_batch(route.concurrency * route.batch_cap())
-            .expires(PULL_EXPIRES)
-            .heartbeat(PULL_HEARTBEAT)
-            .messages()
-            .await;
+        let opened = PullStream::open(
+            self.consumer,
+            &self.pipeline.nats,
+            route.concurrency * route.batch_cap(),
+        )
+        .await;
         match opened {
             Ok(messages) => Ok(messages),
             Err(error) => {
@@ -314,8 +312,9 @@ async fn give_back_unstarted(
     pull: Option<PullStream>,
     parked: VecDeque<(Message, Lease)>,
     nats: &async_nats::Client,
+    route: &Route,
 ) {
-    let mut unstarted = unstarted(pull);
+    let mut unstarted = close(pull, route).await;
     for (message, lease) in parked {
         // No heartbeat may follow its NAK.
         lease.end().await;
@@ -356,20 +355,13 @@ async fn drain(mut in_flight: JoinSet<()>, route: &Route, grace: Duration) -> us
     abandoned
 }
 
-/// What `pull` fetched and did not start; the pull is dropped (unsubscribing),
-/// so that the server cannot deliver more into it.
-fn unstarted(
-    pull: Option<impl futures_util::Stream<Item = Result<Message, impl std::fmt::Debug>> + Unpin>,
-) -> Vec<Message> {
-    let mut unstarted = Vec::new();
-    if let Some(mut messages) = pull {
-        while let Some(Some(next)) = messages.next().now_or_never() {
-            if let Ok(message) = next {
-                unstarted.push(message);
-            }
-        }
+/// Closes `pull`, if one is open: what it fetched and did not start, once no
+/// request of it is left on the server (see [`PullStream::close`]).
+async fn close(pull: Option<PullStream>, route: &Route) -> Vec<Message> {
+    match pull {
+        Some(pull) => pull.close(route.durable.as_str()).await,
+        None => Vec::new(),
     }
-    unstarted
 }
 
 /// Gives back the messages fetched and not started at shutdown, at once, so

@@ -385,24 +385,34 @@ async fn held(
 }
 
 /// Shutdown while messages are in flight: they finish, commit and are acked
-/// before `run` returns; messages fetched but not started are NAKed at once,
-/// so a second worker takes them long before their ack_wait (2 minutes here)
-/// would have run out. Every message is applied once.
+/// before `run` returns; messages fetched but not started, and those the
+/// pull's last requests deliver while it shuts down, are NAKed at once: no
+/// pull request of the stopped worker is left on the server, and within
+/// seconds nothing it was delivered awaits an ack, where a delivery into a
+/// dropped inbox would wait out the 2-minute ack_wait. A second worker then
+/// takes the rest, and every message is applied once.
 #[tokio::test]
 async fn shutdown_finishes_in_flight_and_hands_back_the_rest() {
     let Scenario {
-        env: _env,
+        env,
         pool,
         nats,
         js,
         stream,
         subject,
     } = scenario("SHUTDOWN", Duration::from_secs(120)).await;
+    // The pull asks for 4 at a time, and again at 2 owed: the first request
+    // brings 4, which start; the second brings the last 2 and stays open
+    // on the server, owing 2 more, when shutdown begins.
     const IN_FLIGHT: u64 = 4;
-    const MESSAGES: u64 = 10;
+    const MESSAGES: u64 = 6;
+    // Published once shutdown has begun: that open request takes them,
+    // while the pull closes, and they must be handed back too.
+    const LATE: u64 = 3;
     for i in 0..MESSAGES {
         publish(&js, &subject, &deposit("a", 1), Some(&format!("s-{i}"))).await;
     }
+    let acks = AckLog::start(env.nats().await, &stream, || false).await;
     let route = || {
         Route::new(&stream, "c")
             .concurrency(IN_FLIGHT as usize)
@@ -425,6 +435,10 @@ async fn shutdown_finishes_in_flight_and_hands_back_the_rest() {
         0,
         "shutdown starts while they are in flight"
     );
+    handle.shutdown();
+    for i in 0..LATE {
+        publish(&js, &subject, &deposit("a", 1), Some(&format!("late-{i}"))).await;
+    }
     stop(handle.clone(), task).await;
     let taken = stats.received();
     assert_eq!(stats.processed(), taken, "every message taken was finished");
@@ -434,13 +448,43 @@ async fn shutdown_finishes_in_flight_and_hands_back_the_rest() {
     );
     assert_eq!(ledger(&pool, "held").await.effects, taken as i64);
 
-    // The rest go to the next worker now, not after ack_wait; the 60 s wait
-    // below is shorter than the route's 120 s ack_wait.
+    let info = consumer_info(&js, &stream, "c").await;
+    assert_eq!(
+        info.num_waiting, 0,
+        "no pull request of the stopped worker is left on the server"
+    );
+    let delivered = info.delivered.consumer_sequence;
+    assert!(
+        delivered > MESSAGES,
+        "the closing pull was delivered messages published after shutdown began ({delivered} delivered), so the hand-back of what an open request brings is exercised"
+    );
+    // Every delivery it did not start was NAKed, once: 5 s is far below the
+    // 120 s ack_wait.
+    eventually(
+        "every delivery the stopped worker did not start is handed back",
+        Duration::from_secs(5),
+        || async {
+            let naks = acks
+                .events()
+                .iter()
+                .filter(|event| event.kind == AckKind::Nak)
+                .count() as u64;
+            naks == delivered - taken
+        },
+    )
+    .await;
+
+    // The rest go to the next worker now, not after ack_wait.
+    let next_started = std::time::Instant::now();
     let (next, next_task) = spawn(Router::new().route(route(), held), nats, pool.clone());
     wait_all_acked(&js, &stream, "c").await;
+    assert!(
+        next_started.elapsed() < Duration::from_secs(30),
+        "the next worker took the rest within 30 s, far below the 120 s ack_wait"
+    );
     stop(next.clone(), next_task).await;
     let next_stats = next.stats("c").unwrap();
-    assert_eq!(next_stats.processed(), MESSAGES - taken);
+    assert_eq!(next_stats.processed(), MESSAGES + LATE - taken);
     assert_eq!(
         next_stats.duplicates(),
         0,
@@ -448,7 +492,7 @@ async fn shutdown_finishes_in_flight_and_hands_back_the_rest() {
     );
     assert_eq!(
         ledger(&pool, "held").await,
-        Ledger::once_each(MESSAGES as i64)
+        Ledger::once_each((MESSAGES + LATE) as i64)
     );
 }
 

@@ -1,12 +1,75 @@
-//! The route's consumer deleted under it: the pull loop does not spin, it
-//! backs off, and it picks up again once the consumer is back.
+//! NATS failing under a running route: a restarted server, whose pull
+//! requests are gone, is asked again as soon as the client reconnects; the
+//! route's consumer deleted under it: the pull loop does not spin, it backs
+//! off, and it picks up again once the consumer is back.
 
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures_util::StreamExt;
 use idem_runtime::{Route, Router};
 use idem_tests::scenario::*;
+
+/// The NATS server is killed and started again (its store kept, its pull
+/// requests gone). A message published the moment it is back is processed
+/// within 1 s of the router's client reconnecting: the pull asks again at
+/// once, instead of waiting for missed idle heartbeats.
+#[tokio::test]
+async fn a_restarted_server_is_pulled_from_within_a_second_of_the_reconnect() {
+    let Scenario {
+        mut env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("RECONNECT", Duration::from_secs(120)).await;
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), no_ids),
+        nats.clone(),
+        pool.clone(),
+    );
+    publish(&js, &subject, &deposit("a", 1), Some("before")).await;
+    wait_all_acked(&js, &stream, "c").await;
+    let stats = handle.stats("c").unwrap();
+    // When the router's client reconnects, to within 5 ms. If that is
+    // before the message below is published, the figure counts the wait for
+    // it too: it can only be larger than the route's.
+    let statistics = nats.statistics();
+    let connected_before = statistics.connects.load(Ordering::Relaxed);
+    let reconnect = tokio::spawn(async move {
+        while statistics.connects.load(Ordering::Relaxed) == connected_before {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Instant::now()
+    });
+
+    // The fault: the server dies, and comes back on the same port and store.
+    env.nats_server_mut().kill_and_restart().await;
+    // Published by a client of its own as soon as JetStream answers, so it
+    // waits in the stream for the router's pull.
+    let publisher = jetstream::new(env.nats().await);
+    publish(&publisher, &subject, &deposit("a", 2), Some("after")).await;
+    let reconnected = tokio::time::timeout(Duration::from_secs(30), reconnect)
+        .await
+        .expect("the router's client reconnects within 30 s")
+        .unwrap();
+    eventually(
+        "the message published after the restart is processed",
+        Duration::from_secs(30),
+        || async { stats.processed() == 2 },
+    )
+    .await;
+    let taken_after = reconnected.elapsed();
+    eprintln!("from reconnect to the first message processed: {taken_after:?}");
+    assert!(
+        taken_after < Duration::from_secs(1),
+        "the route took a message {taken_after:?} after its client reconnected, not within 1 s"
+    );
+    stop(handle, task).await;
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(2));
+}
 
 /// The route's consumer is deleted under it. The pull loop must not spin
 /// re-issuing pulls as fast as it can: it backs off, and picks up again
