@@ -52,6 +52,10 @@ struct Cli {
     /// WAL it keeps on disk); repeatable
     #[arg(long, value_name = "NAME=VALUE", global = true, value_parser = pg_setting)]
     pg_setting: Vec<String>,
+    /// The bench's own nats-server's JetStream sync_interval: `always`
+    /// (fsync before each PubAck) or `default` (the server's, every 2 min)
+    #[arg(long, value_name = "SYNC", value_enum, global = true, default_value_t = servers::NatsSync::Always)]
+    nats_sync: servers::NatsSync,
 }
 
 /// `name=value`, a PostgreSQL `-c` setting.
@@ -554,6 +558,8 @@ struct Options {
     data_dir: Option<PathBuf>,
     /// `--pg-setting`s.
     pg_settings: Vec<String>,
+    /// `--nats-sync`.
+    nats_sync: servers::NatsSync,
     /// `scale`'s options.
     scale: Option<scale::ScaleArgs>,
 }
@@ -577,6 +583,7 @@ impl Options {
             rotate_after: Duration::ZERO,
             key_expression: false,
             data_dir: None,
+            nats_sync: servers::NatsSync::Always,
             pg_settings: Vec::new(),
             scale: None,
         }
@@ -600,6 +607,7 @@ impl From<Cli> for Options {
     fn from(cli: Cli) -> Options {
         Options {
             data_dir: cli.data_dir,
+            nats_sync: cli.nats_sync,
             pg_settings: cli.pg_setting,
             ..Options::from(cli.command)
         }
@@ -774,7 +782,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         let need_postgres = options.job != Job::Mode(Mode::Raw);
         let servers = tokio::select! {
-            servers = Servers::start(need_postgres, options.data_dir.as_deref(), &options.pg_settings) => servers?,
+            servers = Servers::start(need_postgres, options.data_dir.as_deref(), &options.pg_settings, options.nats_sync) => servers?,
             _ = interrupted() => return Err(BenchError::Interrupted),
         };
         let result = tokio::select! {

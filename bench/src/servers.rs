@@ -69,6 +69,7 @@ impl Servers {
         need_postgres: bool,
         data_dir: Option<&Path>,
         pg_settings: &[String],
+        nats_sync: NatsSync,
     ) -> Result<Servers, BenchError> {
         let mut servers = Servers {
             nats_url: String::new(),
@@ -119,12 +120,13 @@ impl Servers {
             }
             None => {
                 let dir = dir.as_ref().expect("made above").join("nats");
-                let (process, port) = start_nats(&dir, "").await?;
+                let (process, port) = start_nats_with(&dir, "", nats_sync).await?;
                 servers.nats = Some(process);
                 servers.nats_url = format!("nats://127.0.0.1:{port}");
                 servers.description.push(format!(
-                    "NATS: nats-server on {} (JetStream file store, sync_interval: always, in {} on {})",
+                    "NATS: nats-server on {} (JetStream file store, {}, in {} on {})",
                     servers.nats_url,
+                    nats_sync.describe(),
                     dir.display(),
                     file_system_of(&dir)
                 ));
@@ -246,17 +248,53 @@ impl OwnedProcess {
     }
 }
 
+/// JetStream's `sync_interval` for the bench's own nats-server
+/// (`--nats-sync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NatsSync {
+    /// `sync_interval: always`: every write fsynced before its PubAck.
+    Always,
+    /// The server's default: fsync every 2 minutes, PubAcks at once.
+    Default,
+}
+
+impl NatsSync {
+    fn config(self) -> &'static str {
+        match self {
+            NatsSync::Always => "  sync_interval: always\n",
+            NatsSync::Default => "",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            NatsSync::Always => "sync_interval: always",
+            NatsSync::Default => "default sync_interval (2 min)",
+        }
+    }
+}
+
 /// Runs nats-server with JetStream in `dir`, `extra` appended to its
 /// config (a cluster's settings); returns it and its port.
 pub(crate) async fn start_nats(dir: &Path, extra: &str) -> Result<(OwnedProcess, u16), BenchError> {
+    start_nats_with(dir, extra, NatsSync::Always).await
+}
+
+/// [`start_nats`] with the given `sync_interval`.
+async fn start_nats_with(
+    dir: &Path,
+    extra: &str,
+    sync: NatsSync,
+) -> Result<(OwnedProcess, u16), BenchError> {
     fs::create_dir_all(dir)
         .map_err(|e| BenchError::setup(format!("cannot create {}: {e}", dir.display())))?;
     let config = dir.join("nats-server.conf");
     let log = dir.join("nats-server.log");
     // port -1: the server picks a free port, read back from its log.
     let text = format!(
-        "host: 127.0.0.1\nport: -1\njetstream {{\n  store_dir: {:?}\n  sync_interval: always\n}}\n{extra}",
-        dir.join("js").display().to_string()
+        "host: 127.0.0.1\nport: -1\njetstream {{\n  store_dir: {:?}\n{}}}\n{extra}",
+        dir.join("js").display().to_string(),
+        sync.config()
     );
     fs::write(&config, text)
         .map_err(|e| BenchError::setup(format!("cannot write {}: {e}", config.display())))?;

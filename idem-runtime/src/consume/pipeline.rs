@@ -730,6 +730,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let retry = &self.route.retry;
         match verdict {
             Verdict::Processed(_) => {
+                // Committed: a relay of this process publishes what it queued.
+                crate::outbox::after_commit(delivery);
                 self.recorder.record(Event::Processed);
                 #[cfg(feature = "fault-injection")]
                 if self.faults.decide_after_commit(delivery)

@@ -289,6 +289,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     let verdict = self
                         .transact_with_retries(&request.payload, payload, &delivery)
                         .await;
+                    // Committed: a relay of this process publishes what it queued.
+                    if matches!(verdict, Verdict::Processed(_)) {
+                        crate::outbox::after_commit(&delivery);
+                    }
                     #[cfg(feature = "fault-injection")]
                     if matches!(verdict, Verdict::Processed(_))
                         && self.faults.decide_after_commit(&delivery)

@@ -1,6 +1,7 @@
 //! What a handler may know about the delivery it is processing.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::Message;
@@ -40,7 +41,7 @@ use crate::message_id::MessageId;
 /// request), and [`stored_at`](Delivery::stored_at) the time it was
 /// received.
 #[derive(Clone)]
-pub struct Delivery(Arc<Fields>);
+pub struct Delivery(Arc<Fields>, Arc<AtomicBool>);
 
 #[derive(Debug, Clone)]
 pub(crate) struct Fields {
@@ -115,7 +116,22 @@ impl Delivery {
     }
 
     pub(crate) fn new(fields: Fields) -> Self {
-        Delivery(Arc::new(fields))
+        Delivery(Arc::new(fields), Arc::default())
+    }
+
+    /// Notes that a transaction of this delivery queued outbox rows (set by
+    /// [`Outbox::send`](crate::outbox::Outbox::send)), so that the runtime
+    /// wakes the relays of this process once it has committed (see
+    /// `outbox/wake.rs`). Shared by every clone.
+    pub(crate) fn mark_outbox_queued(&self) {
+        self.1.store(true, Ordering::Release);
+    }
+
+    /// Whether outbox rows were queued since the last call, clearing the
+    /// mark: asked after each COMMIT. A mark left by an attempt that rolled
+    /// back costs at most one empty relay cycle.
+    pub(crate) fn take_outbox_queued(&self) -> bool {
+        self.1.swap(false, Ordering::AcqRel)
     }
 
     /// Sets the id the delivery is deduplicated by, once resolved.

@@ -125,6 +125,8 @@ pub(crate) use lag::record_gauges as record_lag_gauges;
 pub use lag::{Failing, Lag, MOST_FAILURES, lag, retry_failing};
 pub use relay::{FINAL_CYCLES, Relay, RelayError};
 pub use stats::{Cycle, Published, RelayStats};
+pub(crate) use wake::after_commit;
+pub use wake::wake_local_relays;
 
 /// The channel the outbox's trigger notifies on each queuing transaction.
 pub const CHANNEL: &str = "idem_outbox";
@@ -170,6 +172,9 @@ ON CONFLICT (msg_id) DO NOTHING";
 pub struct Outbox<C = Json> {
     scope: Scope,
     next: AtomicU32,
+    /// The handler call's delivery, marked when a message is queued, so
+    /// that the runtime wakes this process's relays after its COMMIT.
+    delivery: Option<Delivery>,
     codec: PhantomData<fn() -> C>,
 }
 
@@ -197,15 +202,22 @@ impl<C> Outbox<C> {
     /// delivery is handed to and its message id. What the runtime gives a
     /// handler that takes an `Outbox`.
     pub fn for_delivery(delivery: &Delivery) -> Self {
-        Self::scoped(crate::store::claim::key(
-            delivery.handler(),
-            delivery.message_id().as_str(),
-        ))
+        Self {
+            delivery: Some(delivery.clone()),
+            ..Self::scoped(crate::store::claim::key(
+                delivery.handler(),
+                delivery.message_id().as_str(),
+            ))
+        }
     }
 
     /// An outbox whose ids derive from `key` and each message's index:
     /// the same key queues the same ids, so a retry of the work is dropped
     /// downstream. Keys share one namespace, apart from handlers'.
+    ///
+    /// Outside a handler the runtime does not see your COMMIT: call
+    /// [`wake_local_relays`] after it, or a relay finds the rows at its next
+    /// poll.
     ///
     /// ```
     /// # use idem_runtime::outbox::Outbox;
@@ -223,6 +235,7 @@ impl<C> Outbox<C> {
         Self {
             scope: Scope::Random,
             next: AtomicU32::new(0),
+            delivery: None,
             codec: PhantomData,
         }
     }
@@ -231,6 +244,7 @@ impl<C> Outbox<C> {
         Self {
             scope: Scope::Keyed(key),
             next: AtomicU32::new(0),
+            delivery: None,
             codec: PhantomData,
         }
     }
@@ -283,6 +297,9 @@ impl<C> Outbox<C> {
         check_subject(subject)?;
         let id = self.id_of(self.next.fetch_add(1, Ordering::Relaxed));
         enqueue(conn, &id, subject, &payload, headers).await?;
+        if let Some(delivery) = &self.delivery {
+            delivery.mark_outbox_queued();
+        }
         Ok(id)
     }
 }

@@ -80,7 +80,7 @@ use tokio::sync::watch;
 
 use super::lag::lag;
 use super::stats::{Cycle, Published, RelayStats};
-use super::wake::Wakeup;
+use super::wake::{Poll, Wakeup};
 use super::{MAX_SUBJECT_LEN, check_subject, message_headers};
 
 /// Rows that never failed, in id order; of those, as many as fit in
@@ -159,14 +159,18 @@ type Row = (i64, String, String, Vec<u8>, Option<String>, i32, i64);
 /// the next cycle publishes them again with the same ids: JetStream drops
 /// them within its duplicate window, downstream dedup after it.
 ///
-/// It wakes on `NOTIFY idem_outbox` (sent once by each queuing
-/// transaction; one wake-up covers every notification received), and polls
-/// every `poll_interval` in case a notification was lost (a dropped LISTEN
-/// connection) or the trigger is disabled.
+/// It wakes when a handler of its process has committed a transaction that
+/// queued messages (see [`wake_local_relays`](super::wake_local_relays)),
+/// and polls: every `min_poll_interval` (10 ms) while polls find rows,
+/// doubling while they find none, up to `poll_interval` (1 s). The poll is
+/// what a relay in another process than the handlers runs on, and what finds
+/// rows whose wake-up was lost. Where the NOTIFY trigger is enabled again
+/// (opt-in, see the guide), each notification wakes it too.
 #[derive(Clone)]
 pub struct Relay {
     batch_size: usize,
     max_cycle_bytes: usize,
+    min_poll_interval: Duration,
     poll_interval: Duration,
     max_backoff: Duration,
     max_row_backoff: Duration,
@@ -183,6 +187,7 @@ impl std::fmt::Debug for Relay {
         f.debug_struct("Relay")
             .field("batch_size", &self.batch_size)
             .field("max_cycle_bytes", &self.max_cycle_bytes)
+            .field("min_poll_interval", &self.min_poll_interval)
             .field("poll_interval", &self.poll_interval)
             .field("max_backoff", &self.max_backoff)
             .field("max_row_backoff", &self.max_row_backoff)
@@ -305,12 +310,14 @@ impl Backoff {
 
 impl Relay {
     /// A relay with the defaults: batches of 1024 rows and at most 8 MiB,
-    /// a poll every second, back-off up to 5 s while NATS is away, and up to
-    /// 60 s for a row that keeps failing.
+    /// a poll from every 10 ms (while rows keep coming) to every second
+    /// (idle), back-off up to 5 s while NATS is away, and up to 60 s for a
+    /// row that keeps failing.
     pub fn new() -> Self {
         Self {
             batch_size: 1024,
             max_cycle_bytes: 8 * 1024 * 1024,
+            min_poll_interval: Duration::from_millis(10),
             poll_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(5),
             max_row_backoff: Duration::from_secs(60),
@@ -335,10 +342,22 @@ impl Relay {
         self
     }
 
-    /// How often the relay looks for rows without a notification
-    /// (default 1 s).
+    /// The longest the relay goes without looking for rows when nothing
+    /// wakes it (default 1 s): the poll's ceiling, reached while polls find
+    /// nothing. A row whose wake-up was lost, or queued by another process
+    /// while no poll is fast, waits about this long.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
+        self
+    }
+
+    /// The poll's floor (default 10 ms): how soon after a cycle that found
+    /// rows the relay looks again unwoken, so that a relay in another
+    /// process than the handlers keeps up while rows keep coming. Each poll
+    /// that finds nothing doubles the wait, up to
+    /// [`poll_interval`](Self::poll_interval).
+    pub fn min_poll_interval(mut self, interval: Duration) -> Self {
+        self.min_poll_interval = interval;
         self
     }
 
@@ -426,6 +445,7 @@ impl Relay {
         let mut wakeup = Wakeup::new(self.stats.clone());
         let mut backoff = Backoff::default();
         let mut lost = LostConnections::default();
+        let mut poll = Poll::new(self.min_poll_interval, self.poll_interval);
         let mut lag_read: Option<Instant> = None;
         loop {
             // About once per poll interval, whether woken by notifications
@@ -449,6 +469,7 @@ impl Relay {
                 match cycle {
                     Ok(cycle) => {
                         lost.count(&cycle);
+                        poll.after(cycle.taken > 0);
                         // Notified meanwhile: rows may have committed after
                         // this cycle took its own.
                         let again = cycle.more || notified;
@@ -468,12 +489,12 @@ impl Relay {
             // first one ends the wait (see `wake.rs`).
             let (wait, early) = match backoff.current() {
                 Some(wait) => (wait, false),
-                None => (self.poll_interval, true),
+                None => (poll.wait(), true),
             };
             tokio::select! {
                 () = &mut shutdown => return self.final_cycles(js, pool).await,
                 _ = stopped.changed() => return Ok(()),
-                () = wakeup.wait(wait, early) => {}
+                _ = wakeup.wait(wait, early) => {}
             }
         }
     }

@@ -1,7 +1,26 @@
-//! What wakes a relay's fresh lane: a notification on [`CHANNEL`], sent by
-//! each queuing transaction's trigger, or the poll, whichever comes first.
+//! What wakes a relay's fresh lane, whichever comes first:
 //!
-//! Two rules, whatever the signal:
+//! - **This process's COMMITs** ([`after_commit`], [`wake_local_relays`]).
+//!   A handler's [`Outbox`](super::Outbox) marks its delivery when it queues
+//!   a message; once that transaction has committed, the runtime rings a
+//!   process-wide bell (a `tokio::sync::watch`), and every relay of the
+//!   process runs a cycle. No round trip and no lock: the NOTIFY trigger
+//!   took PostgreSQL's notification-queue lock at every queuing COMMIT,
+//!   which serialised those commits. A ring that comes while a cycle runs
+//!   calls for one more (the cycle may have taken its rows before that
+//!   COMMIT); rings that come together make one wake-up.
+//! - **The poll**, adaptive ([`Poll`]): from `min_poll_interval` after a
+//!   cycle that found rows, doubling while polls find none, up to
+//!   `poll_interval`. It is what wakes a relay in another process than the
+//!   queuing one, and what finds rows whose wake-up was lost (a process that
+//!   died between its COMMIT and the ring): nothing committed waits longer
+//!   than `poll_interval` for a look.
+//! - **A notification on [`CHANNEL`]**, only where the trigger
+//!   `idem_outbox_notify` was enabled again (migration 7 disables it; see
+//!   the guide's outbox chapter): a relay always LISTENs, so that enabling
+//!   it needs no change to the relays.
+//!
+//! Two rules for the notifications:
 //!
 //! - **One wake-up covers everything pending.** A cycle takes every row
 //!   committed before it, so the notifications that arrived before it are
@@ -23,19 +42,109 @@
 //! follows (notifications may have been lost meanwhile): a cycle then finds
 //! what they announced. Only waits are raced against timers here, never a
 //! cycle's BEGIN or COMMIT (sqlx#4393). `try_recv` keeps a message it has
-//! read only in part when it is cancelled (its read is cancel-safe).
+//! read only in part when it is cancelled (its read is cancel-safe), and so
+//! does `watch::Receiver::changed`.
 
 use std::future::Future;
 use std::pin::pin;
 use std::time::Duration;
 
+use std::sync::LazyLock;
+
 use futures_util::FutureExt;
 use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgNotification};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::CHANNEL;
 use super::stats::RelayStats;
+use crate::handler::delivery::Delivery;
+
+/// The bell this process's relays wait on: rung after each COMMIT that
+/// queued outbox rows. A `watch` remembers a ring for each relay until it
+/// looks, so a ring between two waits is not lost, and many rings make one
+/// wake-up.
+static LOCAL: LazyLock<watch::Sender<()>> = LazyLock::new(|| watch::channel(()).0);
+
+/// Wakes every relay running in this process, so that it publishes what
+/// was committed before this call now rather than at its next poll.
+///
+/// The runtime calls it after each handler's COMMIT that queued a message
+/// with [`Outbox`](super::Outbox). Call it yourself after committing a
+/// transaction that queued messages outside a handler
+/// ([`Outbox::keyed`](super::Outbox::keyed), [`Outbox::random`](super::Outbox::random),
+/// [`enqueue`](super::enqueue)). It costs an atomic write; a relay that is
+/// in the middle of a cycle runs one more.
+///
+/// ```
+/// # async fn queue(pool: sqlx::PgPool) -> Result<(), idem_runtime::outbox::OutboxError> {
+/// use idem_runtime::outbox::{Outbox, wake_local_relays};
+///
+/// let mut tx = pool.begin().await?;
+/// let outbox: Outbox = Outbox::keyed("checkout:4711");
+/// outbox.send(&mut tx, "orders.checked_out", &4711).await?;
+/// tx.commit().await?;
+/// wake_local_relays();
+/// # Ok(())
+/// # }
+/// ```
+pub fn wake_local_relays() {
+    LOCAL.send_modify(|()| {});
+}
+
+/// Rings the bell if `delivery`'s transaction queued outbox rows; called by
+/// the runtime right after that transaction committed.
+pub(crate) fn after_commit(delivery: &Delivery) {
+    if delivery.take_outbox_queued() {
+        wake_local_relays();
+    }
+}
+
+/// Why a wait ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Woken {
+    /// The poll: nothing announced rows.
+    Poll,
+    /// A ring of this process, a notification, or a lost LISTEN
+    /// connection: rows may be there.
+    Signal,
+}
+
+/// The fresh lane's adaptive poll: the next wait without a signal.
+#[derive(Debug)]
+pub(super) struct Poll {
+    floor: Duration,
+    ceiling: Duration,
+    current: Duration,
+}
+
+impl Poll {
+    /// Starts at `floor`, doubles up to `ceiling` (at least `floor`).
+    pub(super) fn new(floor: Duration, ceiling: Duration) -> Self {
+        let floor = floor.min(ceiling);
+        Self {
+            floor,
+            ceiling,
+            current: floor,
+        }
+    }
+
+    /// How long the next wait may be.
+    pub(super) fn wait(&self) -> Duration {
+        self.current
+    }
+
+    /// After a cycle: back to the floor if it found rows (more may be
+    /// coming), else twice as long, up to the ceiling.
+    pub(super) fn after(&mut self, found_rows: bool) {
+        self.current = if found_rows {
+            self.floor
+        } else {
+            (self.current * 2).min(self.ceiling)
+        };
+    }
+}
 
 /// The most notifications one wake-up reads without waiting, so that
 /// writers notifying faster than the relay reads cannot keep it from its
@@ -45,6 +154,8 @@ const MOST_PER_WAKE_UP: usize = 100_000;
 /// The LISTEN connection of one relay, and the waits on it.
 pub(super) struct Wakeup {
     listener: Option<PgListener>,
+    /// This process's bell ([`LOCAL`]).
+    local: watch::Receiver<()>,
     /// Counts notifications read and wake-ups they caused.
     stats: RelayStats,
 }
@@ -53,6 +164,7 @@ impl Wakeup {
     pub(super) fn new(stats: RelayStats) -> Self {
         Self {
             listener: None,
+            local: LOCAL.subscribe(),
             stats,
         }
     }
@@ -75,33 +187,52 @@ impl Wakeup {
     }
 
     /// Waits up to `wait`, reading every notification meanwhile. With
-    /// `early`, the first notification ends the wait, together with every
-    /// other one already received; without it (a back-off), notifications
-    /// are read and discarded until the time is up. Ends early, too, when
-    /// the LISTEN connection was lost: notifications may have been lost with
-    /// it, so a cycle should look for rows now.
-    pub(super) async fn wait(&mut self, wait: Duration, early: bool) {
+    /// `early`, a ring of this process or the first notification ends the
+    /// wait (the latter together with every other one already received);
+    /// without it (a back-off), notifications are read and discarded until
+    /// the time is up. Ends early, too, when the LISTEN connection was lost:
+    /// notifications may have been lost with it, so a cycle should look for
+    /// rows now.
+    pub(super) async fn wait(&mut self, wait: Duration, early: bool) -> Woken {
         let deadline = Instant::now() + wait;
         loop {
-            let Some(listener) = self.listener.as_mut() else {
-                tokio::time::sleep_until(deadline).await;
-                return;
+            let Self {
+                listener, local, ..
+            } = self;
+            let rung = async {
+                if early {
+                    // The sender is a static: never closed.
+                    let _ = local.changed().await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
             };
-            match tokio::time::timeout_at(deadline, listener.try_recv()).await {
-                Err(_) => return,
-                Ok(Ok(Some(_))) => {
+            let received = async {
+                match listener.as_mut() {
+                    Some(listener) => listener.try_recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let received = tokio::select! {
+                biased;
+                () = rung => return Woken::Signal,
+                received = received => received,
+                () = tokio::time::sleep_until(deadline) => return Woken::Poll,
+            };
+            match received {
+                Ok(Some(_)) => {
                     let read = 1 + self.drain();
                     self.stats.notified(read, early);
                     if early {
-                        return;
+                        return Woken::Signal;
                     }
                 }
                 // Lost, and reconnected by `try_recv`.
-                Ok(Ok(None)) => return,
-                Ok(Err(error)) => {
+                Ok(None) => return Woken::Signal,
+                Err(error) => {
                     tracing::warn!(%error, "outbox LISTEN connection failed; polling until it is back");
                     self.listener = None;
-                    return;
+                    return Woken::Signal;
                 }
             }
         }
@@ -110,9 +241,19 @@ impl Wakeup {
     /// Runs `work` (a cycle) to its end, never cancelled, while reading the
     /// notifications that arrive meanwhile, so that a long cycle (a PubAck
     /// timeout) does not leave them unread. Returns its output, and whether
-    /// any came (or the LISTEN connection was lost): they may announce rows
-    /// committed after the cycle took its own, so another cycle should look.
+    /// any came, this process rang, or the LISTEN connection was lost: they
+    /// may announce rows committed after the cycle took its own, so another
+    /// cycle should look.
     pub(super) async fn during<F: Future>(&mut self, work: F) -> (F::Output, bool) {
+        // Rings from here on are for rows this cycle may miss; earlier ones
+        // are served by it.
+        self.local.mark_unchanged();
+        let (output, notified) = self.read_during(work).await;
+        let rung = self.local.has_changed().unwrap_or(false);
+        (output, notified || rung)
+    }
+
+    async fn read_during<F: Future>(&mut self, work: F) -> (F::Output, bool) {
         enum Next<T> {
             Done(T),
             Received(Result<Option<PgNotification>, sqlx::Error>),

@@ -61,6 +61,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "expiry state",
         include_str!("../../migrations/0006_expiry_state.sql"),
     ),
+    (
+        7,
+        "outbox notify opt-in",
+        include_str!("../../migrations/0007_outbox_notify_opt_in.sql"),
+    ),
 ];
 
 fn migrator() -> Migrator {

@@ -3,9 +3,12 @@
 //! - `publishing`: what a handler queues is published once, in order, also
 //!   across relay crashes and two relays.
 //! - `relay_liveness`: the relay never stops, whatever its rows or NATS do.
+//! - `wake`: what wakes a relay without the NOTIFY trigger: its router's
+//!   commits, or its adaptive poll.
 
 mod publishing;
 mod relay_liveness;
+mod wake;
 
 use async_nats::jetstream;
 use idem_runtime::outbox;
@@ -26,4 +29,15 @@ async fn stored_count(js: &jetstream::Context, stream: &str) -> u64 {
 /// The outbox rows not yet published.
 async fn pending_rows(pool: &PgPool) -> i64 {
     outbox::lag(pool).await.expect("lag is read").pending
+}
+
+/// Whether the outbox's NOTIFY trigger is enabled (migration 7 disables
+/// it).
+pub(crate) async fn notify_trigger_enabled(pool: &PgPool) -> bool {
+    sqlx::query_scalar(
+        "SELECT tgenabled <> 'D' FROM pg_trigger WHERE tgname = 'idem_outbox_notify'",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("the trigger exists")
 }

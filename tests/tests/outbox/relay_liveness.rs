@@ -596,6 +596,12 @@ async fn one_wake_up_covers_every_pending_notification() {
     let nats = env.nats().await;
     let js = jetstream::new(nats.clone());
     let out = out_stream(&js, "OBWAKE").await;
+    // The trigger is opt-in (migration 7): this test is about what its
+    // notifications cost a relay.
+    sqlx::query("ALTER TABLE idem_outbox ENABLE TRIGGER idem_outbox_notify")
+        .execute(&pool)
+        .await
+        .unwrap();
     let (relay_pool, taken) = counting_pool(env.database_url()).await;
     let relay = Relay::new();
     let stats = relay.stats();
@@ -650,6 +656,12 @@ async fn a_relay_that_cannot_reach_nats_keeps_reading_its_notifications() {
     prepare_database(&pool).await;
     let js = env.jetstream().await;
     let out = out_stream(&js, "OBDEAF").await;
+    // The trigger is opt-in (migration 7); where it is on, or another user
+    // of the channel notifies, the relay must keep reading.
+    sqlx::query("ALTER TABLE idem_outbox ENABLE TRIGGER idem_outbox_notify")
+        .execute(&pool)
+        .await
+        .unwrap();
     let proxy = FaultProxy::start("nats", env.nats_url());
     let relay_nats = async_nats::connect(proxy.url_for(env.nats_url()))
         .await

@@ -1,0 +1,320 @@
+//! What wakes a relay now that the NOTIFY trigger is opt-in (migration 7):
+//! a router's relay is woken in process after each COMMIT that queued rows,
+//! well before its poll; a relay that nothing wakes (another process's)
+//! still delivers within its poll ceiling; and while NATS is away, rings
+//! cost no extra cycles.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use futures_util::StreamExt;
+use idem_runtime::outbox::{Outbox, OutboxError, Relay, RelayError, wake_local_relays};
+use idem_runtime::{Route, Router, State, idempotent};
+use idem_tests::scenario::*;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+
+use crate::{notify_trigger_enabled, pending_rows, stored_count};
+
+/// A stream for the outbox's messages: it stores `<name>.>`.
+async fn out_stream(js: &jetstream::Context, prefix: &str) -> String {
+    let name = unique_name(prefix);
+    create_stream(js, &name, &format!("{name}.>"), Duration::from_secs(120)).await;
+    name
+}
+
+/// Where the handler queues, and when each call was about to commit.
+#[derive(Clone)]
+struct Forward {
+    subject: String,
+    before_commit: Arc<Mutex<Vec<(i64, Instant)>>>,
+}
+
+#[idempotent(name = "outbox.wake.forward.v1")]
+async fn forward(
+    tx: &mut sqlx::PgTransaction<'_>,
+    State(forward): State<Forward>,
+    outbox: Outbox,
+    d: Deposit,
+) -> Result<(), OutboxError> {
+    outbox.send(tx, &forward.subject, &d).await?;
+    // The runtime's COMMIT follows at once.
+    forward
+        .before_commit
+        .lock()
+        .unwrap()
+        .push((d.amount, Instant::now()));
+    Ok(())
+}
+
+/// Queues one deposit outside any handler, committed, without ringing: as
+/// another process would.
+async fn queue_elsewhere(pool: &PgPool, key: &str, subject: &str, amount: i64) {
+    let outbox: Outbox = Outbox::keyed(key);
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .send(&mut tx, subject, &deposit(key, amount))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
+fn spawn_relay(
+    relay: Relay,
+    nats: async_nats::Client,
+    pool: PgPool,
+) -> (
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), RelayError>>,
+) {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(relay.run_until(nats, pool, async move {
+        let _ = stopped.await;
+    }));
+    (stop, task)
+}
+
+async fn stop_relay(
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), RelayError>>,
+) {
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the relay stops within 30 s")
+        .expect("the relay task does not panic")
+        .expect("the relay returns Ok");
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+#[tokio::test]
+async fn a_router_s_relay_is_woken_by_its_handlers_commits_well_before_its_poll() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("OBLOCAL", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBLOCAL_OUT").await;
+    assert!(
+        !notify_trigger_enabled(&pool).await,
+        "migration 7 leaves the trigger disabled"
+    );
+    // A poll that cannot explain a delivery within the test.
+    const POLL: Duration = Duration::from_secs(30);
+    let relay = Relay::new().poll_interval(POLL).min_poll_interval(POLL);
+    let state = Forward {
+        subject: format!("{out}.paid"),
+        before_commit: Arc::default(),
+    };
+    let router = Router::with_state(state.clone())
+        .route(Route::new(&stream, "forward"), forward)
+        .relay(relay);
+    let mut received = nats.subscribe(format!("{out}.>")).await.unwrap();
+    let (handle, task) = spawn(router, nats.clone(), pool.clone());
+
+    const MESSAGES: i64 = 40;
+    let mut latencies = Vec::new();
+    for amount in 0..MESSAGES {
+        publish(
+            &js,
+            &subject,
+            &deposit("local", amount),
+            Some(&format!("local-{amount}")),
+        )
+        .await;
+        let message = tokio::time::timeout(Duration::from_secs(10), received.next())
+            .await
+            .expect("the outbox message is published well before the 30 s poll")
+            .expect("the subscription is open");
+        let at = Instant::now();
+        let sent: Deposit = serde_json::from_slice(&message.payload).unwrap();
+        assert_eq!(sent.amount, amount, "one at a time, in order");
+        let before_commit = state
+            .before_commit
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(a, _)| *a == amount)
+            .map(|(_, at)| *at)
+            .expect("the handler ran");
+        latencies.push(at - before_commit);
+    }
+    latencies.sort();
+    let (p50, p99, max) = (
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+        latencies[latencies.len() - 1],
+    );
+    println!("COMMIT -> published, woken in process: p50 {p50:?}, p99 {p99:?}, max {max:?}");
+    // Well below the poll: the ring, not the poll, delivered each.
+    assert!(
+        max < Duration::from_secs(1),
+        "slowest COMMIT -> published {max:?} with a {POLL:?} poll"
+    );
+    eventually(
+        "every row deleted once acknowledged",
+        Duration::from_secs(10),
+        || async { pending_rows(&pool).await == 0 },
+    )
+    .await;
+    assert_eq!(stored_count(&js, &out).await, MESSAGES as u64);
+    assert!(!notify_trigger_enabled(&pool).await, "still no trigger");
+    stop(handle, task).await;
+}
+
+#[tokio::test]
+async fn a_relay_nothing_wakes_delivers_within_its_poll_ceiling() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let out = out_stream(&js, "OBPOLL").await;
+    assert!(!notify_trigger_enabled(&pool).await);
+    const CEILING: Duration = Duration::from_millis(400);
+    let relay = Relay::new().poll_interval(CEILING);
+    let stats = relay.stats();
+    let mut received = nats.subscribe(format!("{out}.>")).await.unwrap();
+    let (stop, task) = spawn_relay(relay, nats.clone(), pool.clone());
+    let subject = format!("{out}.paid");
+
+    // Idle: the poll slows down to its ceiling (10, 20, .. 320, 400 ms).
+    eventually(
+        "the idle relay's poll reaches its ceiling",
+        Duration::from_secs(30),
+        || async { stats.empty_cycles() >= 8 },
+    )
+    .await;
+    let mut idle = Vec::new();
+    for n in 0..5 {
+        queue_elsewhere(&pool, &format!("idle-{n}"), &subject, n).await;
+        let queued = Instant::now();
+        tokio::time::timeout(Duration::from_secs(10), received.next())
+            .await
+            .expect("a row nothing announced goes out by the poll")
+            .expect("the subscription is open");
+        idle.push(queued.elapsed());
+        // Idle again before the next row.
+        let empty = stats.empty_cycles();
+        eventually(
+            "the poll slows down again",
+            Duration::from_secs(30),
+            || async { stats.empty_cycles() >= empty + 6 },
+        )
+        .await;
+    }
+    println!("idle relay, queued -> published: {idle:?}");
+    let slack = Duration::from_millis(300);
+    for latency in &idle {
+        assert!(
+            *latency <= CEILING + slack,
+            "a row waited {latency:?}, above the poll ceiling {CEILING:?} (+{slack:?} for its cycle)"
+        );
+    }
+
+    // Rows that keep coming keep the poll near its floor.
+    let mut busy = Vec::new();
+    for n in 0..100 {
+        queue_elsewhere(&pool, &format!("busy-{n}"), &subject, n).await;
+        let queued = Instant::now();
+        tokio::time::timeout(Duration::from_secs(10), received.next())
+            .await
+            .expect("published")
+            .expect("the subscription is open");
+        busy.push(queued.elapsed());
+    }
+    busy.sort();
+    let p50 = percentile(&busy, 0.5);
+    println!(
+        "busy relay (one row after another), queued -> published: p50 {p50:?}, p99 {:?}",
+        percentile(&busy, 0.99)
+    );
+    assert!(
+        p50 < CEILING / 2,
+        "while rows keep coming the poll stays fast: p50 {p50:?}, ceiling {CEILING:?}"
+    );
+    // Counted after the cycle's COMMIT, a moment after the publish is seen.
+    eventually(
+        "the relay counts every row published",
+        Duration::from_secs(10),
+        || async { stats.published() >= 105 },
+    )
+    .await;
+    assert_eq!(stats.published(), 105, "each published once");
+    assert_eq!(pending_rows(&pool).await, 0);
+    stop_relay(stop, task).await;
+}
+
+#[tokio::test]
+#[cfg_attr(
+    idem_external_servers,
+    ignore = "NATS_URL or DATABASE_URL is set: this test crashes its servers"
+)]
+async fn rings_while_nats_is_away_cost_no_cycles_and_lose_no_rows() {
+    idem_tests::require_own_servers();
+    let mut env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let out = out_stream(&js, "OBAWAY").await;
+    let subject = format!("{out}.paid");
+    const BACKOFF: Duration = Duration::from_millis(400);
+    let relay = Relay::new().max_backoff(BACKOFF);
+    let stats = relay.stats();
+    let (stop, task) = spawn_relay(relay, nats.clone(), pool.clone());
+
+    env.nats_server_mut().kill();
+    for n in 0..50 {
+        queue_elsewhere(&pool, &format!("away-{n}"), &subject, n).await;
+        wake_local_relays();
+    }
+    // The fault happened: the relay tried, found NATS away, and backs off.
+    eventually(
+        "the relay finds NATS away",
+        Duration::from_secs(60),
+        || async { stats.nats_away() >= 2 },
+    )
+    .await;
+    // A measuring window, not a wait: rings as fast as a busy router's
+    // commits, for 3 s.
+    let cycles_before = stats.cycles() + stats.empty_cycles();
+    let ringing = tokio::spawn(async {
+        let until = Instant::now() + Duration::from_secs(3);
+        let mut rings = 0u64;
+        while Instant::now() < until {
+            wake_local_relays();
+            rings += 1;
+            tokio::task::yield_now().await;
+        }
+        rings
+    });
+    let rings = ringing.await.unwrap();
+    let cycles = stats.cycles() + stats.empty_cycles() - cycles_before;
+    println!("{rings} rings in 3 s while NATS was away: {cycles} relay cycles");
+    // One cycle per back-off (400 ms): about 8, whatever the rings.
+    assert!(
+        cycles <= 3000 / BACKOFF.as_millis() as u64 + 4,
+        "{cycles} cycles in 3 s with a {BACKOFF:?} back-off and {rings} rings"
+    );
+    assert!(rings > 1000, "the rings really came: {rings}");
+    assert_eq!(pending_rows(&pool).await, 50, "nothing is lost meanwhile");
+    assert_eq!(stats.published(), 0);
+
+    env.nats_server_mut().start_again().await;
+    eventually(
+        "the relay publishes once NATS is back",
+        Duration::from_secs(60),
+        || async { pending_rows(&pool).await == 0 },
+    )
+    .await;
+    assert_eq!(stats.published(), 50);
+    stop_relay(stop, task).await;
+}
