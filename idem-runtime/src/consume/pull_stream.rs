@@ -293,6 +293,13 @@ impl PullStream {
             StatusCode::IDLE_HEARTBEAT => Read::Status,
             StatusCode::TIMEOUT | StatusCode::NOT_FOUND => {
                 self.end_request(&received);
+                // A request normally ends at its expiry. One that ended long
+                // before (an interest that expired at once, say) would
+                // otherwise be asked again at once, in a loop: pause first.
+                let early = self.expires_at.checked_sub(PULL_EXPIRES / 2);
+                if early.is_some_and(|early| Instant::now() < early) {
+                    self.refused_until = Some(Instant::now() + REFUSED_PAUSE);
+                }
                 Read::Status
             }
             StatusCode::REQUEST_TERMINATED => {
