@@ -242,6 +242,7 @@ pub(crate) mod tests {
                 time_in_tx: false,
                 id_from_header: false,
                 hot_rows: false,
+                adaptive: false,
             },
             msgs_per_sec: rate,
             elapsed: Duration::from_secs_f64(20_000.0 / rate),

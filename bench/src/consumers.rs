@@ -206,8 +206,12 @@ async fn effects(tx: &mut sqlx::PgTransaction<'_>, msgs: Vec<Payload>) -> Result
 
 /// The route for the batching modes: the one place that knows how the
 /// runtime batches.
-fn batch_route(route: Route, batch: usize) -> Route {
-    route.batch(batch)
+fn batch_route(route: Route, batch: usize, adaptive: bool) -> Route {
+    if adaptive {
+        route.adaptive_batch(batch)
+    } else {
+        route.batch(batch)
+    }
 }
 
 /// Where a consumer reads from.
@@ -316,7 +320,7 @@ impl Consumer {
                     .concurrency(concurrency)
                     .max_ack_pending(max_ack_pending(concurrency * mode.batch(batch)));
                 if mode.batches() {
-                    route = batch_route(route, batch);
+                    route = batch_route(route, batch, plan.adaptive);
                 } else if mode == Mode::Idem {
                     route = route.per_message();
                 }

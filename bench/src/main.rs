@@ -109,7 +109,7 @@ enum Command {
     Chart(ChartArgs),
     /// idem and naive at a fixed offered load: p50/p99 publish to commit
     Latency(LatencyArgs),
-    /// idem (per message) and idem-default, each message also updating one of 8 hot rows
+    /// idem, idem-default and adaptive batches, each message also updating one of 8 hot rows
     #[command(after_help = CONTENTION)]
     Contention(ContentionArgs),
     /// idem over a large backlog: peak RSS
@@ -141,8 +141,9 @@ const CONTENTION: &str = "\
 Each message also adds 1 to one of 8 rows of bench_hot, picked by its key,
 as the chaos suite's ledger does: concurrent transactions wait on each
 other's row locks, and batches that lock rows in different orders deadlock.
-It runs idem (Route::per_message) and idem-default (the route's default
-batching), and checks that the hot rows' total equals the distinct messages.";
+It runs idem (Route::per_message), idem-default (the route's default
+batching) and idem-batch as Route::adaptive_batch(B), and checks that the
+hot rows' total equals the distinct messages.";
 
 const SMOKE: &str = "\
 Every mode and scenario with small numbers, a tenth of the messages
@@ -212,6 +213,10 @@ struct Batch {
     /// Messages per transaction in idem-batch
     #[arg(long, value_name = "B", default_value_t = DEFAULT_BATCH, value_parser = positive::<usize>)]
     batch: usize,
+    /// idem-batch and idem-batch-handler size their batches adaptively,
+    /// up to B (`Route::adaptive_batch(B)`), instead of `Route::batch(B)`
+    #[arg(long)]
+    adaptive: bool,
 }
 
 const DEFAULT_BATCH: usize = 64;
@@ -540,6 +545,8 @@ struct Options {
     duplicates: Option<usize>,
     concurrency: usize,
     batch: usize,
+    /// `--adaptive`: the batching modes use `Route::adaptive_batch`.
+    adaptive: bool,
     rate: f64,
     prefill: u64,
     ping: bool,
@@ -572,6 +579,7 @@ impl Options {
             duplicates: Some(load.duplicates),
             concurrency: load.concurrency,
             batch: DEFAULT_BATCH,
+            adaptive: false,
             rate: DEFAULT_RATE as f64,
             prefill: 0,
             ping: true,
@@ -634,16 +642,19 @@ impl From<Command> for Options {
             },
             Command::IdemBatch(a) => Options {
                 batch: a.batch.batch,
+                adaptive: a.batch.adaptive,
                 ping: a.pools.ping(),
                 ..Options::new(Job::Mode(Mode::IdemBatch), a.messages, a.load)
             },
             Command::IdemBatchHandler(a) => Options {
                 batch: a.batch.batch,
+                adaptive: a.batch.adaptive,
                 ping: a.pools.ping(),
                 ..Options::new(Job::Mode(Mode::IdemBatchHandler), a.messages, a.load)
             },
             Command::Compare(a) => Options {
                 batch: a.batch.batch,
+                adaptive: a.batch.adaptive,
                 ping: a.pools.ping(),
                 pull: a.fetch.pull,
                 ..Options::new(Job::Compare, a.messages, a.load)
@@ -733,6 +744,7 @@ impl From<Command> for Options {
                 duplicates: a.duplicates,
                 concurrency: a.concurrency,
                 batch: a.batch.batch,
+                adaptive: a.batch.adaptive,
                 rate: a.rate as f64,
                 ping: a.pools.ping(),
                 pull: a.fetch.pull,
@@ -911,6 +923,7 @@ fn plan(options: &Options, mode: Mode, scenario: &'static str, messages: usize) 
         time_in_tx: false,
         id_from_header: false,
         hot_rows: false,
+        adaptive: options.adaptive,
     }
 }
 
@@ -1042,6 +1055,13 @@ async fn contention(
         };
         runs.push(run_and_print(ctx, plan, None).await?);
     }
+    // And adaptive batching up to --batch, while it is not the default.
+    let adaptive = Plan {
+        hot_rows: true,
+        adaptive: true,
+        ..plan(options, Mode::IdemBatch, "contention", messages)
+    };
+    runs.push(run_and_print(ctx, adaptive, None).await?);
     eprintln!();
     eprint!("{}", report::compare_table(&runs));
     eprintln!("{}", report::contention_targets(&runs));

@@ -273,6 +273,14 @@ pub fn contention_targets(runs: &[Measurement]) -> String {
         target("idem-default >= 1.5x idem (contention)", over, "x", |v| {
             v >= 1.5
         }),
+        target(
+            "idem-batch (adaptive) >= 1.5x idem (contention)",
+            rate_of(runs, Mode::IdemBatch)
+                .zip(rate_of(runs, Mode::Idem))
+                .map(|(adaptive, idem)| adaptive / idem),
+            "x",
+            |v| v >= 1.5,
+        ),
     ]
     .join("\n")
 }
@@ -286,6 +294,7 @@ pub fn contention_summary(runs: &[Measurement]) -> String {
         concurrency: usize,
         msgs_per_sec: Rates,
         idem_default_vs_idem: Option<f64>,
+        adaptive_vs_idem: Option<f64>,
     }
     let first = &runs[0].plan;
     let summary = Summary {
@@ -300,6 +309,9 @@ pub fn contention_summary(runs: &[Measurement]) -> String {
         idem_default_vs_idem: rate_of(runs, Mode::IdemDefault)
             .zip(rate_of(runs, Mode::Idem))
             .map(|(default, idem)| round(default / idem, 3)),
+        adaptive_vs_idem: rate_of(runs, Mode::IdemBatch)
+            .zip(rate_of(runs, Mode::Idem))
+            .map(|(adaptive, idem)| round(adaptive / idem, 3)),
     };
     serde_json::to_string(&summary).expect("a summary serializes")
 }

@@ -52,6 +52,8 @@ pub struct Plan {
     /// Each message also adds 1 to one of [`HOT_ROWS`] rows of `bench_hot`,
     /// picked by its key: the contention scenario.
     pub hot_rows: bool,
+    /// The batching modes size their batches adaptively, up to `batch`.
+    pub adaptive: bool,
 }
 
 /// The rows the contention scenario's messages update.

@@ -347,6 +347,7 @@ async fn run_once(
         time_in_tx: false,
         id_from_header: false,
         hot_rows: false,
+        adaptive: false,
     };
     let outcome = match Database::create(ctx, &tag, &plan).await {
         Ok(db) => {
@@ -765,6 +766,7 @@ async fn run_worker(args: WorkerArgs) -> Result<(), BenchError> {
         time_in_tx: false,
         id_from_header: false,
         hot_rows: false,
+        adaptive: false,
     };
     let source = Source {
         stream: &args.stream,
