@@ -121,16 +121,11 @@ impl Mode {
         matches!(self, Mode::IdemBatch | Mode::IdemBatchHandler)
     }
 
-    /// Messages per transaction, as reported: the largest, for the modes
-    /// left at the runtime's defaults.
+    /// Messages per transaction, as reported: for the modes left at the
+    /// runtime's defaults, 1 (routes run per message unless they ask for
+    /// batches; change this with the default).
     pub fn batch(self, batch: usize) -> usize {
-        match self {
-            _ if self.batches() => batch,
-            Mode::IdemDefault | Mode::IdemDefaultBatchHandler => {
-                idem_runtime::route::DEFAULT_ADAPTIVE_MAX
-            }
-            _ => 1,
-        }
+        if self.batches() { batch } else { 1 }
     }
 
     /// Whether the mode runs the batch handler.

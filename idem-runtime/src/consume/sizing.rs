@@ -10,78 +10,114 @@
 //!   An idle route gathers one message at a time and runs it per message, so
 //!   it keeps per-message latency; it never waits to fill a batch. At size 1
 //!   a route still gathers up to 2, so that a backlog shows (a group of 2)
-//!   and starts the growth; once a fallback has brought the size down to 1,
-//!   only one gather in [`PROBE_EVERY`] does, so that a route whose batches
-//!   keep failing runs per message, and finds out now and then whether they
-//!   still do.
+//!   and starts the growth.
 //! - **Slow start, then additive increase.** The size doubles with each full
-//!   batch that committed, until the first failure; after that it grows by
-//!   one per full batch that committed.
+//!   batch that committed, until the first fallback; after that it grows by
+//!   one for every `size` full batches that committed (one per round, as
+//!   TCP's window grows by one per round trip).
 //! - **Multiplicative decrease.** A batch that fell back (a deadlock, a
 //!   serialization failure, a handler's error, a COMMIT that did not commit)
 //!   halves the size, down to 1.
+//! - **Held at 1.** A fallback that brings the size to 1 holds the route per
+//!   message for a while, [`HOLD_MIN`] at first and twice as long after each
+//!   such fallback, up to [`HOLD_MAX`]; then a gather tries 2 again. Batches
+//!   that commit while the route is held (started before it was) do not
+//!   count, and the hold is back to [`HOLD_MIN`] only once the size has
+//!   grown to [`HOLD_RESET_SIZE`] again. Under lock contention batches
+//!   deadlock, and PostgreSQL finds a deadlock only after its
+//!   `deadlock_timeout` (1 s by default), for which both batches, and what
+//!   queues behind their locks, stand still: a route whose batches keep
+//!   deadlocking must not keep trying them. Measured with `idem-bench
+//!   contention` (8 hot rows): without the hold, adaptive batches ran far
+//!   below per-message mode, one deadlock a second.
 //!
-//! The size is shared by the route's batches in flight; updates race
-//! harmlessly (each is one atomic read-modify-write of a hint, not a count).
+//! The state is shared by the route's batches in flight, behind a mutex
+//! taken once per batch.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
-/// After a fallback brought the size down to 1: one gather in this many
-/// takes up to 2 messages, to probe whether batches commit again.
-pub(crate) const PROBE_EVERY: usize = 16;
+/// How long a route is first held per message after its batches fell back
+/// to size 1: PostgreSQL's default `deadlock_timeout`, what one deadlock
+/// costs.
+pub(crate) const HOLD_MIN: Duration = Duration::from_secs(1);
+
+/// The longest hold.
+pub(crate) const HOLD_MAX: Duration = Duration::from_secs(64);
+
+/// The size at which batches are taken to work again: the hold is back to
+/// [`HOLD_MIN`].
+pub(crate) const HOLD_RESET_SIZE: usize = 8;
 
 /// The size of a route's next batch (see the module docs).
 #[derive(Debug)]
 pub(crate) struct BatchSizer {
-    /// The size the next batch takes at most.
-    current: AtomicUsize,
     /// The largest size.
     max: usize,
     adaptive: bool,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// The size the next batch takes at most.
+    current: usize,
     /// Whether a batch has fallen back yet: until then, slow start.
-    backed_off: AtomicBool,
-    /// Gathers at size 1 since the last fallback, for the probes.
-    gathers_at_one: AtomicUsize,
+    backed_off: bool,
+    /// Full batches committed at this size, toward the next +1.
+    credits: usize,
+    /// How long the next fallback to 1 holds the route per message.
+    hold: Duration,
+    /// Until when the route is held per message.
+    held_until: Option<Instant>,
 }
 
 impl BatchSizer {
     /// Always `size`.
     pub(crate) fn fixed(size: usize) -> Self {
-        Self {
-            current: AtomicUsize::new(size.max(1)),
-            max: size.max(1),
-            adaptive: false,
-            backed_off: AtomicBool::new(false),
-            gathers_at_one: AtomicUsize::new(0),
-        }
+        Self::new(size.max(1), false)
     }
 
     /// From 1, up to `max`, as the module docs say.
     pub(crate) fn adaptive(max: usize) -> Self {
+        Self::new(max.max(1), true)
+    }
+
+    fn new(max: usize, adaptive: bool) -> Self {
         Self {
-            current: AtomicUsize::new(1),
-            max: max.max(1),
-            adaptive: true,
-            backed_off: AtomicBool::new(false),
-            gathers_at_one: AtomicUsize::new(0),
+            max,
+            adaptive,
+            state: Mutex::new(State {
+                current: if adaptive { 1 } else { max },
+                backed_off: false,
+                credits: 0,
+                hold: HOLD_MIN,
+                held_until: None,
+            }),
         }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding it leaves a consistent hint.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The most messages the next batch takes (see the module docs for
     /// size 1).
     pub(crate) fn next(&self) -> usize {
-        let current = self.current.load(Ordering::Relaxed);
-        if !self.adaptive || current > 1 || self.max < 2 {
-            return current;
+        self.next_at(Instant::now())
+    }
+
+    fn next_at(&self, now: Instant) -> usize {
+        let state = self.state();
+        if !self.adaptive || state.current > 1 || self.max < 2 {
+            return state.current;
         }
-        if !self.backed_off.load(Ordering::Relaxed) {
-            return 2;
-        }
-        let gathers = self.gathers_at_one.fetch_add(1, Ordering::Relaxed);
-        if gathers % PROBE_EVERY == PROBE_EVERY - 1 {
-            2
-        } else {
-            1
+        match state.held_until {
+            Some(until) if now < until => 1,
+            _ => 2,
         }
     }
 
@@ -93,36 +129,50 @@ impl BatchSizer {
 
     /// A batch of `size` messages committed.
     pub(crate) fn committed(&self, size: usize) {
-        if !self.adaptive {
-            return;
-        }
-        let _ = self
-            .current
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
-                // Not full: it says nothing about a backlog.
-                if size < current || size < 2 {
-                    return None;
-                }
-                let grown = if self.backed_off.load(Ordering::Relaxed) {
-                    current + 1
-                } else {
-                    current.saturating_mul(2)
-                };
-                Some(grown.min(self.max))
-            });
+        self.committed_at(size, Instant::now());
     }
 
-    /// A batch fell back: halve the size.
+    fn committed_at(&self, size: usize, now: Instant) {
+        if !self.adaptive || size < 2 {
+            return;
+        }
+        let mut state = self.state();
+        // Started before the hold, or not full: it says nothing.
+        if state.held_until.is_some_and(|until| now < until) || size < state.current {
+            return;
+        }
+        if !state.backed_off {
+            state.current = state.current.saturating_mul(2).min(self.max);
+            return;
+        }
+        state.credits += 1;
+        if state.credits >= state.current {
+            state.credits = 0;
+            state.current = (state.current + 1).min(self.max);
+            if state.current >= HOLD_RESET_SIZE {
+                state.hold = HOLD_MIN;
+            }
+        }
+    }
+
+    /// A batch fell back: halve the size, and hold the route per message
+    /// if that brings it to 1.
     pub(crate) fn fell_back(&self) {
+        self.fell_back_at(Instant::now());
+    }
+
+    fn fell_back_at(&self, now: Instant) {
         if !self.adaptive {
             return;
         }
-        self.backed_off.store(true, Ordering::Relaxed);
-        let _ = self
-            .current
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
-                Some((current / 2).max(1))
-            });
+        let mut state = self.state();
+        state.backed_off = true;
+        state.credits = 0;
+        state.current = (state.current / 2).max(1);
+        if state.current == 1 {
+            state.held_until = Some(now + state.hold);
+            state.hold = state.hold.saturating_mul(2).min(HOLD_MAX);
+        }
     }
 }
 
@@ -131,7 +181,7 @@ mod tests {
     use super::*;
 
     fn size(sizer: &BatchSizer) -> usize {
-        sizer.current.load(Ordering::Relaxed)
+        sizer.state().current
     }
 
     #[test]
@@ -146,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn full_batches_double_the_size_until_the_first_fallback_then_add_one() {
+    fn full_batches_double_the_size_until_the_first_fallback_then_add_one_per_round() {
         let sizer = BatchSizer::adaptive(64);
         assert_eq!(size(&sizer), 1);
         assert_eq!(sizer.next(), 2, "at 1, a gather takes 2 to show a backlog");
@@ -156,8 +206,12 @@ mod tests {
         }
         sizer.fell_back();
         assert_eq!(sizer.next(), 32);
+        for _ in 0..31 {
+            sizer.committed(32);
+        }
+        assert_eq!(size(&sizer), 32, "31 full batches of 32: not yet a round");
         sizer.committed(32);
-        assert_eq!(sizer.next(), 33, "after a fallback, growth is additive");
+        assert_eq!(size(&sizer), 33, "after a fallback, +1 per round");
     }
 
     #[test]
@@ -173,24 +227,56 @@ mod tests {
     }
 
     #[test]
-    fn fallbacks_halve_the_size_down_to_one_and_then_it_only_probes() {
+    fn fallbacks_halve_the_size_and_at_one_hold_the_route_per_message_longer_each_time() {
         let sizer = BatchSizer::adaptive(8);
         for _ in 0..3 {
             sizer.committed(sizer.next());
         }
         assert_eq!(size(&sizer), 8);
-        for expected in [4, 2, 1, 1] {
-            sizer.fell_back();
+        let now = Instant::now();
+        for expected in [4, 2] {
+            sizer.fell_back_at(now);
             assert_eq!(size(&sizer), expected);
+            assert_eq!(sizer.next_at(now), expected, "not held above 1");
         }
-        let gathers: Vec<usize> = (0..2 * PROBE_EVERY).map(|_| sizer.next()).collect();
+        sizer.fell_back_at(now);
+        assert_eq!(sizer.next_at(now), 1, "held per message");
+        assert_eq!(sizer.next_at(now + HOLD_MIN), 2, "then it tries 2");
+        // The try failed: held twice as long.
+        let later = now + HOLD_MIN;
+        sizer.fell_back_at(later);
+        assert_eq!(sizer.next_at(later + HOLD_MIN), 1);
+        assert_eq!(sizer.next_at(later + 2 * HOLD_MIN), 2);
+        // A batch started before the hold, committing during it: ignored.
+        sizer.committed_at(2, later + HOLD_MIN);
+        assert_eq!(size(&sizer), 1);
+        // A try that commits after the hold grows it again; the hold is
+        // back to its shortest only once the size is back to 8.
+        let after = later + 2 * HOLD_MIN;
+        sizer.committed_at(2, after);
         assert_eq!(
-            gathers.iter().filter(|&&n| n == 2).count(),
+            size(&sizer),
             2,
-            "one probe of 2 per {PROBE_EVERY} gathers: {gathers:?}"
+            "a batch of 2 at size 1 is a full round: +1"
         );
-        sizer.committed(2);
-        assert_eq!(size(&sizer), 2, "a probe that committed grows it again");
+        assert_eq!(sizer.state().hold, 4 * HOLD_MIN);
+        for _ in 0..(2 + 3 + 4 + 5 + 6 + 7) {
+            let next = size(&sizer);
+            sizer.committed_at(next, after);
+        }
+        assert_eq!(size(&sizer), 8);
+        assert_eq!(sizer.state().hold, HOLD_MIN);
+    }
+
+    #[test]
+    fn the_hold_stops_at_its_longest() {
+        let sizer = BatchSizer::adaptive(4);
+        let now = Instant::now();
+        for _ in 0..20 {
+            sizer.fell_back_at(now);
+        }
+        assert_eq!(sizer.state().hold, HOLD_MAX);
+        assert_eq!(sizer.next_at(now + HOLD_MAX), 2);
     }
 
     #[test]
