@@ -166,6 +166,11 @@ impl BatchSizer {
             return;
         }
         let mut state = self.state();
+        // Batches that started together (the tries of 2 when a hold ends)
+        // fail together: only the first of them extends the hold.
+        if state.held_until.is_some_and(|until| now < until) {
+            return;
+        }
         state.backed_off = true;
         state.credits = 0;
         state.current = (state.current / 2).max(1);
@@ -271,12 +276,30 @@ mod tests {
     #[test]
     fn the_hold_stops_at_its_longest() {
         let sizer = BatchSizer::adaptive(4);
-        let now = Instant::now();
+        let mut now = Instant::now();
         for _ in 0..20 {
             sizer.fell_back_at(now);
+            // Each try fails as its hold ends.
+            now += sizer.state().hold;
         }
         assert_eq!(sizer.state().hold, HOLD_MAX);
-        assert_eq!(sizer.next_at(now + HOLD_MAX), 2);
+    }
+
+    #[test]
+    fn fallbacks_during_a_hold_do_not_extend_it() {
+        let sizer = BatchSizer::adaptive(4);
+        let now = Instant::now();
+        sizer.fell_back_at(now);
+        // The other tries of 2 that started with it fail a moment later.
+        for _ in 0..7 {
+            sizer.fell_back_at(now + Duration::from_millis(10));
+        }
+        assert_eq!(
+            sizer.state().hold,
+            2 * HOLD_MIN,
+            "doubled once, not 8 times"
+        );
+        assert_eq!(sizer.next_at(now + HOLD_MIN), 2);
     }
 
     #[test]
