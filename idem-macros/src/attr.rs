@@ -10,10 +10,11 @@ mod kw {
     syn::custom_keyword!(codec);
     syn::custom_keyword!(state);
     syn::custom_keyword!(batch);
+    syn::custom_keyword!(per_message);
 }
 
 /// `#[idempotent(name = "...", key = <expr>, codec = <codec>, state = <type>,
-/// batch, crate = <path>)]`, all optional, in any order.
+/// batch | per_message, crate = <path>)]`, all optional, in any order.
 #[derive(Default)]
 pub(crate) struct Args {
     /// The handler name stored with each claim. `None` means the fn's name.
@@ -30,6 +31,9 @@ pub(crate) struct Args {
     pub(crate) state: Option<syn::Type>,
     /// `batch`: the fn takes the fresh messages of a batch together.
     pub(crate) batch: Option<proc_macro2::Span>,
+    /// `per_message`: the fn must have its transaction to itself, so its
+    /// routes never batch it with other messages.
+    pub(crate) per_message: Option<proc_macro2::Span>,
 }
 
 /// `codec = json | raw | protobuf | <path to a type implementing Decode>`.
@@ -88,6 +92,15 @@ impl Parse for Args {
                     ));
                 }
                 args.batch = Some(keyword.span);
+            } else if lookahead.peek(kw::per_message) {
+                let keyword = input.parse::<kw::per_message>()?;
+                if args.per_message.is_some() {
+                    return Err(Error::new_spanned(
+                        keyword,
+                        "`per_message` is given twice: keep one",
+                    ));
+                }
+                args.per_message = Some(keyword.span);
             } else if lookahead.peek(Token![crate]) {
                 let keyword = input.parse::<Token![crate]>()?;
                 if args.krate.is_some() {
@@ -102,7 +115,7 @@ impl Parse for Args {
                     format!(
                         "unknown argument `{unknown}`: `#[idempotent]` takes `name = \"...\"`, \
                          `key = <expr>`, `codec = json | raw | protobuf | <path>`, \
-                         `state = <type>`, `batch` and `crate = <path>`"
+                         `state = <type>`, `batch`, `per_message` and `crate = <path>`"
                     ),
                 ));
             } else {
@@ -112,6 +125,13 @@ impl Parse for Args {
                 break;
             }
             input.parse::<Token![,]>()?;
+        }
+        if let (Some(_), Some(per_message)) = (args.batch, args.per_message) {
+            return Err(Error::new(
+                per_message,
+                "`per_message` and `batch` contradict each other: a batch handler takes the \
+                 messages of a batch together in one transaction; remove one",
+            ));
         }
         Ok(args)
     }
@@ -210,7 +230,8 @@ mod tests {
         assert_eq!(
             error(quote::quote!(name = "a", retries = 3)),
             "unknown argument `retries`: `#[idempotent]` takes `name = \"...\"`, `key = <expr>`, \
-             `codec = json | raw | protobuf | <path>`, `state = <type>`, `batch` and `crate = <path>`"
+             `codec = json | raw | protobuf | <path>`, `state = <type>`, `batch`, `per_message` and \
+             `crate = <path>`"
         );
     }
 
@@ -218,7 +239,7 @@ mod tests {
     fn unexpected_token() {
         assert_eq!(
             error(quote::quote!("credit")),
-            "expected one of: `name`, `key`, `codec`, `state`, `batch`, `crate`"
+            "expected one of: `name`, `key`, `codec`, `state`, `batch`, `per_message`, `crate`"
         );
     }
 
@@ -247,6 +268,21 @@ mod tests {
             "`batch` is given twice: keep one"
         );
         assert_eq!(error(quote::quote!(batch = true)), "expected `,`");
+    }
+
+    #[test]
+    fn per_message_is_a_flag_that_batch_contradicts() {
+        let args = parse(quote::quote!(per_message, name = "n")).unwrap();
+        assert!(args.per_message.is_some());
+        assert!(parse(quote::quote!()).unwrap().per_message.is_none());
+        assert_eq!(
+            error(quote::quote!(per_message, per_message)),
+            "`per_message` is given twice: keep one"
+        );
+        assert!(
+            error(quote::quote!(batch, per_message))
+                .starts_with("`per_message` and `batch` contradict each other")
+        );
     }
 
     #[test]

@@ -38,6 +38,11 @@ impl Signal {
         // router is being torn down: treat it as shutdown.
         let _ = self.0.wait_for(|fired| *fired).await;
     }
+
+    /// Whether shutdown has been triggered, without waiting.
+    pub(crate) fn has_fired(&self) -> bool {
+        *self.0.borrow() || self.0.has_changed().is_err()
+    }
 }
 
 /// A spawned task that is aborted when this is dropped, unless it ended

@@ -274,27 +274,59 @@ where
     }
 }
 
-/// Runs each named scenario, an `async fn(batch: usize)` of the calling
-/// module, as two tests: `per_message::<scenario>` (batches of 1) and
-/// `batched::<scenario>` (batches of `batch`).
+/// How a test's route batches: each exactly-once scenario runs in all three
+/// (see [`in_every_mode!`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Batching {
+    /// One message per transaction (`Route::per_message`).
+    PerMessage,
+    /// Batches of up to this many (`Route::batch`).
+    Fixed(usize),
+    /// What a route does unless told otherwise: adaptive batches.
+    Default,
+}
+
+/// Sets how a route batches, in a chain of `Route` settings.
+pub trait Batched {
+    /// The route with `batching`.
+    fn batching(self, batching: Batching) -> Self;
+}
+
+impl Batched for idem_runtime::Route {
+    fn batching(self, batching: Batching) -> Self {
+        match batching {
+            Batching::PerMessage => self.per_message(),
+            Batching::Fixed(size) => self.batch(size),
+            Batching::Default => self,
+        }
+    }
+}
+
+/// Runs each named scenario, an `async fn(batching: Batching)` of the
+/// calling module, as three tests: `per_message::<scenario>`,
+/// `batched::<scenario>` (fixed batches of `batch`) and
+/// `adaptive::<scenario>` (the route's default, adaptive batching).
 ///
 /// ```
-/// async fn applies_once(batch: usize) {
-///     assert!(batch >= 1);
+/// use idem_tests::Batching;
+///
+/// async fn applies_once(batching: Batching) {
+///     assert_ne!(batching, Batching::Fixed(0));
 /// }
 ///
-/// // Tests `per_message::applies_once` and `batched::applies_once`.
-/// idem_tests::in_both_modes!(batch = 8; applies_once);
+/// // Tests `per_message::applies_once`, `batched::applies_once` and
+/// // `adaptive::applies_once`.
+/// idem_tests::in_every_mode!(batch = 8; applies_once);
 /// # fn main() {}
 /// ```
 #[macro_export]
-macro_rules! in_both_modes {
+macro_rules! in_every_mode {
     (batch = $batch:literal; $($scenario:ident),* $(,)?) => {
         mod per_message {
             $(
                 #[tokio::test]
                 async fn $scenario() {
-                    super::$scenario(1).await;
+                    super::$scenario($crate::Batching::PerMessage).await;
                 }
             )*
         }
@@ -303,7 +335,16 @@ macro_rules! in_both_modes {
             $(
                 #[tokio::test]
                 async fn $scenario() {
-                    super::$scenario($batch).await;
+                    super::$scenario($crate::Batching::Fixed($batch)).await;
+                }
+            )*
+        }
+
+        mod adaptive {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    super::$scenario($crate::Batching::Default).await;
                 }
             )*
         }

@@ -1,5 +1,5 @@
 //! `impl Handler<S> for credit`: for which router states, the payload and
-//! its codec, the batch flag, the name, the message key, and `handle`.
+//! its codec, the batch and per-message flags, the name, the message key, and `handle`.
 
 use proc_macro2::TokenStream;
 use quote::{ToTokens, quote, quote_spanned};
@@ -37,6 +37,11 @@ pub(super) fn handler_impl(cx: &Context<'_>) -> TokenStream {
             const BATCHES: bool = true;
         )
     });
+    let per_message = cx.args.per_message.is_some().then(|| {
+        quote!(
+            const PER_MESSAGE: bool = true;
+        )
+    });
     let message_key = cx
         .args
         .key
@@ -55,6 +60,7 @@ pub(super) fn handler_impl(cx: &Context<'_>) -> TokenStream {
             #payload_type
             #codec_type
             #batches
+            #per_message
 
             fn name(&self) -> &'static str {
                 Self::NAME

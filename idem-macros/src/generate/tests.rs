@@ -255,6 +255,28 @@ fn a_batch_handler_takes_the_batch_and_runs_one_message_as_a_batch_of_one() {
 }
 
 #[test]
+fn a_per_message_handler_says_so_in_its_impl() {
+    let expanded = expand(
+        quote!(per_message),
+        quote!(
+            async fn credit(tx: &mut Tx, cmd: Credit) -> Result<(), E> {}
+        ),
+    );
+    assert!(!expanded.contains("compile_error"), "{expanded}");
+    assert!(
+        expanded.contains("const PER_MESSAGE : bool = true ;"),
+        "{expanded}"
+    );
+    let plain = expand(
+        quote!(),
+        quote!(
+            async fn credit(tx: &mut Tx, cmd: Credit) -> Result<(), E> {}
+        ),
+    );
+    assert!(!plain.contains("PER_MESSAGE"), "{plain}");
+}
+
+#[test]
 fn a_key_closure_binds_its_own_names() {
     let expanded = expand(
         quote!(key = |c, d| format!("{}:{}", d.subject(), c.id)),

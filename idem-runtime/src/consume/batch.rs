@@ -14,20 +14,43 @@
 //! unnest($1, $2)`): a batch then costs a fixed four round trips, whatever
 //! its size.
 //!
-//! A failure inside the batch must not fail its neighbours. On a handler's
-//! error, or a COMMIT that did not commit (a deadlock, a serialization
-//! failure), the batch is rolled back and *split*: each half is tried again
-//! as a batch, and a half that fails is split again, down to single
-//! messages, which run in a transaction of their own and take the normal
-//! retry and dead-letter path there. One bad message in a batch of `n` then
-//! costs about `2 log2 n` batch transactions instead of `n` single ones, and
-//! its good neighbours still commit in batches. A handler that timed out or
-//! panicked is not run again in halves (each half would wait out its
-//! timeout again): its batch falls back to one transaction per message at
-//! once. A COMMIT with an unknown outcome does too: each message's own
-//! claim finds its row if the batch did commit. If the database cannot be
-//! used at all (BEGIN or the claim fails), the batch is held and retried
-//! whole, as one message would be.
+//! A failure inside the batch must not fail its neighbours. The batch is
+//! rolled back, and then:
+//!
+//! - **A handler run per message failed:** its message is known. The
+//!   messages before it (whose handlers succeeded) are tried again as a
+//!   batch, the failed one runs alone in a transaction of its own, where it
+//!   takes the normal retry and dead-letter path, and the messages after it
+//!   are tried again as a batch. One bad message costs two batches and one
+//!   single transaction; if the batch after it fails at its first message
+//!   too (every message fails: a dependency is down), the rest run one per
+//!   transaction, so that the handlers are not run again and again.
+//! - **A conflict** (a deadlock or a serialization failure, in a handler's
+//!   statement or at COMMIT): the messages run one per transaction. Tried
+//!   again together, they would meet the same conflict.
+//! - **A batch handler failed, or a COMMIT did not commit** (a handler
+//!   swallowed an error): which message is to blame is not known, so the
+//!   batch is *split*: each half is tried again as a batch, and a half that
+//!   fails is split again, down to single messages. One bad message in a
+//!   batch of `n` costs about `2 log2 n` batch transactions.
+//! - **A handler timed out or panicked:** one transaction per message at
+//!   once (each half would wait out its timeout again). A COMMIT with an
+//!   unknown outcome does too: each message's own claim finds its row if
+//!   the batch did commit.
+//! - **The database cannot be used at all** (BEGIN or the claim fails): the
+//!   batch is held and retried whole, as one message would be.
+//!
+//! The handler calls of a batch share one handler timeout, so that a batch
+//! bounds its transaction as one message does (the retention floor and the
+//! watchdog count that).
+//!
+//! **Shutdown** stops a batch between two handler calls. A batch taken
+//! before shutdown runs its first message, as a message taken alone runs;
+//! no later handler of the batch starts after shutdown. The messages whose
+//! handlers ran commit; the claims of the others are taken back in the same
+//! transaction, and those messages are handed back (NAKed) for another
+//! worker, as fetched messages that never started are. So do the messages
+//! of a failed batch not yet tried again.
 //!
 //! Every batch that committed, and every one that fell back, tells the
 //! route's [`BatchSizer`](crate::consume::sizing::BatchSizer), which sizes an
@@ -59,26 +82,62 @@ struct Ready<P> {
 /// Why a batch did not commit.
 #[derive(Debug, thiserror::Error)]
 enum BatchFailure {
-    // (Split in halves on these two; not on the others, see the module docs.)
     #[error("the database could not be used: {0}")]
     Infrastructure(sqlx::Error),
-    #[error("a handler failed: {0}")]
-    Handler(HandlerError),
+    /// `at`: the batch's index of the message whose handler failed, when
+    /// the handler runs per message (a batch handler's call covers them
+    /// all).
+    #[error("a handler failed: {error}")]
+    Handler {
+        error: HandlerError,
+        at: Option<usize>,
+    },
     #[error("the batch did not commit: {0}")]
     NotCommitted(HandlerError),
     #[error("COMMIT failed, outcome unknown: {0}")]
     CommitUnknown(sqlx::Error),
 }
 
+/// How a failed batch's messages are tried again (see the module docs).
+enum Retry {
+    /// Those before the failed one as a batch, it alone, those after as a
+    /// batch.
+    AroundFailed(usize),
+    /// In halves, each as a batch.
+    Halves,
+    /// One per transaction.
+    Alone,
+}
+
 impl BatchFailure {
-    /// Whether the batch is tried again in halves (see the module docs).
-    fn splits(&self) -> bool {
+    fn retry(&self) -> Retry {
         match self {
-            BatchFailure::Handler(HandlerError::TimedOut(_) | HandlerError::Panicked(_)) => false,
-            BatchFailure::Handler(_) | BatchFailure::NotCommitted(_) => true,
-            BatchFailure::Infrastructure(_) | BatchFailure::CommitUnknown(_) => false,
+            BatchFailure::Handler { error, .. } | BatchFailure::NotCommitted(error)
+                if error.is_conflict() =>
+            {
+                Retry::Alone
+            }
+            BatchFailure::Handler {
+                error: HandlerError::TimedOut(_) | HandlerError::Panicked(_),
+                ..
+            } => Retry::Alone,
+            BatchFailure::Handler { at: Some(at), .. } => Retry::AroundFailed(*at),
+            BatchFailure::Handler { at: None, .. } | BatchFailure::NotCommitted(_) => Retry::Halves,
+            BatchFailure::Infrastructure(_) | BatchFailure::CommitUnknown(_) => Retry::Alone,
         }
     }
+}
+
+/// What became of one message of a batch that committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Claimed and handled: committed.
+    Processed,
+    /// Claimed before, by another transaction that committed.
+    Duplicate,
+    /// Not handled: shutdown stopped the batch before its handler ran, and
+    /// its claim was taken back.
+    Unstarted,
 }
 
 impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
@@ -112,7 +171,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         };
         self.recorder.record(Event::BatchFallback);
         self.sizer.fell_back();
-        self.fall_back(failure, ready).await;
+        self.fall_back(failure, ready, false).await;
     }
 
     /// Decodes each message, resolves its id and leases it. One that is not
@@ -162,14 +221,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let mut outage = Outage::default();
         let failure = loop {
             match self.try_batch(&mut ready).await {
-                Ok(fresh) => {
+                Ok(outcomes) => {
                     self.recorder.batch_committed(ready.len());
                     self.sizer.committed(ready.len());
-                    for (item, fresh) in ready.into_iter().zip(fresh) {
-                        let verdict = if fresh {
-                            Verdict::Processed(None)
-                        } else {
-                            Verdict::Duplicate
+                    for (item, outcome) in ready.into_iter().zip(outcomes) {
+                        let verdict = match outcome {
+                            Outcome::Processed => Verdict::Processed(None),
+                            Outcome::Duplicate => Verdict::Duplicate,
+                            Outcome::Unstarted => Verdict::Unstarted,
                         };
                         self.settle(&item.message, &item.delivery, verdict, item.lease)
                             .await;
@@ -198,23 +257,18 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     /// One try of the batch's transaction ([`transact_batch`](Self::transact_batch)),
-    /// under the handler timeout's watch. Returns, per message, whether it
-    /// was fresh.
+    /// under the watchdog. Returns what became of each message.
     async fn try_batch(
         self: &Arc<Self>,
         ready: &mut [Ready<H::Payload>],
-    ) -> Result<Vec<bool>, BatchFailure> {
+    ) -> Result<Vec<Outcome>, BatchFailure> {
         let transacted = {
             let pipeline = Arc::clone(self);
             let deliveries: Vec<Delivery> =
                 ready.iter().map(|item| item.delivery.clone()).collect();
             let payloads: Vec<Option<H::Payload>> =
                 ready.iter_mut().map(|item| item.payload.take()).collect();
-            // A batch handler is called once; any other once per fresh
-            // message, in the one transaction.
-            let calls = if H::BATCHES { 1 } else { ready.len() };
             self.watched(
-                calls,
                 async move {
                     let mut payloads = payloads;
                     let result = pipeline.transact_batch(&deliveries, &mut payloads).await;
@@ -236,25 +290,54 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         result
     }
 
-    /// After a batch failed (`failure`) and was rolled back: its halves are
-    /// tried again as batches, or each of its messages runs in a
-    /// transaction of its own (see the module docs), so that a failure does
-    /// not fail its neighbours.
-    async fn fall_back(self: &Arc<Self>, failure: BatchFailure, mut ready: Vec<Ready<H::Payload>>) {
-        if failure.splits() && ready.len() > 1 && self.decode_again(&mut ready) {
-            tracing::warn!(%failure, size = ready.len(), "batch rolled back; trying its halves");
-            let second = ready.split_off(ready.len() / 2);
-            for half in [ready, second] {
-                if half.len() == 1 {
-                    self.one_per_transaction(half).await;
-                } else if let Some((failure, half)) = self.commit_batch(half).await {
-                    Box::pin(self.fall_back(failure, half)).await;
-                }
-            }
+    /// After a batch failed (`failure`) and was rolled back: its messages
+    /// are tried again around the failed one, in halves, or one per
+    /// transaction (see the module docs), so that a failure does not fail
+    /// its neighbours. `failed_first` says that the batch this one was cut
+    /// from failed at its first message too.
+    async fn fall_back(
+        self: &Arc<Self>,
+        failure: BatchFailure,
+        mut ready: Vec<Ready<H::Payload>>,
+        failed_first: bool,
+    ) {
+        let retry = match failure.retry() {
+            // Failed at its first message again: every message may fail.
+            Retry::AroundFailed(0) if failed_first => Retry::Alone,
+            retry => retry,
+        };
+        if matches!(retry, Retry::Alone) || ready.len() < 2 || !self.decode_again(&mut ready) {
+            tracing::warn!(%failure, size = ready.len(), "batch rolled back; running its messages one per transaction");
+            self.one_per_transaction(ready).await;
             return;
         }
-        tracing::warn!(%failure, size = ready.len(), "batch rolled back; running its messages one per transaction");
-        self.one_per_transaction(ready).await;
+        match retry {
+            Retry::AroundFailed(at) => {
+                tracing::warn!(%failure, size = ready.len(), at, "batch rolled back; running the failed message alone and the others in batches");
+                let after = ready.split_off((at + 1).min(ready.len()));
+                let failed = ready.split_off(at.min(ready.len()));
+                self.batch_again(ready, false).await;
+                self.one_per_transaction(failed).await;
+                self.batch_again(after, at == 0).await;
+            }
+            _ => {
+                tracing::warn!(%failure, size = ready.len(), "batch rolled back; trying its halves");
+                let second = ready.split_off(ready.len() / 2);
+                self.batch_again(ready, false).await;
+                self.batch_again(second, false).await;
+            }
+        }
+    }
+
+    /// Part of a failed batch, tried again: as a batch (falling back again
+    /// if it fails), or alone if it is one message.
+    async fn batch_again(self: &Arc<Self>, part: Vec<Ready<H::Payload>>, failed_first: bool) {
+        // After shutdown, handed back unstarted.
+        if part.len() < 2 || self.shutdown.has_fired() {
+            self.one_per_transaction(part).await;
+        } else if let Some((failure, part)) = self.commit_batch(part).await {
+            Box::pin(self.fall_back(failure, part, failed_first)).await;
+        }
     }
 
     /// Decodes again the payloads the failed batch's handlers took, for its
@@ -271,9 +354,20 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     /// Runs each message in a transaction of its own, where it takes the
-    /// normal retry and dead-letter path.
+    /// normal retry and dead-letter path; once shutdown has fired, hands the
+    /// rest back unstarted instead.
     async fn one_per_transaction(self: &Arc<Self>, ready: Vec<Ready<H::Payload>>) {
         for item in ready {
+            if self.shutdown.has_fired() {
+                self.settle(
+                    &item.message,
+                    &item.delivery,
+                    Verdict::Unstarted,
+                    item.lease,
+                )
+                .await;
+                continue;
+            }
             // Each message settles, and its heartbeats stop, as soon as it is
             // decided, not when the whole fallback ends.
             let (message, delivery, payload) = (&item.message, &item.delivery, item.payload);
@@ -295,20 +389,23 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     /// Claims the batch in one statement, runs the handler for each fresh
-    /// message, and commits once. Returns, per message, whether it was fresh;
-    /// each fresh message's payload is taken.
+    /// message, and commits once. Returns what became of each message; each
+    /// handled message's payload is taken.
     ///
     /// As in per-message mode, neither BEGIN nor COMMIT is raced against a
-    /// timer; the handler timeout covers each handler call alone (a batch
-    /// handler's one call for the batch).
+    /// timer; one handler timeout covers the batch's handler calls together
+    /// (a batch handler's one call).
     async fn transact_batch(
         &self,
         deliveries: &[Delivery],
         payloads: &mut [Option<H::Payload>],
-    ) -> Result<Vec<bool>, BatchFailure> {
+    ) -> Result<Vec<Outcome>, BatchFailure> {
         let before_handler = |error| match self.classify_before_handler(error) {
             HandlerError::Infrastructure(error) => BatchFailure::Infrastructure(error),
-            other => BatchFailure::Handler(other),
+            other => BatchFailure::Handler {
+                error: other,
+                at: None,
+            },
         };
         let mut connection = self.connections.take().await.map_err(before_handler)?;
         let mut tx = transaction::begin(&mut connection, &self.begin, None)
@@ -329,9 +426,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             if transaction::rollback(tx).await {
                 connection.keep();
             }
-            return Ok(fresh);
+            return Ok(outcomes(&keys, &fresh, keys.len()));
         }
-        let outcome = if H::BATCHES {
+        let handled = if H::BATCHES {
             let mut batch = Vec::new();
             let mut batch_deliveries = Vec::new();
             for ((delivery, payload), _) in deliveries
@@ -350,29 +447,64 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 &self.state,
             ))
             .await
+            .map(|()| keys.len())
+            .map_err(|error| (None, error))
         } else {
             self.handle_each(&mut tx, &keys, deliveries, payloads, &fresh)
                 .await
         };
-        match outcome {
-            Ok(()) => {}
+        let stopped_at = match handled {
+            Ok(stopped_at) => stopped_at,
             // The connection is closed on drop rather than waited on.
-            Err(error @ (HandlerError::TimedOut(_) | HandlerError::Panicked(_))) => {
-                return Err(BatchFailure::Handler(error));
+            Err((at, error @ (HandlerError::TimedOut(_) | HandlerError::Panicked(_)))) => {
+                return Err(BatchFailure::Handler { error, at });
             }
-            Err(error) => {
+            Err((at, error)) => {
                 if transaction::rollback(tx).await {
                     connection.keep();
                 }
-                return Err(BatchFailure::Handler(error));
+                return Err(BatchFailure::Handler { error, at });
             }
+        };
+        let outcomes = outcomes(&keys, &fresh, stopped_at);
+        let handled_any = outcomes.contains(&Outcome::Processed);
+        let unstarted: Vec<&str> = keys
+            .iter()
+            .zip(&fresh)
+            .skip(stopped_at)
+            .filter(|(_, fresh)| **fresh)
+            .map(|(key, _)| key.as_str())
+            .collect();
+        if !handled_any {
+            // Shutdown came before the first handler: nothing to commit.
+            if transaction::rollback(tx).await {
+                connection.keep();
+            }
+            return Ok(outcomes);
+        }
+        if !unstarted.is_empty() {
+            tracing::info!(
+                handled = stopped_at,
+                unstarted = unstarted.len(),
+                "shutting down: the batch commits the messages whose handlers ran and hands back the rest"
+            );
+            claim::unclaim(&mut tx, &unstarted)
+                .await
+                .map_err(|error| BatchFailure::Handler {
+                    error: HandlerError::Handler {
+                        error: Box::new(error),
+                        class: None,
+                        sqlstate: None,
+                    },
+                    at: None,
+                })?;
         }
         let (ended, reusable) = transaction::finish(tx, &self.begin).await;
         if reusable {
             connection.keep();
         }
         match ended {
-            Ended::Committed => Ok(fresh),
+            Ended::Committed => Ok(outcomes),
             Ended::NotCommitted(error) => Err(BatchFailure::NotCommitted(error)),
             Ended::Unknown(error) => {
                 self.connections.forget_idle();
@@ -381,10 +513,12 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         }
     }
 
-    /// Runs the handler for each fresh message in turn, each under the
-    /// handler timeout, and stores what they return with their claims, in
-    /// one statement (none if they return nothing); stops at the first
-    /// failure.
+    /// Runs the handler for each fresh message in turn, all of them within
+    /// one handler timeout, and stores what they return with their claims,
+    /// in one statement (none if they return nothing). Stops at the first
+    /// failure, returning the batch's index of its message; or before a
+    /// handler call once shutdown has fired, returning the index of the
+    /// first message not started (the batch's length if all were).
     async fn handle_each(
         &self,
         tx: &mut sqlx::PgTransaction<'_>,
@@ -392,16 +526,30 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         deliveries: &[Delivery],
         payloads: &mut [Option<H::Payload>],
         fresh: &[bool],
-    ) -> Result<(), HandlerError> {
+    ) -> Result<usize, (Option<usize>, HandlerError)> {
         let mut stored_keys = Vec::new();
         let mut results = Vec::new();
-        for (((key, delivery), payload), _) in keys
+        // One handler timeout for the batch's calls together, so that a
+        // batch bounds its transaction as one message does (the retention
+        // floor and the watchdog count one): calls too slow to fit it in a
+        // batch run one per transaction after the fallback.
+        let deadline = self.handler_deadline();
+        let mut stopped_at = keys.len();
+        let first_fresh = fresh.iter().position(|fresh| *fresh).unwrap_or(0);
+        for (at, (((key, delivery), payload), _)) in keys
             .iter()
             .zip(deliveries)
             .zip(payloads.iter_mut())
             .zip(fresh)
-            .filter(|(_, fresh)| **fresh)
+            .enumerate()
+            .filter(|(_, (_, fresh))| **fresh)
         {
+            // The first message was taken before shutdown, as a message
+            // alone is: it runs. The later ones wait for no one.
+            if at > first_fresh && self.shutdown.has_fired() {
+                stopped_at = at;
+                break;
+            }
             let payload = payload.take().expect("each payload is used once");
             let call = self
                 .handler
@@ -409,13 +557,91 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // In its message's trace, so that what it queues carries that on.
             #[cfg(feature = "otel")]
             let call = call.instrument(self.span(delivery));
-            let result = self.run_handler(call).await?;
+            let result = self
+                .run_handler_until(deadline, call)
+                .await
+                .map_err(|error| (Some(at), error))?;
             if let Some(result) = result {
                 stored_keys.push(key.as_str());
                 results.push(result);
             }
         }
         let results: Vec<&[u8]> = results.iter().map(|result| result.as_ref()).collect();
-        crate::handler::results::store_many(tx, &stored_keys, &results).await
+        crate::handler::results::store_many(tx, &stored_keys, &results)
+            .await
+            .map_err(|error| (None, error))?;
+        Ok(stopped_at)
+    }
+}
+
+/// What became of each message of a batch whose handlers ran up to (not
+/// including) index `stopped_at`: a fresh message before it was processed,
+/// one from it on was not started; a message claimed before is a
+/// duplicate, unless this batch claimed it (its id came twice) and the
+/// first copy was not started: then it was not either, since that claim is
+/// taken back.
+fn outcomes(keys: &[String], fresh: &[bool], stopped_at: usize) -> Vec<Outcome> {
+    let mut claimed_here = std::collections::HashMap::new();
+    keys.iter()
+        .zip(fresh)
+        .enumerate()
+        .map(|(at, (key, fresh))| {
+            if *fresh {
+                let outcome = if at < stopped_at {
+                    Outcome::Processed
+                } else {
+                    Outcome::Unstarted
+                };
+                claimed_here.insert(key.as_str(), outcome);
+                outcome
+            } else {
+                match claimed_here.get(key.as_str()) {
+                    Some(Outcome::Unstarted) => Outcome::Unstarted,
+                    _ => Outcome::Duplicate,
+                }
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(keys: &[&str]) -> Vec<String> {
+        keys.iter().map(|key| (*key).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_batch_run_to_its_end_processes_every_fresh_message() {
+        let keys = keys(&["a", "b", "a", "c"]);
+        let fresh = [true, false, false, true];
+        assert_eq!(
+            outcomes(&keys, &fresh, keys.len()),
+            [
+                Outcome::Processed,
+                Outcome::Duplicate,
+                Outcome::Duplicate,
+                Outcome::Processed
+            ]
+        );
+    }
+
+    #[test]
+    fn a_copy_of_a_message_not_started_is_not_started_either() {
+        // "a" twice: its first copy comes after the stop, so its claim is
+        // taken back, and the second copy must not be acked as a duplicate.
+        let keys = keys(&["b", "a", "c", "a", "b"]);
+        let fresh = [true, true, true, false, false];
+        assert_eq!(
+            outcomes(&keys, &fresh, 1),
+            [
+                Outcome::Processed,
+                Outcome::Unstarted,
+                Outcome::Unstarted,
+                Outcome::Unstarted,
+                Outcome::Duplicate
+            ]
+        );
     }
 }

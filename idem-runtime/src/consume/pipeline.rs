@@ -128,15 +128,13 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
     }
 }
 
-/// How long the runtime waits for a transaction with up to `calls` handler
-/// calls before it stops waiting (see [`Pipeline::watched`]): the longest
-/// such a transaction can take when every part of it gets its answer
-/// ([`transaction::longest`], which the retention floor counts too), plus a
-/// margin; `None` without a handler timeout. A batch whose handler runs once
-/// per message makes up to one call per message.
-pub(crate) fn watchdog(handler_timeout: Option<Duration>, calls: usize) -> Option<Duration> {
-    handler_timeout
-        .map(|timeout| transaction::longest(timeout, calls).saturating_add(WATCHDOG_MARGIN))
+/// How long the runtime waits for a transaction before it stops waiting
+/// (see [`Pipeline::watched`]): the longest a transaction can take when
+/// every part of it gets its answer ([`transaction::longest`], which the
+/// retention floor counts too; a batch's handler calls share one handler
+/// timeout), plus a margin; `None` without a handler timeout.
+pub(crate) fn watchdog(handler_timeout: Option<Duration>) -> Option<Duration> {
+    handler_timeout.map(|timeout| transaction::longest(timeout).saturating_add(WATCHDOG_MARGIN))
 }
 
 /// How much longer than its bounds allow the watchdog waits for a
@@ -173,6 +171,9 @@ pub(crate) enum Verdict {
     /// Held while the database could not be used, and the router is shutting
     /// down: NAK, so another worker takes it.
     Interrupted,
+    /// Part of a batch that shutdown stopped before its handler ran (its
+    /// claim taken back, or never made): NAK, so another worker takes it.
+    Unstarted,
 }
 
 /// The message of a panic's payload.
@@ -365,9 +366,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             let checked = {
                 let pipeline = Arc::clone(self);
                 let delivery = delivery.clone();
-                // A claim and its rollback: no longer than one call's bound.
+                // A claim and its rollback: no longer than a transaction's
+                // bound.
                 self.watched(
-                    1,
                     async move { pipeline.claimed_elsewhere(&delivery).await },
                     |limit| Err(no_answer(limit)),
                 )
@@ -407,8 +408,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         Ok(processed)
     }
 
-    /// Waits for `work` (a whole transaction, with up to `calls` handler
-    /// calls), but not forever: once it has run longer than any server-side
+    /// Waits for `work` (a whole transaction), but not forever: once it has run longer than any server-side
     /// bound allows (the network is gone without a word: a partition, a frozen
     /// host, and TCP has not noticed), the runtime stops waiting and settles
     /// the message with `stuck`. The work is *not* cancelled, because a
@@ -420,11 +420,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// decided by its claim as usual.
     pub(crate) async fn watched<T: Send + 'static>(
         &self,
-        calls: usize,
         work: impl Future<Output = T> + Send + 'static,
         stuck: impl FnOnce(Duration) -> T,
     ) -> T {
-        let Some(limit) = watchdog(self.route.handler_timeout, calls) else {
+        let Some(limit) = watchdog(self.route.handler_timeout) else {
             return work.await;
         };
         let mut work = Box::pin(work);
@@ -473,7 +472,6 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 let pipeline = Arc::clone(self);
                 let delivery = delivery.clone();
                 self.watched(
-                    1,
                     async move { pipeline.transact(this_try, &delivery).await },
                     |limit| Verdict::CommitUnknown(no_answer(limit)),
                 )
@@ -670,12 +668,36 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         &self,
         handled: impl Future<Output = Result<T, HandlerError>>,
     ) -> Result<T, HandlerError> {
+        self.run_handler_until(self.handler_deadline(), handled)
+            .await
+    }
+
+    /// When handler calls starting now must end: the route's handler
+    /// timeout from now (`None`: no timeout). A batch's calls share one.
+    pub(crate) fn handler_deadline(&self) -> Option<tokio::time::Instant> {
+        self.route
+            .handler_timeout
+            .map(|timeout| tokio::time::Instant::now() + timeout)
+    }
+
+    /// Runs a handler call that must end by `deadline` (one handler timeout
+    /// shared by the calls of a batch; see [`handler_deadline`](Self::handler_deadline)),
+    /// as [`run_handler`](Self::run_handler) does.
+    pub(crate) async fn run_handler_until<T>(
+        &self,
+        deadline: Option<tokio::time::Instant>,
+        handled: impl Future<Output = Result<T, HandlerError>>,
+    ) -> Result<T, HandlerError> {
         let _timer = self.recorder.handler_call();
         let guarded = AssertUnwindSafe(handled).catch_unwind();
-        let caught = match self.route.handler_timeout {
-            Some(limit) => match tokio::time::timeout(limit, guarded).await {
+        let caught = match deadline {
+            Some(deadline) => match tokio::time::timeout_at(deadline, guarded).await {
                 Ok(caught) => caught,
-                Err(_) => return Err(HandlerError::TimedOut(limit)),
+                Err(_) => {
+                    return Err(HandlerError::TimedOut(
+                        self.route.handler_timeout.unwrap_or_default(),
+                    ));
+                }
             },
             None => guarded.await,
         };
@@ -802,6 +824,13 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 ack::nak(message, Duration::ZERO).await;
                 tracing::info!(
                     "shutting down while the database could not be used; NAKed for another worker"
+                );
+            }
+            Verdict::Unstarted => {
+                lease.end().await;
+                ack::nak(message, Duration::ZERO).await;
+                tracing::debug!(
+                    "shutting down before its handler ran in its batch; NAKed for another worker"
                 );
             }
         }
@@ -969,13 +998,12 @@ mod tests {
     }
 
     #[test]
-    fn the_watchdog_waits_out_every_handler_call_of_a_batch() {
+    fn the_watchdog_waits_out_the_claim_the_handler_and_commit() {
         let timeout = Some(Duration::from_secs(10));
-        // The claim, one call, COMMIT, and the margin.
-        assert_eq!(watchdog(timeout, 1), Some(Duration::from_secs(35)));
-        // A batch of 64 whose handler runs once per message.
-        assert_eq!(watchdog(timeout, 64), Some(Duration::from_secs(665)));
-        assert_eq!(watchdog(None, 64), None);
-        assert_eq!(watchdog(Some(Duration::MAX), 1000), Some(Duration::MAX));
+        // The claim, the handler (a batch's calls together), COMMIT, and
+        // the margin.
+        assert_eq!(watchdog(timeout), Some(Duration::from_secs(35)));
+        assert_eq!(watchdog(None), None);
+        assert_eq!(watchdog(Some(Duration::MAX)), Some(Duration::MAX));
     }
 }

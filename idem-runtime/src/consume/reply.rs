@@ -413,7 +413,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
             // A request is delivered once (never past a limit), and is
             // answered, not held, while the database is away.
-            Verdict::Duplicate | Verdict::Exhausted | Verdict::Interrupted => {
+            Verdict::Duplicate | Verdict::Exhausted | Verdict::Interrupted | Verdict::Unstarted => {
                 self.recorder.record(Event::Failed);
                 Answer::error(
                     ErrorClass::Transient,

@@ -27,6 +27,9 @@ pub(crate) struct Source {
     /// How far apart copies of one message can be stored, where the route
     /// declares it (see [`Mode::Consume`]).
     pub(crate) copy_spread: Option<Duration>,
+    /// Whether the route, batching by default, runs per message because its
+    /// retention fits only that floor (see `router/start_up.rs`).
+    pub(crate) per_message_for_retention: bool,
     pub(crate) js: jetstream::Context,
 }
 
@@ -77,8 +80,13 @@ fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
     let mode = Mode::Consume {
         copy_spread: source.copy_spread,
     };
+    let route = if source.per_message_for_retention {
+        bound.route.defaulted_to_per_message()
+    } else {
+        bound.route
+    };
     let pipeline = Arc::new(Pipeline::new(
-        bound.route,
+        route,
         bound.handler,
         bound.state,
         bound.stats,

@@ -132,6 +132,25 @@ impl HandlerError {
         }
     }
 
+    /// Whether it is a conflict with a concurrent transaction: a deadlock
+    /// (40P01) or a serialization failure (40001), found in the handler's
+    /// error or in a refused COMMIT. Retrying the same messages in a batch
+    /// again would meet the same conflict.
+    pub(crate) fn is_conflict(&self) -> bool {
+        let sqlstate = match self {
+            HandlerError::Handler {
+                sqlstate: Some(code),
+                ..
+            } => Some(code.clone()),
+            HandlerError::Handler { error, .. } => class::Findings::of(&**error).sqlstate,
+            HandlerError::CommitRefused(error) | HandlerError::ClaimFailed(error) => {
+                class::Findings::of(error).sqlstate
+            }
+            _ => None,
+        };
+        matches!(sqlstate.as_deref(), Some("40001" | "40P01"))
+    }
+
     /// Whether the database, not the message, is to blame: see
     /// [`HandlerError::Infrastructure`].
     pub fn is_infrastructure(&self) -> bool {

@@ -125,9 +125,7 @@ impl Value {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetentionFloor {
     pub(crate) inputs: Inputs,
-    /// Handler calls in one transaction.
-    pub(crate) calls: usize,
-    /// The claiming transaction, `(2 + calls) × handler_timeout`.
+    /// The claiming transaction, `3 × handler_timeout`.
     pub(crate) transaction: Value,
     /// Deliveries that can follow the claiming one.
     pub(crate) redeliveries: u64,
@@ -190,10 +188,12 @@ impl RetentionFloor {
                 let timeout = inputs.handler_timeout.unwrap_or_default();
                 write!(
                     f,
-                    "claiming transaction (claim wait, {} handler call{}, COMMIT) {} × handler_timeout {} = {}",
-                    self.calls,
-                    if self.calls == 1 { "" } else { "s" },
-                    self.calls + 2,
+                    "claiming transaction (claim wait, {}, COMMIT) 3 × handler_timeout {} = {}",
+                    if inputs.batch > 1 {
+                        "the batch's handler calls"
+                    } else {
+                        "1 handler call"
+                    },
                     Human(timeout),
                     Human(transaction)
                 )?;

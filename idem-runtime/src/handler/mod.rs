@@ -178,6 +178,29 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
     /// it.
     const BATCHES: bool = false;
 
+    /// Whether the handler must have its transaction to itself (`true`), so
+    /// that its routes run it one message per transaction even where they
+    /// would batch ([`Route`](crate::Route)'s default, adaptive batching).
+    /// `#[idempotent(per_message)]` sets it.
+    ///
+    /// Inside a batch, a handler shares its transaction with the messages
+    /// before and after it in the batch: what it writes is visible to the
+    /// next message's handler, its row locks are held until the batch
+    /// commits, and `SET LOCAL`, `pg_advisory_xact_lock` and temporary
+    /// tables `ON COMMIT DROP` last until then too. A handler that depends
+    /// on any of these ending with its own message (one that sets a session
+    /// variable for a trigger, takes an advisory lock to coordinate with
+    /// another service, or waits for another transaction) declares it.
+    /// Writes visible to the next message are not a reason: the batch runs
+    /// its messages one after another, in an order per-message mode could
+    /// also have committed them in.
+    ///
+    /// A route that asks for batches explicitly
+    /// ([`Route::batch`](crate::Route::batch),
+    /// [`Route::adaptive_batch`](crate::Route::adaptive_batch)) with such a
+    /// handler is refused at start-up.
+    const PER_MESSAGE: bool = false;
+
     /// Runs the handler once for all the fresh messages of a batch, claimed
     /// in `tx`: `payloads[i]` came in `deliveries[i]`. The runtime calls it
     /// only if [`BATCHES`](Handler::BATCHES) is `true`, never with an empty

@@ -22,13 +22,12 @@
 //!    *redelivery span*:
 //!    - **The claiming transaction.** Its claim may wait on a concurrent
 //!      attempt (at most `statement_timeout`, which is the handler timeout),
-//!      its handler calls take at most the handler timeout each (a batch
-//!      whose handler runs once per message makes up to `batch` calls), and
-//!      its COMMIT at most `statement_timeout`: `(2 + calls) ×
-//!      handler_timeout`. A batch handler (`#[idempotent(batch)]`) makes one
-//!      call per batch, but the floor is computed from the route alone, so
-//!      it counts `batch`. The runtime's watchdog waits as long, plus a
-//!      margin, before it stops waiting for a transaction. The claim is
+//!      its handler at most the handler timeout (a batch's handler calls
+//!      share one: the batch is cut, rolled back and run one message per
+//!      transaction once they have taken it together), and its COMMIT at
+//!      most `statement_timeout`: `3 × handler_timeout`, whatever the batch
+//!      size. The runtime's watchdog waits as long, plus a margin, before it
+//!      stops waiting for a transaction. The claim is
 //!      visible only from the COMMIT on. Heartbeats (`+WPI`) hold the
 //!      message's lease for as long, so no redelivery comes earlier; without
 //!      heartbeats, one that does waits on the claim's lock. Without a
@@ -184,9 +183,8 @@ pub use crate::error::retention::{RetentionFloor, Unbounded};
 /// Computes the retention floor of `inputs`. Pure: the same inputs give the
 /// same floor.
 pub(crate) fn compute(inputs: Inputs) -> RetentionFloor {
-    let calls = inputs.batch.max(1);
     let transaction = match inputs.handler_timeout {
-        Some(timeout) => Value::Bounded(crate::store::transaction::longest(timeout, calls)),
+        Some(timeout) => Value::Bounded(crate::store::transaction::longest(timeout)),
         None if inputs.accepts(Unbounded::HandlerTimeout) => {
             Value::Accepted(Unbounded::HandlerTimeout)
         }
@@ -245,7 +243,6 @@ pub(crate) fn compute(inputs: Inputs) -> RetentionFloor {
     };
     RetentionFloor {
         inputs,
-        calls,
         transaction,
         redeliveries,
         per_redelivery,
@@ -339,13 +336,9 @@ mod tests {
     use crate::error::retention::{Human, decode_duration, encode_duration};
     use crate::route::Route;
 
-    /// The check a route's start-up makes (`bind` in the router).
+    /// The check a route's start-up makes (`bind_consumer` in the router).
     fn check(route: &Route, stream: &stream::Config) -> Result<RetentionFloor, crate::Error> {
-        judge(
-            &route.durable,
-            route.retention,
-            route.retention_floor(stream),
-        )
+        route.judged_floor(stream).map(|(floor, _)| floor)
     }
 
     /// The check a reply route's start-up makes (`ReplyRoute::validate`).
@@ -371,8 +364,11 @@ mod tests {
         }
     }
 
+    /// A per-message route (the floor of batches has a test of its own).
     fn route() -> Route {
-        Route::new("S", "c").publisher_retry_horizon(secs(60))
+        Route::new("S", "c")
+            .per_message()
+            .publisher_retry_horizon(secs(60))
     }
 
     #[test]
@@ -407,7 +403,7 @@ mod tests {
 
     #[test]
     fn publisher_retries_past_the_duplicate_window_add_their_horizon() {
-        let floor = Route::new("S", "c")
+        let floor = route()
             .publisher_retry_horizon(secs(3600))
             .retention_floor(&stream(7 * DAY));
         assert_eq!(floor.value(), Some(7 * DAY + secs(3600)));
@@ -424,7 +420,7 @@ mod tests {
             "{text}"
         );
         // A horizon equal to the window: every retry is dropped.
-        let floor = Route::new("S", "c")
+        let floor = route()
             .publisher_retry_horizon(secs(120))
             .retention_floor(&stream(7 * DAY));
         assert_eq!(floor.value(), Some(7 * DAY));
@@ -464,9 +460,12 @@ mod tests {
         assert_eq!(accepted.value(), Some(Duration::from_millis(973_200)));
 
         // No publisher-retry horizon.
-        let floor = Route::new("S", "c").retention_floor(&stream(7 * DAY));
+        let floor = Route::new("S", "c")
+            .per_message()
+            .retention_floor(&stream(7 * DAY));
         assert_eq!(floor.unbounded(), [Unbounded::PublisherRetryHorizon]);
         let accepted = Route::new("S", "c")
+            .per_message()
             .accept_duplicates_after_retention(Unbounded::PublisherRetryHorizon)
             .retention_floor(&stream(7 * DAY));
         assert_eq!(accepted.value(), Some(7 * DAY));
@@ -491,22 +490,76 @@ mod tests {
     }
 
     #[test]
-    fn batch_mode_counts_a_batch_transaction_per_call_and_per_redelivery() {
-        let floor = route()
-            .batch(4)
+    fn batches_count_one_handler_timeout_and_a_batch_transaction_per_redelivery() {
+        for batched in [
+            route().batch(4),
+            route().batch(64),
+            Route::new("S", "c").publisher_retry_horizon(secs(60)),
+        ] {
+            let floor = batched
+                .handler_timeout(secs(10))
+                .retention_floor(&stream(secs(1)));
+            // Whatever the size: transaction 3 × 10 s (the batch's calls
+            // share one timeout); 12 × (30 s + 30 s); NAKs 613.2 s.
+            assert_eq!(
+                floor.value(),
+                Some(secs(30) + secs(12 * 60) + Duration::from_millis(613_200))
+            );
+            assert!(
+                floor.to_string().contains(
+                    "claiming transaction (claim wait, the batch's handler calls, COMMIT) 3 × handler_timeout 10s = 30s"
+                ),
+                "{floor}"
+            );
+        }
+        let alone = route()
             .handler_timeout(secs(10))
             .retention_floor(&stream(secs(1)));
-        // transaction (2 + 4) × 10 s = 60 s; 12 × (30 s + 60 s); NAKs 613.2 s.
         assert_eq!(
-            floor.value(),
-            Some(secs(60) + secs(12 * 90) + Duration::from_millis(613_200))
+            alone.value(),
+            Some(secs(30) + secs(12 * 30) + Duration::from_millis(613_200))
         );
+    }
+
+    #[test]
+    fn a_route_batching_by_default_runs_per_message_where_only_that_floor_fits() {
+        let week = stream(7 * DAY);
+        let hour = secs(3600);
+        let short = |route: Route| route.retention(hour);
+        // 31m 13.2s.
+        let per_message_floor = route().retention_floor(&stream(secs(1))).value().unwrap();
+        let by_default = short(Route::new("S", "c").publisher_retry_horizon(secs(60)));
+        // 15m + 12 × (30s + 15m) + 10m 13.2s: the floor without a retention
+        // for the default to give way to.
+        let batched_floor = Route::new("S", "c")
+            .publisher_retry_horizon(secs(60))
+            .retention_floor(&stream(secs(1)))
+            .value()
+            .unwrap();
         assert!(
-            floor
-                .to_string()
-                .contains("claiming transaction (claim wait, 4 handler calls, COMMIT) 6 × handler_timeout 10s = 1m"),
-            "{floor}"
+            per_message_floor < hour && hour < batched_floor,
+            "an hour is between the floors: {per_message_floor:?}, {batched_floor:?}"
         );
+        let (floor, per_message) = by_default
+            .judged_floor(&stream(secs(1)))
+            .expect("the per-message floor fits");
+        assert!(per_message, "the default gives way");
+        assert_eq!(floor.value(), Some(per_message_floor));
+        assert_eq!(
+            by_default.retention_floor(&stream(secs(1))).value(),
+            Some(per_message_floor),
+            "the floor a route reports is that of the mode it runs in"
+        );
+        // A route that chose batches is refused instead.
+        let chosen = short(route().adaptive_batch(64));
+        assert!(chosen.judged_floor(&stream(secs(1))).is_err());
+        // One whose retention covers the batch floor keeps its batches.
+        let (_, per_message) = Route::new("S", "c")
+            .publisher_retry_horizon(secs(60))
+            .retention(7 * DAY)
+            .judged_floor(&week)
+            .unwrap();
+        assert!(!per_message);
     }
 
     #[test]

@@ -66,7 +66,7 @@ pub(crate) fn default_dead_letter_subject(stream: &str, durable: &str) -> String
 /// | `handler_timeout` | 5 min (the handler only; never BEGIN or COMMIT) |
 /// | `max_ack_pending` | 1000 (JetStream's default); must be ≥ `concurrency` |
 /// | `concurrency` | 8 messages (or batches) in flight per route in this process |
-/// | `batch` | 1: per-message mode (see also [`adaptive_batch`](Route::adaptive_batch)) |
+/// | batching | adaptive, up to [`DEFAULT_ADAPTIVE_MAX`] messages per transaction ([`adaptive_batch`](Route::adaptive_batch)); per message for a handler that declares [`PER_MESSAGE`](crate::handler::Handler::PER_MESSAGE), or where the route's retention fits only the per-message floor |
 /// | heartbeat | `+WPI` every ack_wait / 3 while a handler runs |
 /// | ack | plain `+ACK` ([`AckMode::Ack`]) |
 /// | existing consumer | used if its settings match; refused if they differ, unless `update_consumer()` |
@@ -98,6 +98,14 @@ pub struct Route {
     /// Whether batches are sized by the backlog and by conflicts (see
     /// `consume/sizing.rs`), up to `batch`.
     pub(crate) adaptive: bool,
+    /// Whether the user chose how the route batches (`batch`,
+    /// `adaptive_batch` or `per_message`), rather than taking the default:
+    /// only the default gives way to a per-message handler or a retention
+    /// that fits only the per-message floor.
+    pub(crate) batching_chosen: bool,
+    /// Whether the route's handler must have its transaction to itself
+    /// ([`Handler::PER_MESSAGE`](crate::handler::Handler::PER_MESSAGE)).
+    pub(crate) handler_per_message: bool,
     heartbeat: HeartbeatSetting,
     pub(crate) handler_timeout: Option<Duration>,
     allow_redelivery_while_running: bool,
@@ -131,8 +139,10 @@ impl Route {
             ack_wait: Duration::from_secs(30),
             max_ack_pending: 1000,
             concurrency: 8,
-            batch: 1,
-            adaptive: false,
+            batch: DEFAULT_ADAPTIVE_MAX,
+            adaptive: true,
+            batching_chosen: false,
+            handler_per_message: false,
             heartbeat: HeartbeatSetting::Auto,
             handler_timeout: Some(Duration::from_secs(300)),
             allow_redelivery_while_running: false,
@@ -260,6 +270,7 @@ impl Route {
     pub fn batch(mut self, size: usize) -> Self {
         self.batch = size;
         self.adaptive = false;
+        self.batching_chosen = true;
         self
     }
 
@@ -298,11 +309,40 @@ impl Route {
     pub fn adaptive_batch(mut self, max: usize) -> Self {
         self.batch = max;
         self.adaptive = true;
+        self.batching_chosen = true;
         self
     }
 
     /// Per-message mode: each message in a transaction of its own.
     pub fn per_message(mut self) -> Self {
+        self.batch = 1;
+        self.adaptive = false;
+        self.batching_chosen = true;
+        self
+    }
+
+    /// The route as it runs `handler_per_message`'s handler: a route left
+    /// at the default batching runs a handler that must have its
+    /// transaction to itself per message; one that chose batches keeps them,
+    /// and is refused at start-up ([`validate`](Self::validate)).
+    pub(crate) fn for_handler(mut self, handler_per_message: bool) -> Self {
+        self.handler_per_message = handler_per_message;
+        if handler_per_message && !self.batching_chosen {
+            self.batch = 1;
+            self.adaptive = false;
+        }
+        self
+    }
+
+    /// Whether the route batches by default (it chose nothing), and so may
+    /// run per message instead where its retention fits only that floor.
+    pub(crate) fn batches_by_default(&self) -> bool {
+        !self.batching_chosen && self.batch > 1
+    }
+
+    /// The same route, one message per transaction, as the default gives
+    /// way (see [`batches_by_default`](Self::batches_by_default)).
+    pub(crate) fn defaulted_to_per_message(mut self) -> Self {
         self.batch = 1;
         self.adaptive = false;
         self
@@ -425,7 +465,22 @@ impl Route {
     /// This route's retention floor on a stream with `stream`'s settings,
     /// and how it is computed: what the router checks the retention against
     /// at start-up. See [`retention_floor`](crate::retention::floor).
+    ///
+    /// With batches, every later delivery of a message also counts a
+    /// batch's transaction, so the floor is higher. A route left at the
+    /// default batching whose retention covers only the per-message floor
+    /// runs one message per transaction (start-up warns), and this is then
+    /// that floor.
     pub fn retention_floor(&self, stream: &stream::Config) -> RetentionFloor {
+        match self.judged_floor(stream) {
+            Ok((floor, _)) => floor,
+            Err(_) => self.floor_as_is(stream),
+        }
+    }
+
+    /// The floor of the route as it is set, without the default giving
+    /// way.
+    fn floor_as_is(&self, stream: &stream::Config) -> RetentionFloor {
         floor::compute(self.floor_inputs(stream))
     }
 
@@ -467,6 +522,12 @@ impl Route {
         if self.batch == 0 || self.batch > MAX_BATCH {
             return refuse(format!(
                 "the batch size must be between 1 and {MAX_BATCH}, not {}",
+                self.batch
+            ));
+        }
+        if self.handler_per_message && self.batch > 1 {
+            return refuse(format!(
+                "the route asks for batches of up to {} messages, but its handler must have its transaction to itself (`#[idempotent(per_message)]`, `Handler::PER_MESSAGE`); remove `batch`/`adaptive_batch` from the route, or `per_message` from the handler",
                 self.batch
             ));
         }
@@ -546,6 +607,29 @@ impl Route {
 }
 
 impl Route {
+    /// The route's retention floor, judged against its retention, as
+    /// start-up judges it. A route that batches by default and whose
+    /// retention is below its floor with batches (every later delivery of a
+    /// message then counts a batch's transaction) runs per message instead,
+    /// if its retention covers that floor: `true` with the per-message
+    /// floor. If it covers neither, the refusal is the per-message floor's:
+    /// the least the route needs.
+    pub(crate) fn judged_floor(
+        &self,
+        stream: &stream::Config,
+    ) -> Result<(RetentionFloor, bool), Error> {
+        let judged = floor::judge(&self.durable, self.retention, self.floor_as_is(stream));
+        match judged {
+            Err(_) if self.batches_by_default() => {
+                let alone = self.clone().defaulted_to_per_message();
+                let floor =
+                    floor::judge(&alone.durable, alone.retention, alone.floor_as_is(stream))?;
+                Ok((floor, true))
+            }
+            judged => judged.map(|floor| (floor, false)),
+        }
+    }
+
     /// What this route's retention floor is computed from, reading `stream`.
     fn floor_inputs(&self, stream: &stream::Config) -> Inputs {
         let policy = &self.retry;

@@ -11,7 +11,7 @@ use sqlx::PgPool;
 use crate::consume::reply::{BindReply, BoundReply};
 use crate::consume::start::{Bind, Bound};
 use crate::error::Error;
-use crate::handler::IntoHandler;
+use crate::handler::{Handler, IntoHandler};
 use crate::observe::stats::Stats;
 use crate::outbox::{Relay, RelayStats};
 use crate::reply::ReplyRoute;
@@ -180,7 +180,12 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// Runs `handler` for every message of `route`'s durable consumer:
     /// the name of an `#[idempotent]` fn, or a value that implements
     /// [`Handler<S>`](crate::Handler).
-    pub fn route<M>(mut self, route: Route, handler: impl IntoHandler<S, M>) -> Self {
+    ///
+    /// A route left at the default batching runs a handler that declares
+    /// [`PER_MESSAGE`](crate::handler::Handler::PER_MESSAGE) one message per
+    /// transaction.
+    pub fn route<M, I: IntoHandler<S, M>>(mut self, route: Route, handler: I) -> Self {
+        let route = route.for_handler(<I::Handler as Handler<S>>::PER_MESSAGE);
         let handler = handler.into_handler();
         let stats = Arc::new(Stats::default());
         self.stats
@@ -352,7 +357,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             tracing::info!("shut down during start-up, before any message was taken");
             return Ok(());
         };
-        let running = self.spawn(set_up, &nats, &js, &pool);
+        let running = self.spawn(set_up, &nats, &pool);
         let client_gone = running.until_shutdown(shutdown.as_mut(), &nats).await;
         running.shut_down(&nats).await;
         if client_gone {

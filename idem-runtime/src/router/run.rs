@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
@@ -12,7 +11,6 @@ use crate::outbox::{Relay, RelayError};
 use super::Router;
 use super::start_up::SetUp;
 use crate::consume::pipeline::RouteContext;
-use crate::consume::start::Source;
 use crate::tasks::{self, Signal, Trigger};
 
 /// What a router runs once started: its routes' tasks, the purge, the
@@ -32,21 +30,15 @@ pub(super) struct Running {
 impl<S: Send + Sync + 'static> Router<S> {
     /// Spawns the purge (if a route keeps claims for a while), the metrics
     /// poll, every route and the relay.
-    pub(super) fn spawn(
-        self,
-        set_up: SetUp,
-        nats: &async_nats::Client,
-        js: &jetstream::Context,
-        pool: &PgPool,
-    ) -> Running {
+    pub(super) fn spawn(self, set_up: SetUp, nats: &async_nats::Client, pool: &PgPool) -> Running {
         let SetUp {
             session,
-            consumers,
+            sources,
             handler_ids,
             requests,
         } = set_up;
         let purging = self.spawn_purge(pool);
-        let bound: Vec<_> = self.routes.into_iter().zip(consumers).collect();
+        let bound: Vec<_> = self.routes.into_iter().zip(sources).collect();
         let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
         // Each route may keep at most its share of the pool's connections
         // between messages (see `store/connections.rs`).
@@ -56,7 +48,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         // the task ends by itself at shutdown.
         let polled = bound
             .iter()
-            .map(|(route, (consumer, ..))| (route.route().durable.clone(), consumer.clone()));
+            .map(|(route, source)| (route.route().durable.clone(), source.consumer.clone()));
         let _polling = tasks::Owned(tokio::spawn(super::poll::poll(
             polled.collect(),
             pool.clone(),
@@ -75,18 +67,12 @@ impl<S: Send + Sync + 'static> Router<S> {
         };
         // Dropped with this future, the set aborts every route's task.
         let mut running = JoinSet::new();
-        for (route, (consumer, advisories, copy_spread)) in bound {
+        for (route, source) in bound {
             tracing::info!(
                 route = route.route().durable,
                 stream = route.route().stream,
                 "route started"
             );
-            let source = Source {
-                consumer,
-                advisories,
-                copy_spread,
-                js: js.clone(),
-            };
             let context = context(handler_ids[route.handler_name()]);
             running.spawn(route.start(context, source));
         }

@@ -10,6 +10,7 @@ use async_nats::jetstream;
 use async_nats::jetstream::consumer::{self, PullConsumer, pull};
 use sqlx::PgPool;
 
+use crate::consume::start::Source;
 use crate::consume::undeliverable;
 use crate::error::Error;
 use crate::route::Route;
@@ -20,9 +21,8 @@ use super::Router;
 /// and request routes.
 pub(super) struct SetUp {
     pub(super) session: crate::store::transaction::Session,
-    /// Per route: its consumer, its advisory watcher's consumer, and how far
-    /// apart copies of one message can be stored.
-    pub(super) consumers: Vec<(PullConsumer, PullConsumer, Option<Duration>)>,
+    /// Per route: where its messages come from.
+    pub(super) sources: Vec<Source>,
     pub(super) handler_ids: HashMap<String, i32>,
     /// Per request route: its subscription and queue group.
     pub(super) requests: Vec<(async_nats::Subscriber, String)>,
@@ -102,7 +102,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         schema::verify(pool).await?;
         let session = crate::store::transaction::Session::probe(pool, !*warned).await?;
         *warned = true;
-        let mut consumers = Vec::with_capacity(self.routes.len());
+        let mut sources = Vec::with_capacity(self.routes.len());
         // idem's own streams follow the replicas of the routes' streams.
         let routes: Vec<&Route> = self.routes.iter().map(|route| route.route()).collect();
         let replicas = crate::dead_letter::Replicas::of(js, &routes).await;
@@ -111,9 +111,14 @@ impl<S: Send + Sync + 'static> Router<S> {
             // Before the route pulls, so that nothing it gives up on from
             // now on is missed.
             let advisories = undeliverable::bind(js, route.route(), &replicas).await?;
-            let (consumer, copy_spread) =
-                bind_consumer(js, route.route(), route.handler_name()).await?;
-            consumers.push((consumer, advisories, copy_spread));
+            let bound = bind_consumer(js, route.route(), route.handler_name()).await?;
+            sources.push(Source {
+                consumer: bound.consumer,
+                advisories,
+                copy_spread: bound.copy_spread,
+                per_message_for_retention: bound.per_message_for_retention,
+                js: js.clone(),
+            });
         }
         // Registered only once every route is bound, which checks its
         // retention floor: a refused route's retention is never recorded
@@ -166,7 +171,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         }
         Ok(SetUp {
             session,
-            consumers,
+            sources,
             handler_ids,
             requests,
         })
@@ -309,12 +314,23 @@ async fn jetstream_answers(js: &jetstream::Context) -> bool {
     }
 }
 
+/// A route's durable consumer, bound.
+struct BoundConsumer {
+    consumer: PullConsumer,
+    /// How far apart copies of one message can be stored, where the route
+    /// declares it.
+    copy_spread: Option<Duration>,
+    /// Whether the route, batching by default, runs per message because
+    /// its retention fits only the per-message floor.
+    per_message_for_retention: bool,
+}
+
 /// Creates or updates the stream (if asked) and the durable consumer.
 async fn bind_consumer(
     js: &jetstream::Context,
     route: &Route,
     handler: &str,
-) -> Result<(PullConsumer, Option<Duration>), Error> {
+) -> Result<BoundConsumer, Error> {
     let jetstream_error = |source: async_nats::Error| Error::JetStream {
         route: route.durable.clone(),
         source,
@@ -339,11 +355,16 @@ async fn bind_consumer(
     // A route whose retention does not cover its floor is refused before
     // its consumer is touched; the consumer records the retention, for the
     // route's dead letters to copy (see `dead_letter/`).
-    let floor = crate::retention::floor::judge(
-        &route.durable,
-        route.retention,
-        route.retention_floor(&stream.cached_info().config),
-    )?;
+    let stream_config = &stream.cached_info().config;
+    let (floor, per_message_for_retention) = route.judged_floor(stream_config)?;
+    if per_message_for_retention {
+        tracing::warn!(
+            route = route.durable,
+            per_message_floor = ?floor.value(),
+            "the route's retention is below its floor with batches, so it runs one message per transaction (batching needs a longer retention; raise it, or shorten the handler timeout or the retry policy): {}",
+            route.clone().adaptive_batch(route.batch).retention_floor(stream_config)
+        );
+    }
     let mut wanted = route.consumer_config();
     // And its handler and dead letters, for operators (see `status.rs`).
     wanted
@@ -369,7 +390,11 @@ async fn bind_consumer(
         .create_consumer(wanted)
         .await
         .map_err(|e| jetstream_error(e.into()))?;
-    Ok((consumer, floor.declared_copy_spread()))
+    Ok(BoundConsumer {
+        consumer,
+        copy_spread: floor.declared_copy_spread(),
+        per_message_for_retention,
+    })
 }
 
 /// The settings the route cares about that differ, as `field: existing -> wanted`.

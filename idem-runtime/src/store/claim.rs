@@ -214,6 +214,22 @@ pub(crate) async fn claim_many(
     Ok(fresh.into_iter().collect())
 }
 
+/// Takes back the claims this transaction made on `keys` (each key's rows
+/// in every generation: a claim made during a transition has two), so that
+/// they commit with the rest of the batch as if never made. For the
+/// messages of a batch that shutdown stopped before their handlers ran:
+/// they are handed back, and their next delivery claims them afresh. Rows
+/// of other transactions are never touched.
+pub(crate) async fn unclaim(tx: &mut PgTransaction<'_>, keys: &[&str]) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "DELETE FROM idem_claims WHERE key = ANY($1::uuid[]) AND xmin = pg_current_xact_id()::xid",
+    )
+    .bind(keys)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

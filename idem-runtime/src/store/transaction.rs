@@ -285,16 +285,16 @@ pub(crate) async fn end_failed_claim(connection: &mut PgConnection) -> Result<()
     Ok(())
 }
 
-/// The longest a transaction with `calls` handler calls can run when every
-/// part of it gets its answer under `handler_timeout`: the claim (which may
-/// wait on a concurrent attempt, up to `statement_timeout`), each handler
-/// call (up to the handler timeout) and COMMIT (up to `statement_timeout`),
-/// each the handler timeout: `(2 + calls) × handler_timeout`. The retention
-/// floor counts it for the claiming transaction, and the watchdog waits that
-/// long (plus a margin) before it gives up on one (`Pipeline::watched`).
-pub(crate) fn longest(handler_timeout: Duration, calls: usize) -> Duration {
-    let parts = u32::try_from(calls).unwrap_or(u32::MAX).saturating_add(2);
-    handler_timeout.saturating_mul(parts)
+/// The longest a transaction can run when every part of it gets its answer
+/// under `handler_timeout`: the claim (which may wait on a concurrent
+/// attempt, up to `statement_timeout`), the handler (up to the handler
+/// timeout; a batch's handler calls share one) and COMMIT (up to
+/// `statement_timeout`), each the handler timeout: `3 × handler_timeout`.
+/// The retention floor counts it for the claiming transaction, and the
+/// watchdog waits that long (plus a margin) before it gives up on one
+/// (`Pipeline::watched`).
+pub(crate) fn longest(handler_timeout: Duration) -> Duration {
+    handler_timeout.saturating_mul(3)
 }
 
 /// How much longer than the handler timeout a transaction may sit idle

@@ -1,7 +1,7 @@
-//! Adaptive batching ([`Route::adaptive_batch`]) and the split fallback:
-//! an idle route runs each message alone, a backlog grows the batches, and
-//! a failing message costs its batch a few halves, not a transaction for
-//! each neighbour.
+//! Adaptive batching ([`Route::adaptive_batch`]) and the fallback: an idle
+//! route runs each message alone, a backlog grows the batches, and a
+//! failing message runs alone while its neighbours still commit in
+//! batches.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -96,21 +96,29 @@ async fn under_a_backlog_an_adaptive_route_grows_its_batches() {
     assert_eq!(ledger(&pool, "adaptive").await, Ledger::once_each(MESSAGES));
 }
 
-/// What the `halves` handler saw when the bad message first ran.
+/// What the `around` handler saw: how many claims the bad message's first
+/// transaction held (the size of the batch it failed), and how many times
+/// each message's handler ran.
 #[derive(Clone, Default)]
-struct FirstFailure {
-    /// How many claims the bad message's first transaction held: the size
-    /// of the batch it failed.
+struct Seen {
     batch: Arc<Mutex<Option<i64>>>,
+    calls: Arc<Mutex<std::collections::BTreeMap<i64, u32>>>,
 }
 
-#[idempotent(name = "halves")]
-async fn halves(
+impl Seen {
+    fn calls(&self) -> std::collections::BTreeMap<i64, u32> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+#[idempotent(name = "around")]
+async fn around(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,
-    State(seen): State<FirstFailure>,
+    State(seen): State<Seen>,
     d: Deposit,
 ) -> Result<(), idem_runtime::BoxError> {
+    *seen.calls.lock().unwrap().entry(d.amount).or_default() += 1;
     if d.account == "bad" {
         let claims: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM idem_claims WHERE xmin = pg_current_xact_id()::xid",
@@ -120,63 +128,111 @@ async fn halves(
         seen.batch.lock().unwrap().get_or_insert(claims);
         return Err(Permanent::new("this account refuses deposits").into());
     }
-    record_effect(tx, "halves", &d, delivery).await?;
+    record_effect(tx, "around", &d, delivery).await?;
     Ok(())
 }
 
-/// A batch of 8 whose last message fails for good: its halves are tried
-/// again as batches, so its 7 good neighbours commit in 3 transactions
-/// ([0..4), [4, 5], [6]) where a fallback of one transaction per message
-/// would take 7. The bad one is dead-lettered, each good one applied once.
-#[tokio::test]
-async fn a_failing_message_costs_its_batch_halves_not_a_transaction_per_neighbour() {
+/// Publishes 8 deposits, those at `bad` to the refusing account, and runs
+/// them in one batch of 8 (they are published before the route starts,
+/// which has one slot) until all are acked. Returns the route's counters,
+/// the pool, and the servers (which stop when dropped).
+async fn run_a_batch_of_eight(
+    prefix: &str,
+    bad: &[i64],
+    seen: &Seen,
+) -> (
+    std::sync::Arc<idem_runtime::Stats>,
+    sqlx::PgPool,
+    idem_tests::TestEnv,
+) {
     let Scenario {
-        env: _env,
+        env,
         pool,
         nats,
         js,
         stream,
         subject,
-    } = scenario("HALVES", Duration::from_secs(120)).await;
+    } = scenario(prefix, Duration::from_secs(120)).await;
     for i in 0..8 {
-        let account = if i == 7 { "bad" } else { "ok" };
+        let account = if bad.contains(&i) { "bad" } else { "ok" };
         let deposit = Deposit {
             account: account.into(),
             amount: i,
         };
         publish(&js, &subject, &deposit, Some(&format!("h-{i}"))).await;
     }
-    let seen = FirstFailure::default();
     let (handle, task) = spawn(
         Router::with_state(seen.clone())
-            .route(Route::new(&stream, "c").batch(8).concurrency(1), halves),
+            .route(Route::new(&stream, "c").batch(8).concurrency(1), around),
         nats,
         pool.clone(),
     );
     wait_all_acked(&js, &stream, "c").await;
     stop(handle.clone(), task).await;
-
-    let batch = seen.batch.lock().unwrap().expect("the bad message ran");
+    let batch = seen.batch.lock().unwrap().expect("a bad message ran");
     assert_eq!(
         batch, 8,
-        "the bad message first failed in a batch of all 8 (published before the route started)"
+        "the first bad message failed in a batch of all 8 (published before the route started)"
     );
-    let stats = handle.stats("c").unwrap();
+    (handle.stats("c").unwrap(), pool, env)
+}
+
+/// A batch of 8 whose fourth message fails for good: the three before it
+/// commit again as one batch, the bad one runs alone (and is
+/// dead-lettered), and the four after it commit as one batch: the 7 good
+/// neighbours take 2 transactions where one per message would take 7, and
+/// no handler but the bad one's runs more than twice.
+#[tokio::test]
+async fn a_failing_message_runs_alone_and_its_neighbours_in_two_batches() {
+    let seen = Seen::default();
+    let (stats, pool, _env) = run_a_batch_of_eight("AROUND", &[3], &seen).await;
     assert_eq!(
         (stats.processed(), stats.dead_lettered()),
         (7, 1),
         "{stats:?}"
     );
     assert_eq!(stats.batch_fallbacks(), 1, "{stats:?}");
-    assert_eq!(ledger(&pool, "halves").await, Ledger::once_each(7));
+    assert_eq!(ledger(&pool, "around").await, Ledger::once_each(7));
     let transactions: i64 = sqlx::query_scalar(
-        "SELECT count(DISTINCT xmin::text) FROM effects WHERE handler = 'halves'",
+        "SELECT count(DISTINCT xmin::text) FROM effects WHERE handler = 'around'",
     )
     .fetch_one(&pool)
     .await
     .unwrap();
     assert_eq!(
-        transactions, 3,
-        "the 7 good neighbours committed in the halves [0..4), [4, 5] and [6]"
+        transactions, 2,
+        "the 7 good neighbours committed in [0..3) and [4..8)"
     );
+    // Before the bad one: ran in the failed batch and in their own. After
+    // it: never ran in the failed batch. The bad one: in the batch, alone.
+    let calls = seen.calls();
+    assert_eq!(
+        calls.values().copied().collect::<Vec<_>>(),
+        [2, 2, 2, 2, 1, 1, 1, 1],
+        "{calls:?}"
+    );
+}
+
+/// Every message of a batch of 8 fails (a dependency is down, say): after
+/// the batch and the batch of the rest both fail at their first message,
+/// the rest run one per transaction: 8 + 2 handler calls, not a cascade of
+/// batches each running the handlers again.
+#[tokio::test]
+async fn when_every_message_fails_the_batch_falls_back_to_one_per_transaction_at_once() {
+    let seen = Seen::default();
+    let (stats, _pool, _env) =
+        run_a_batch_of_eight("ALLFAIL", &[0, 1, 2, 3, 4, 5, 6, 7], &seen).await;
+    assert_eq!(
+        (stats.processed(), stats.dead_lettered()),
+        (0, 8),
+        "{stats:?}"
+    );
+    let calls = seen.calls();
+    assert_eq!(
+        calls.values().sum::<u32>(),
+        10,
+        "each message once alone, the first two also in a batch: {calls:?}"
+    );
+    assert_eq!(calls[&0], 2, "{calls:?}");
+    assert_eq!(calls[&1], 2, "{calls:?}");
 }

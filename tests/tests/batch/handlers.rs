@@ -200,8 +200,8 @@ async fn a_failing_batch_handler_is_tried_again_in_halves_down_to_the_bad_messag
     assert_eq!(header(&letters[0], "Idem-Message-Id"), "refused");
 }
 
-/// On a route without `batch(..)`, a batch handler runs each message as a
-/// batch of one.
+/// On a per-message route, a batch handler runs each message as a batch
+/// of one.
 #[tokio::test]
 async fn a_batch_handler_on_a_per_message_route_gets_batches_of_one() {
     let Scenario {
@@ -221,7 +221,8 @@ async fn a_batch_handler_on_a_per_message_route_gets_batches_of_one() {
     }
     let calls = Calls::default();
     let (handle, task) = spawn(
-        Router::with_state(calls.clone()).route(Route::new(&stream, "c"), deposit_many),
+        Router::with_state(calls.clone())
+            .route(Route::new(&stream, "c").per_message(), deposit_many),
         nats,
         pool.clone(),
     );

@@ -10,6 +10,7 @@ use std::time::Duration;
 use idem_runtime::fault::{AfterCommit, FaultHooks};
 use idem_runtime::{Delivery, Route, Router, State, idempotent};
 use idem_tests::scenario::*;
+use idem_tests::{Batched, Batching};
 
 fn deposit(amount: i64) -> Deposit {
     Deposit {
@@ -29,7 +30,7 @@ async fn retry_window(
 
 /// Scenario 1: a publisher retries after JetStream's duplicate window, so the
 /// same `Nats-Msg-Id` is stored twice. One effect; both messages acked.
-async fn publisher_retry_after_duplicate_window_is_applied_once(batch: usize) {
+async fn publisher_retry_after_duplicate_window_is_applied_once(batch: Batching) {
     let Scenario {
         env: _env,
         pool,
@@ -58,7 +59,7 @@ async fn publisher_retry_after_duplicate_window_is_applied_once(batch: usize) {
         "the same Nats-Msg-Id is stored twice"
     );
 
-    let router = Router::new().route(Route::new(&stream, "credit").batch(batch), retry_window);
+    let router = Router::new().route(Route::new(&stream, "credit").batching(batch), retry_window);
     let (handle, task) = spawn(router, nats, pool.clone());
     wait_all_acked(&js, &stream, "credit").await;
     stop(handle.clone(), task).await;
@@ -80,7 +81,7 @@ async fn crash_after_commit(
 /// Scenario 2: the worker commits, then dies before it acks. The hook makes
 /// the runtime drop each message after its first COMMIT without any ack, as
 /// a crash would; JetStream redelivers after ack_wait. One effect each.
-async fn crash_after_commit_before_ack_is_applied_once(batch: usize) {
+async fn crash_after_commit_before_ack_is_applied_once(batch: Batching) {
     let Scenario {
         env: _env,
         pool,
@@ -110,7 +111,7 @@ async fn crash_after_commit_before_ack_is_applied_once(batch: usize) {
     let router = Router::new()
         .route(
             Route::new(&stream, "credit")
-                .batch(batch)
+                .batching(batch)
                 .ack_wait(Duration::from_secs(1)),
             crash_after_commit,
         )
@@ -184,7 +185,7 @@ async fn racing_redelivery(
 /// Scenario 3: ack_wait expires while the first attempt is still inside its
 /// transaction (heartbeats off), and a second worker on the same consumer
 /// takes the redelivery. It waits on the unique key, then skips.
-async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: usize) {
+async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: Batching) {
     let Scenario {
         env: _env,
         pool,
@@ -197,7 +198,7 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: usize)
 
     let route = || {
         Route::new(&stream, "credit")
-            .batch(batch)
+            .batching(batch)
             .ack_wait(Duration::from_secs(1))
             .without_heartbeat()
             .allow_redelivery_while_running()
@@ -276,7 +277,7 @@ async fn fails_once(
 
 /// Scenario 4: the handler writes, then fails. Nothing of its writes and no
 /// dedup row survive; the redelivery then applies the message once.
-async fn handler_error_leaves_nothing_and_redelivery_applies_once(batch: usize) {
+async fn handler_error_leaves_nothing_and_redelivery_applies_once(batch: Batching) {
     let Scenario {
         env: _env,
         pool,
@@ -290,7 +291,7 @@ async fn handler_error_leaves_nothing_and_redelivery_applies_once(batch: usize) 
     let seen_by_retry = SeenByRetry::default();
     let router = Router::with_state(seen_by_retry.clone()).route(
         Route::new(&stream, "credit")
-            .batch(batch)
+            .batching(batch)
             .backoff(Duration::from_millis(200), Duration::from_secs(1)),
         fails_once,
     );
@@ -338,7 +339,7 @@ async fn notify(
 /// Scenario 5: two handlers consume the same messages through their own
 /// durable consumers. The handler name keeps their claims apart: one effect
 /// each, per message.
-async fn two_handlers_on_one_message_apply_once_each(batch: usize) {
+async fn two_handlers_on_one_message_apply_once_each(batch: Batching) {
     let Scenario {
         env: _env,
         pool,
@@ -352,8 +353,8 @@ async fn two_handlers_on_one_message_apply_once_each(batch: usize) {
         publish(&js, &subject, &deposit(i), Some(&format!("fan-{i}"))).await;
     }
     let router = Router::new()
-        .route(Route::new(&stream, "audit").batch(batch), audit)
-        .route(Route::new(&stream, "notify").batch(batch), notify);
+        .route(Route::new(&stream, "audit").batching(batch), audit)
+        .route(Route::new(&stream, "notify").batching(batch), notify);
     let (handle, task) = spawn(router, nats, pool.clone());
     wait_all_acked(&js, &stream, "audit").await;
     wait_all_acked(&js, &stream, "notify").await;
@@ -392,7 +393,7 @@ async fn slow(
 /// stats. `heartbeat` turns `+WPI` heartbeats on or off.
 async fn run_slow_handler(
     heartbeat: bool,
-    batch: usize,
+    batch: Batching,
 ) -> (std::sync::Arc<idem_runtime::Stats>, Ledger) {
     let Scenario {
         env: _env,
@@ -404,7 +405,7 @@ async fn run_slow_handler(
     } = scenario("SLOW", Duration::from_secs(120)).await;
     publish(&js, &subject, &deposit(1), Some("slow-1")).await;
     let mut route = Route::new(&stream, "credit")
-        .batch(batch)
+        .batching(batch)
         .ack_wait(SLOW_ACK_WAIT)
         .concurrency(4);
     if !heartbeat {
@@ -418,7 +419,7 @@ async fn run_slow_handler(
 
 /// Scenario 6: a handler that runs for 3× ack_wait, with heartbeats on, is
 /// delivered once.
-async fn heartbeats_keep_a_long_handler_from_redelivery(batch: usize) {
+async fn heartbeats_keep_a_long_handler_from_redelivery(batch: Batching) {
     let (stats, ledger) = run_slow_handler(true, batch).await;
     assert_eq!(stats.received(), 1, "delivered exactly once");
     assert_eq!((stats.processed(), stats.duplicates()), (1, 0));
@@ -427,7 +428,7 @@ async fn heartbeats_keep_a_long_handler_from_redelivery(batch: usize) {
 
 /// The control for scenario 6: without heartbeats the same handler is
 /// redelivered mid-work, which proves the test above can see a redelivery.
-async fn without_heartbeats_a_long_handler_is_redelivered_but_applied_once(batch: usize) {
+async fn without_heartbeats_a_long_handler_is_redelivered_but_applied_once(batch: Batching) {
     let (stats, ledger) = run_slow_handler(false, batch).await;
     assert!(
         stats.received() >= 2,
@@ -439,7 +440,7 @@ async fn without_heartbeats_a_long_handler_is_redelivered_but_applied_once(batch
 }
 
 // Every scenario runs in per-message mode and in batch mode.
-idem_tests::in_both_modes!(
+idem_tests::in_every_mode!(
     batch = 16;
     publisher_retry_after_duplicate_window_is_applied_once,
     crash_after_commit_before_ack_is_applied_once,

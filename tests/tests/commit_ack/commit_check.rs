@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use idem_runtime::{BoxError, Delivery, Route, Router, State, Transient, idempotent};
 use idem_tests::scenario::*;
+use idem_tests::{Batched, Batching};
 
 // --- A handler that swallows a failed statement -------------------------
 
@@ -31,7 +32,7 @@ async fn swallows(
 /// success. No such message may be acked as processed: each one is
 /// dead-lettered with an error that says what happened, and nothing (no
 /// effect, no claim) is half-applied.
-async fn a_swallowed_sql_error_is_never_acked_as_processed(batch: usize) {
+async fn a_swallowed_sql_error_is_never_acked_as_processed(batch: Batching) {
     let Scenario {
         env: _env,
         pool,
@@ -45,7 +46,7 @@ async fn a_swallowed_sql_error_is_never_acked_as_processed(batch: usize) {
         publish(&js, &subject, &deposit("a", 1), Some(&format!("sw-{i}"))).await;
     }
     let (handle, task) = spawn(
-        Router::new().route(fast(Route::new(&stream, "c")).batch(batch), swallows),
+        Router::new().route(fast(Route::new(&stream, "c")).batching(batch), swallows),
         nats,
         pool.clone(),
     );
@@ -87,7 +88,7 @@ async fn swallows_once(
 
 /// A swallowed error that does not come back on a retry (a lost race, say)
 /// costs a retry, not the message: each message is applied once.
-async fn a_swallowed_error_that_clears_is_retried_and_applied_once(batch: usize) {
+async fn a_swallowed_error_that_clears_is_retried_and_applied_once(batch: Batching) {
     let Scenario {
         env: _env,
         pool,
@@ -102,8 +103,10 @@ async fn a_swallowed_error_that_clears_is_retried_and_applied_once(batch: usize)
     }
     let swallowed_once = FirstRuns::default();
     let (handle, task) = spawn(
-        Router::with_state(swallowed_once.clone())
-            .route(fast(Route::new(&stream, "c")).batch(batch), swallows_once),
+        Router::with_state(swallowed_once.clone()).route(
+            fast(Route::new(&stream, "c")).batching(batch),
+            swallows_once,
+        ),
         nats,
         pool.clone(),
     );
@@ -174,7 +177,7 @@ async fn a_commit_refused_by_a_deferred_constraint_is_a_known_failure() {
     assert_eq!(ledger(&pool, "deferred").await, Ledger::once_each(0));
 }
 
-idem_tests::in_both_modes!(batch = 8; a_swallowed_sql_error_is_never_acked_as_processed, a_swallowed_error_that_clears_is_retried_and_applied_once);
+idem_tests::in_every_mode!(batch = 8; a_swallowed_sql_error_is_never_acked_as_processed, a_swallowed_error_that_clears_is_retried_and_applied_once);
 
 // ---------------------------------------------------------------------------
 // A handler that commits by itself: half its work is acked as done.

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use idem_runtime::{Classify, Delivery, ErrorClass, Route, Router, State, dead_letter, idempotent};
 use idem_tests::scenario::*;
+use idem_tests::{Batched, Batching};
 
 // --- Handler panics --------------------------------------------------------
 
@@ -27,7 +28,7 @@ async fn bomb(
 /// applied once on their first delivery; the panicking message is retried
 /// with backoff (not after ack_wait) and dead-lettered with the panic's
 /// message once it runs out of deliveries.
-async fn a_panicking_handler_fails_only_its_own_message(batch: usize) {
+async fn a_panicking_handler_fails_only_its_own_message(batch: Batching) {
     let Scenario {
         env: _env,
         pool,
@@ -43,7 +44,7 @@ async fn a_panicking_handler_fails_only_its_own_message(batch: usize) {
     let (handle, task) = spawn(
         Router::new().route(
             fast(Route::new(&stream, "c"))
-                .batch(batch)
+                .batching(batch)
                 .concurrency(1)
                 .max_deliver(3)
                 .ack_wait(Duration::from_secs(30)),
@@ -68,7 +69,7 @@ async fn a_panicking_handler_fails_only_its_own_message(batch: usize) {
     assert_eq!(late, 0, "every neighbour applied on its first delivery");
 }
 
-idem_tests::in_both_modes!(batch = 8; a_panicking_handler_fails_only_its_own_message);
+idem_tests::in_every_mode!(batch = 8; a_panicking_handler_fails_only_its_own_message);
 
 // ---------------------------------------------------------------------------
 // One message whose claim can never succeed stops its whole route.

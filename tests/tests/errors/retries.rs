@@ -11,7 +11,10 @@ use idem_runtime::{Delivery, Route, Router, State, Transient, idempotent};
 use idem_tests::scenario::*;
 use sqlx::Connection as _;
 
-#[idempotent(name = "check-then-insert")]
+// It waits for another transaction inside its own (`per_message`): in a
+// batch, that one could wait on a row an earlier message of the batch
+// inserted, and neither would go on.
+#[idempotent(name = "check-then-insert", per_message)]
 async fn check_then_insert(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,

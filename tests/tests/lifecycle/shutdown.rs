@@ -413,8 +413,11 @@ async fn shutdown_finishes_in_flight_and_hands_back_the_rest() {
         publish(&js, &subject, &deposit("a", 1), Some(&format!("s-{i}"))).await;
     }
     let acks = AckLog::start(env.nats().await, &stream, || false).await;
+    // Per message: the pull's request sizes above are one message per slot
+    // (a batch stopped by shutdown has a test of its own below).
     let route = || {
         Route::new(&stream, "c")
+            .per_message()
             .concurrency(IN_FLIGHT as usize)
             .ack_wait(Duration::from_secs(120))
     };
@@ -493,6 +496,130 @@ async fn shutdown_finishes_in_flight_and_hands_back_the_rest() {
     assert_eq!(
         ledger(&pool, "held").await,
         Ledger::once_each((MESSAGES + LATE) as i64)
+    );
+}
+
+/// The ids whose `held_in_batch` handler started, in order.
+#[derive(Clone, Default)]
+struct Started(Arc<Mutex<Vec<String>>>);
+
+impl Started {
+    fn count(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+#[idempotent(name = "held-in-batch")]
+async fn held_in_batch(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    idem_runtime::State(started): idem_runtime::State<Started>,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    started
+        .0
+        .lock()
+        .unwrap()
+        .push(delivery.message_id().as_str().to_owned());
+    // Long enough that shutdown comes while the first one runs, even on a
+    // loaded machine.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    record_effect(tx, "held-in-batch", &d, delivery).await
+}
+
+/// Shutdown while a batch runs its first message: that message, taken
+/// before shutdown, finishes and commits; no later handler of the batch
+/// starts; the claims the batch made for the others are taken back in its
+/// transaction, and they are NAKed at once. The next worker applies them,
+/// and every message is applied once.
+#[tokio::test]
+async fn shutdown_stops_a_batch_between_handlers_and_hands_back_the_rest() {
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("BATCHSTOP", Duration::from_secs(120)).await;
+    const MESSAGES: u64 = 8;
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit("a", 1), Some(&format!("b-{i}"))).await;
+    }
+    let acks = AckLog::start(env.nats().await, &stream, || false).await;
+    let route = || {
+        Route::new(&stream, "c")
+            .batch(MESSAGES as usize)
+            .concurrency(1)
+            .ack_wait(Duration::from_secs(120))
+    };
+    let started = Started::default();
+    let (handle, task) = spawn(
+        Router::with_state(started.clone()).route(route(), held_in_batch),
+        nats.clone(),
+        pool.clone(),
+    );
+    eventually(
+        "the batch's first handler started",
+        Duration::from_secs(30),
+        || async { started.count() >= 1 },
+    )
+    .await;
+    handle.shutdown();
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    let taken = stats.received();
+    assert!(
+        taken >= 2,
+        "the batch held more than the message that ran: {stats:?}"
+    );
+    assert_eq!(
+        started.count(),
+        1,
+        "no handler of the batch started after shutdown"
+    );
+    assert_eq!(stats.processed(), 1, "{stats:?}");
+    assert_eq!(ledger(&pool, "held-in-batch").await.effects, 1);
+    let claims: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idem_processed WHERE handler = 'held-in-batch'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        claims, 1,
+        "the claims of the messages not started were taken back"
+    );
+    eventually(
+        "every message of the batch that did not run is handed back",
+        Duration::from_secs(5),
+        || async {
+            let naks = acks
+                .events()
+                .iter()
+                .filter(|event| event.kind == AckKind::Nak)
+                .count() as u64;
+            naks >= taken - 1
+        },
+    )
+    .await;
+
+    let (next, next_task) = spawn(
+        Router::with_state(Started::default()).route(route(), held_in_batch),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(next.clone(), next_task).await;
+    let next_stats = next.stats("c").unwrap();
+    assert_eq!(next_stats.processed(), MESSAGES - 1, "{next_stats:?}");
+    assert_eq!(
+        next_stats.duplicates(),
+        0,
+        "the message the first worker finished did not come back"
+    );
+    assert_eq!(
+        ledger(&pool, "held-in-batch").await,
+        Ledger::once_each(MESSAGES as i64)
     );
 }
 

@@ -302,7 +302,16 @@ async fn the_services_metrics_count_what_happened() {
     let held = orders
         .scrape_until(|m| {
             let route = [("route", "orders-place")];
-            expect(m, "idem_messages_in_flight", &route, CONCURRENCY)?;
+            // Every slot holds a message, or a batch of them (the route
+            // batches by default).
+            match m.value("idem_messages_in_flight", &route) {
+                Some(in_flight) if (CONCURRENCY..=ORDERS as f64).contains(&in_flight) => {}
+                other => {
+                    return Err(format!(
+                        "orders-place in flight {other:?}, expected {CONCURRENCY} to {ORDERS}"
+                    ));
+                }
+            }
             let pending = m.value("idem_consumer_pending_messages", &route);
             let ack_pending = m.value("idem_consumer_ack_pending_messages", &route);
             match (pending, ack_pending) {
@@ -641,8 +650,10 @@ impl Faults {
 /// Account `a` locks row 1 then row 2, account `b` row 2 then row 1; on
 /// their first attempts both take their first lock before either asks for
 /// its second, so PostgreSQL finds a real deadlock and aborts one of them
-/// (40P01), which the runtime runs again at once.
-#[idempotent(name = "metrics.deadlocks")]
+/// (40P01), which the runtime runs again at once. It waits for another
+/// message's transaction, so it must have its transaction to itself
+/// (`per_message`): in one batch, the two would wait for each other.
+#[idempotent(name = "metrics.deadlocks", per_message)]
 async fn deadlocks(
     tx: &mut sqlx::PgTransaction<'_>,
     delivery: &Delivery,

@@ -231,8 +231,11 @@ async fn hop(prefix: &str) -> Hop {
 impl Hop {
     /// A router with `first` on the input (a batch route if `batch` > 1) and
     /// `second` on the output.
+    /// The two hops: the first in batches of `batch` (1: per message), the
+    /// second per message, so that each downstream message has a span of
+    /// its own whose parent the tests check.
     fn router(&self, batch: usize) -> Router {
-        let mut input = Route::new(&self.scenario.stream, "first");
+        let mut input = Route::new(&self.scenario.stream, "first").per_message();
         if batch > 1 {
             // One batch at a time: while the first runs, the rest arrive,
             // so a batch of several forms even if the first is of one.
@@ -240,7 +243,7 @@ impl Hop {
         }
         Router::new()
             .route(input, first)
-            .route(Route::new(&self.out, "second"), second)
+            .route(Route::new(&self.out, "second").per_message(), second)
     }
 
     fn deposit(&self, amount: i64) -> Deposit {

@@ -138,8 +138,10 @@ async fn lost_prepared_statements_cost_a_retry_not_a_message() {
         .await;
     }
     let (handle, task) = spawn(
-        Router::with_state(FirstRuns::default())
-            .route(fast(Route::new(&stream, "c")).concurrency(1), deallocates),
+        Router::with_state(FirstRuns::default()).route(
+            fast(Route::new(&stream, "c")).per_message().concurrency(1),
+            deallocates,
+        ),
         nats,
         pool.clone(),
     );

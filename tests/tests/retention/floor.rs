@@ -313,7 +313,9 @@ async fn a_dead_letter_older_than_its_retention_is_replayed_only_when_allowed() 
     })
     .await
     .expect("the stream takes its limits");
+    // Per message: its floor, 3.6 s, is what the timing below is built on.
     let route = Route::new(&stream, "c")
+        .per_message()
         .ack_wait(Duration::from_secs(1))
         .handler_timeout(Duration::from_millis(200))
         .max_deliver(1)
