@@ -6,7 +6,9 @@
 //! - `mode`: batch routes with per-message handlers, and the fallback.
 //! - `adaptive`: adaptive batching, and the fallback that splits a batch.
 //! - `handlers`: batch handlers.
+//! - `per_message`: handlers that must have their transaction to themselves.
 
 mod adaptive;
 mod handlers;
 mod mode;
+mod per_message;
