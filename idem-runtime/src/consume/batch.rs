@@ -71,6 +71,12 @@ use crate::observe::recorder::Event;
 use crate::store::claim;
 use crate::store::transaction::{self, Ended};
 
+/// How long a statement of an adaptive batch's transaction waits for a lock
+/// before the batch gives up as in conflict (see
+/// [`transaction::begin_batch`]): far above a row lock held by a
+/// transaction that runs, far below PostgreSQL's `deadlock_timeout`.
+const BATCH_LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// A message ready for the batch: decoded, with its id resolved, leased.
 struct Ready<P> {
     message: Message,
@@ -110,13 +116,20 @@ enum Retry {
 }
 
 impl BatchFailure {
+    /// Whether the batch conflicted with another transaction (see
+    /// [`HandlerError::is_conflict`]).
+    fn is_conflict(&self) -> bool {
+        match self {
+            BatchFailure::Handler { error, .. } | BatchFailure::NotCommitted(error) => {
+                error.is_conflict()
+            }
+            BatchFailure::Infrastructure(_) | BatchFailure::CommitUnknown(_) => false,
+        }
+    }
+
     fn retry(&self) -> Retry {
         match self {
-            BatchFailure::Handler { error, .. } | BatchFailure::NotCommitted(error)
-                if error.is_conflict() =>
-            {
-                Retry::Alone
-            }
+            _ if self.is_conflict() => Retry::Alone,
             BatchFailure::Handler {
                 error: HandlerError::TimedOut(_) | HandlerError::Panicked(_),
                 ..
@@ -170,7 +183,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             return;
         };
         self.recorder.record(Event::BatchFallback);
-        self.sizer.fell_back();
+        if failure.is_conflict() {
+            self.sizer.conflicted();
+        } else {
+            self.sizer.fell_back();
+        }
         self.fall_back(failure, ready, false).await;
     }
 
@@ -408,7 +425,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             },
         };
         let mut connection = self.connections.take().await.map_err(before_handler)?;
-        let mut tx = transaction::begin(&mut connection, &self.begin, None)
+        let lock_wait = self.sizer.bounds_lock_waits().then_some(BATCH_LOCK_WAIT);
+        let mut tx = transaction::begin_batch(&mut connection, &self.begin, lock_wait)
             .await
             .map_err(before_handler)?;
         let keys: Vec<String> = deliveries

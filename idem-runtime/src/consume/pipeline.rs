@@ -57,7 +57,7 @@ pub(crate) struct Pipeline<H, S> {
     /// Counts what happens to its messages, into its `Stats` and metrics.
     pub(crate) recorder: Recorder,
     /// How many messages its next batch takes (see `consume/sizing.rs`).
-    pub(crate) sizer: BatchSizer,
+    pub(crate) sizer: Arc<BatchSizer>,
     pub(crate) shutdown: Signal,
     /// How it ends a message: acked on JetStream, or answered to a caller
     /// who waits (a request route, see `consume/reply.rs`: a duplicate then
@@ -107,11 +107,11 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
         Pipeline {
             begin: Begin::new(route.handler_timeout, context.session),
             recorder: Recorder::new(&route.durable, stats),
-            sizer: if route.adaptive {
+            sizer: Arc::new(if route.adaptive {
                 BatchSizer::adaptive(route.batch_cap())
             } else {
                 BatchSizer::fixed(route.batch)
-            },
+            }),
             heartbeats: Heartbeats::start(context.nats.clone(), heartbeat),
             connections: Connections::start(context.pool.clone(), context.keep_connections),
             route,

@@ -144,6 +144,13 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             &mut self.in_flight,
         )
         .await?;
+        // After batches conflicted, nothing starts beside a running batch.
+        tokio::select! {
+            biased;
+            _ = self.shutdown.fired() => return Err(Cut::Stop),
+            _ = self.pipeline.health.paused() => return Err(Cut::Again),
+            () = self.pipeline.sizer.may_start() => {}
+        }
         let route = &self.pipeline.route;
         let first = tokio::select! {
             biased;
@@ -266,8 +273,12 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             self.in_flight
                 .spawn(self.pipeline.clone().process(message, slot));
         } else {
-            self.in_flight
-                .spawn(self.pipeline.clone().process_batch(group, slot));
+            let batch = self.pipeline.sizer.batch_started();
+            let pipeline = self.pipeline.clone();
+            self.in_flight.spawn(async move {
+                let _batch = batch;
+                pipeline.process_batch(group, slot).await;
+            });
         }
     }
 }

@@ -133,9 +133,11 @@ impl HandlerError {
     }
 
     /// Whether it is a conflict with a concurrent transaction: a deadlock
-    /// (40P01) or a serialization failure (40001), found in the handler's
-    /// error or in a refused COMMIT. Retrying the same messages in a batch
-    /// again would meet the same conflict.
+    /// (40P01), a serialization failure (40001), or a lock waited for past
+    /// `lock_timeout` (55P03, which a batch's transaction sets low; see
+    /// `store::transaction::begin_batch`), found in the handler's error, in
+    /// a failed claim or in a refused COMMIT. Retrying the same messages in
+    /// a batch again would meet the same conflict.
     pub(crate) fn is_conflict(&self) -> bool {
         let sqlstate = match self {
             HandlerError::Handler {
@@ -148,7 +150,7 @@ impl HandlerError {
             }
             _ => None,
         };
-        matches!(sqlstate.as_deref(), Some("40001" | "40P01"))
+        matches!(sqlstate.as_deref(), Some("40001" | "40P01" | "55P03"))
     }
 
     /// Whether the database, not the message, is to blame: see

@@ -256,14 +256,16 @@ impl Route {
         self
     }
 
-    /// Batch mode: take whatever messages are ready, up to `size`, claim
-    /// them in one statement, run the handler for each fresh one in one
-    /// transaction, commit once, then ack them all. It never waits to fill a
-    /// batch. If any handler in the batch fails (or the COMMIT does), the
-    /// batch is rolled back and each of its messages is run again in its own
-    /// transaction, so one failure never fails its neighbours and each
-    /// message takes the normal retry and dead-letter path. `size` 1 (the
-    /// default) is per-message mode.
+    /// Fixed batches: take whatever messages are ready, up to `size`,
+    /// claim them in one statement, run the handler for each fresh one in
+    /// one transaction, commit once, then ack them all. It never waits to
+    /// fill a batch, and never sizes it down (the default,
+    /// [`adaptive_batch`](Self::adaptive_batch), does). If a handler in the
+    /// batch fails (or the COMMIT does), the batch is rolled back and its
+    /// messages are tried again so that one failure never fails its
+    /// neighbours: the failed one alone, where it takes the normal retry
+    /// and dead-letter path (see the [batch guide](crate::guide::batch)).
+    /// `size` 1 is per-message mode.
     ///
     /// In batch mode, `concurrency` counts batches in flight, so up to
     /// `concurrency × size` messages are taken at once.
@@ -274,28 +276,29 @@ impl Route {
         self
     }
 
-    /// Adaptive batching: batch mode whose size follows the backlog and the
-    /// conflicts, up to `max` messages per transaction (see
-    /// [`DEFAULT_ADAPTIVE_MAX`]).
+    /// Adaptive batching, what a route does by default (with `max`
+    /// [`DEFAULT_ADAPTIVE_MAX`]): batches whose size follows the backlog and
+    /// the conflicts, up to `max` messages per transaction. See the
+    /// [batch guide](crate::guide::batch).
     ///
     /// - A message that arrives alone runs alone, in a transaction of its
     ///   own, as in per-message mode: an idle route keeps per-message
     ///   latency. It never waits to fill a batch.
     /// - Under a backlog, each full batch that commits grows the size: it
     ///   doubles until the first fallback, then grows by one.
-    /// - A batch that falls back (a deadlock, a serialization failure, a
-    ///   handler's error) halves it.
-    /// - A batch that fails is split in two and each half is tried again,
-    ///   down to single messages, which take the normal retry and
-    ///   dead-letter path: one bad message costs a few batches, not a
-    ///   transaction for each of its neighbours.
+    /// - A batch that fails halves it; its messages are tried again so that
+    ///   a failure never fails its neighbours.
+    /// - Batches that conflict (a deadlock, a serialization failure, a row
+    ///   lock waited for past 200 ms) make the route run one batch at a
+    ///   time for a while.
     ///
     /// Inside a batch a handler shares its transaction with the other
     /// messages of the batch: its writes are visible to the next message's
     /// handler, its row locks are held until the batch commits, and `SET
     /// LOCAL` or `pg_advisory_xact_lock` last until then too. A handler that
-    /// depends on having the transaction to itself belongs on a
-    /// [`per_message`](Self::per_message) route.
+    /// depends on having the transaction to itself declares it
+    /// (`#[idempotent(per_message)]`): a route left at the default runs it
+    /// per message, and one that asks for batches is refused.
     ///
     /// `concurrency` counts batches in flight; the size is capped so that
     /// `concurrency × size` stays within `max_ack_pending`.

@@ -278,6 +278,30 @@ pub(crate) async fn begin<'c>(
     sqlx::Connection::begin_with(&mut **connection, AssertSqlSafe(statement)).await
 }
 
+/// Begins a batch's transaction on `connection` (its claim is a statement of
+/// its own, [`claim_many`](crate::store::claim::claim_many)): one round
+/// trip. With `lock_wait`, a statement of the transaction that waits longer
+/// than that for a lock fails (`lock_timeout`, 55P03), so that a batch
+/// waiting on another's row locks gives up at once instead of waiting for
+/// PostgreSQL to find a deadlock (`deadlock_timeout`, 1 s by default) while
+/// everything queued behind both stands still.
+pub(crate) async fn begin_batch<'c>(
+    connection: &'c mut Leased<'_>,
+    begin: &Begin,
+    lock_wait: Option<Duration>,
+) -> Result<PgTransaction<'c>, sqlx::Error> {
+    let prepared = connection.mark_prepared();
+    let mut statement = begin.statement(None, prepared);
+    if let Some(wait) = lock_wait {
+        // A number of milliseconds: nothing to quote.
+        statement.push_str(&format!(
+            "; SET LOCAL lock_timeout = '{}ms'",
+            wait.as_millis().max(1)
+        ));
+    }
+    sqlx::Connection::begin_with(&mut **connection, AssertSqlSafe(statement)).await
+}
+
 /// Ends the transaction a failed claim left aborted, which sqlx never
 /// counted as begun.
 pub(crate) async fn end_failed_claim(connection: &mut PgConnection) -> Result<(), sqlx::Error> {
