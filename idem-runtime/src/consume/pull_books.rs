@@ -67,9 +67,13 @@ pub(crate) enum End {
     /// Turned away before it waited (`503` no responders, a `409` such as
     /// `Exceeded MaxWaiting`): it delivered nothing.
     Refused,
-    /// A status without a count (`409 Leadership Change`): it delivered an
-    /// unknown part of its size.
+    /// A status without a count: it delivered an unknown part of its size.
     Unknown,
+    /// `409 Leadership Change`: a new consumer leader knows none of the
+    /// requests the old one held. This one reached the old leader, and so
+    /// did every request sent before it: all of them are over, those filled
+    /// (which the new leader does not tell) too.
+    LeaderChanged,
 }
 
 /// What a reconnect leaves to reconcile: the stale requests' deliveries.
@@ -196,13 +200,33 @@ impl Books {
     pub(crate) fn end(&mut self, id: u64, end: End) -> Option<Request> {
         let index = self.requests.iter().position(|request| request.id == id)?;
         let request = self.requests.remove(index)?;
-        if request.stale {
+        if end == End::LeaderChanged {
+            let mut over = vec![request.clone()];
+            self.requests.retain(|older| {
+                if older.id < id {
+                    over.push(older.clone());
+                }
+                older.id > id
+            });
+            // What came is theirs, as far as it goes: a request sent after
+            // them may have reached the new leader, and is owed the rest.
+            let fresh: usize = over
+                .iter()
+                .filter(|request| !request.stale)
+                .map(|request| request.size)
+                .sum();
+            self.unsettled -= fresh.min(self.unsettled);
+            self.exact = false;
+            for stale in over.iter().filter(|request| request.stale) {
+                self.end_stale(stale, End::Unknown);
+            }
+        } else if request.stale {
             self.end_stale(&request, end);
         } else {
             match end {
                 End::Left(left) => self.credit(request.size.saturating_sub(left)),
                 End::Refused => {}
-                End::Unknown => {
+                End::Unknown | End::LeaderChanged => {
                     let guess = request.size.min(self.unsettled);
                     self.unsettled -= guess;
                     self.exact = false;
@@ -318,7 +342,7 @@ impl Books {
         match end {
             End::Left(left) => self.stale.reported += request.size.saturating_sub(left),
             End::Refused => {}
-            End::Unknown => self.stale.unknown = true,
+            End::Unknown | End::LeaderChanged => self.stale.unknown = true,
         }
         if self.stale_open() > 0 {
             return;
@@ -387,7 +411,7 @@ mod tests {
         let a = books.sent(8, now, LIFE);
         let b = books.sent(8, now, LIFE);
         receive(&mut books, 3);
-        // A leadership change ends both, without counts: the books guess,
+        // Statuses without counts end both: the books guess,
         // and are no longer exact.
         books.end(a, End::Unknown);
         assert_eq!(books.owed(), 8, "the guess errs towards owing more");
@@ -397,6 +421,35 @@ mod tests {
         assert!(books.all_ended(), "empty books are exact again");
         assert!(books.end(a, End::Left(0)).is_none());
         assert_eq!(books.owed(), 0);
+    }
+
+    #[test]
+    fn a_leadership_change_ends_the_request_it_names_and_every_older_one() {
+        let (mut books, now) = books(4);
+        // Under a steady flow: filled requests wait for their expiry on the
+        // books, the last two were waiting when the leader stepped down.
+        let mut ids = Vec::new();
+        for _ in 0..12 {
+            ids.push(books.sent(4, now, LIFE));
+            receive(&mut books, 3);
+        }
+        ids.push(books.sent(4, now, LIFE));
+        ids.push(books.sent(4, now, LIFE));
+        assert_eq!((books.open(), books.owed()), (14, 20));
+        // The newest is told first: it and all older ones are over.
+        books.end(ids[13], End::LeaderChanged);
+        assert_eq!((books.open(), books.owed()), (0, 0));
+        assert!(books.wants_more(), "asks the new leader at once");
+        assert!(books.end(ids[12], End::LeaderChanged).is_none());
+        // A request sent after the one told stays, owed what did not come.
+        let a = books.sent(4, now, LIFE);
+        receive(&mut books, 1);
+        let b = books.sent(4, now, LIFE);
+        receive(&mut books, 2);
+        books.end(a, End::LeaderChanged);
+        assert!(books.is_open(b));
+        assert_eq!(books.owed(), 4, "the 3 that came went to the older one");
+        assert!(!books.all_ended(), "no longer exact");
     }
 
     #[test]

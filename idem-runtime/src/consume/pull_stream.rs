@@ -338,7 +338,14 @@ impl PullStream {
                 return Some(Err(error.clone()));
             }
             self.notice_reconnect();
-            self.books.expire(Instant::now());
+            let expired = self.books.expire(Instant::now());
+            if expired > 0 {
+                tracing::trace!(
+                    route = self.signals.route,
+                    expired,
+                    "pull requests past their expiry left the books"
+                );
+            }
             if let Err(error) = self.ask_if_low().await {
                 return Some(Err(self.fail(error)));
             }
@@ -481,7 +488,8 @@ impl PullStream {
             // Silence counts from the first request owed.
             self.last_heard = now;
         }
-        self.books.sent(size, now, self.expires);
+        let id = self.books.sent(size, now, self.expires);
+        tracing::trace!(route = self.signals.route, id, size, "pull request sent");
         Ok(())
     }
 
@@ -525,6 +533,7 @@ impl PullStream {
             // first, or it is a new leader's notice for one long gone.
             return Read::Status;
         };
+        tracing::trace!(route = self.signals.route, id, %status, description = ?received.description, "pull request status");
         match status {
             StatusCode::IDLE_HEARTBEAT => {
                 self.answered();
@@ -598,7 +607,7 @@ impl PullStream {
         }
         if description == "Leadership Change" {
             // A new leader is elected: ask it at once.
-            self.books.end(id, left.map_or(End::Unknown, End::Left));
+            self.books.end(id, End::LeaderChanged);
             self.signals.refused(Refusal::LeadershipChange);
             self.refused_until = None;
             tracing::debug!(
