@@ -87,16 +87,25 @@ struct Stale {
     unknown: bool,
 }
 
-/// The requests of one pull and what they owe.
+/// The requests of one pull and what they owe. Every operation on a
+/// message, and the expiry check, costs the same however many requests are
+/// open: under a steady flow, requests that were filled stay on the books
+/// until their expiry, a few seconds' worth.
 #[derive(Debug)]
 pub(crate) struct Books {
     /// The size wanted for each new request.
     batch: usize,
     /// The consumer's `max_batch`, if it has one.
     cap: Option<usize>,
-    /// Open requests, oldest first.
+    /// Open requests, oldest (lowest id) first; they all live equally long,
+    /// so they expire in this order too.
     requests: VecDeque<Request>,
     next_id: u64,
+    /// The sizes of the open requests: all, and those sent since the last
+    /// reconnect; how many were sent before it.
+    all: usize,
+    fresh: usize,
+    stale_open: usize,
     /// Messages received that no ended request was credited with yet.
     unsettled: usize,
     /// Whether `unsettled` is exactly what the open requests delivered.
@@ -112,6 +121,9 @@ impl Books {
             cap: cap.filter(|cap| *cap > 0),
             requests: VecDeque::new(),
             next_id: 0,
+            all: 0,
+            fresh: 0,
+            stale_open: 0,
             unsettled: 0,
             exact: true,
             stale: Stale::default(),
@@ -146,7 +158,7 @@ impl Books {
 
     /// What the requests sent since the last reconnect still owe.
     pub(crate) fn owed(&self) -> usize {
-        self.fresh_size().saturating_sub(self.unsettled)
+        self.fresh.saturating_sub(self.unsettled)
     }
 
     /// Whether to ask for more: when half a request or less is owed.
@@ -161,7 +173,7 @@ impl Books {
     }
 
     /// A request of `size` was handed to the client at `now`, to expire
-    /// after `life`.
+    /// after `life` (the same for every request of a pull).
     pub(crate) fn sent(&mut self, size: usize, now: Instant, life: Duration) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
@@ -171,12 +183,14 @@ impl Books {
             expires_at: now + life,
             stale: false,
         });
+        self.all += size;
+        self.fresh += size;
         id
     }
 
     /// Whether request `id` is on the books.
     pub(crate) fn is_open(&self, id: u64) -> bool {
-        self.requests.iter().any(|request| request.id == id)
+        self.position(id).is_some()
     }
 
     /// A message of the stream arrived. When every request open is then
@@ -188,8 +202,7 @@ impl Books {
             return;
         }
         self.unsettled += 1;
-        let all: usize = self.requests.iter().map(|request| request.size).sum();
-        if self.exact && self.stale_open() == 0 && self.unsettled >= all {
+        if self.exact && self.stale_open == 0 && self.unsettled >= self.all {
             self.requests.clear();
             self.emptied();
         }
@@ -198,41 +211,50 @@ impl Books {
     /// Request `id` ended as `end`; `None` if it was not on the books (it
     /// expired here first, or the status is for an older pull).
     pub(crate) fn end(&mut self, id: u64, end: End) -> Option<Request> {
-        let index = self.requests.iter().position(|request| request.id == id)?;
-        let request = self.requests.remove(index)?;
-        if end == End::LeaderChanged {
-            let mut over = vec![request.clone()];
-            self.requests.retain(|older| {
-                if older.id < id {
-                    over.push(older.clone());
+        let index = self.position(id)?;
+        let request = if end == End::LeaderChanged {
+            // It and every older request: they are the first on the books.
+            let mut fresh = 0;
+            let mut stale = Vec::new();
+            for _ in 0..index {
+                let older = self.pop_front();
+                if older.stale {
+                    stale.push(older);
+                } else {
+                    fresh += older.size;
                 }
-                older.id > id
-            });
+            }
+            let request = self.pop_front();
+            if request.stale {
+                stale.push(request.clone());
+            } else {
+                fresh += request.size;
+            }
             // What came is theirs, as far as it goes: a request sent after
             // them may have reached the new leader, and is owed the rest.
-            let fresh: usize = over
-                .iter()
-                .filter(|request| !request.stale)
-                .map(|request| request.size)
-                .sum();
             self.unsettled -= fresh.min(self.unsettled);
             self.exact = false;
-            for stale in over.iter().filter(|request| request.stale) {
-                self.end_stale(stale, End::Unknown);
+            for request in &stale {
+                self.end_stale(request, End::Unknown);
             }
-        } else if request.stale {
-            self.end_stale(&request, end);
+            request
         } else {
-            match end {
-                End::Left(left) => self.credit(request.size.saturating_sub(left)),
-                End::Refused => {}
-                End::Unknown | End::LeaderChanged => {
-                    let guess = request.size.min(self.unsettled);
-                    self.unsettled -= guess;
-                    self.exact = false;
+            let request = self.take(index);
+            if request.stale {
+                self.end_stale(&request, end);
+            } else {
+                match end {
+                    End::Left(left) => self.credit(request.size.saturating_sub(left)),
+                    End::Refused => {}
+                    End::Unknown | End::LeaderChanged => {
+                        let guess = request.size.min(self.unsettled);
+                        self.unsettled -= guess;
+                        self.exact = false;
+                    }
                 }
             }
-        }
+            request
+        };
         if self.requests.is_empty() {
             self.emptied();
         }
@@ -245,12 +267,12 @@ impl Books {
     /// many left.
     pub(crate) fn expire(&mut self, now: Instant) -> usize {
         let mut expired = 0;
-        while let Some(index) = self
+        while self
             .requests
-            .iter()
-            .position(|request| request.expires_at + EXPIRY_MARGIN <= now)
+            .front()
+            .is_some_and(|request| request.expires_at + EXPIRY_MARGIN <= now)
         {
-            let request = self.requests.remove(index).expect("found above");
+            let request = self.pop_front();
             expired += 1;
             if request.stale {
                 self.end_stale(&request, End::Unknown);
@@ -278,6 +300,8 @@ impl Books {
         for request in &mut self.requests {
             request.stale = true;
         }
+        self.stale_open = self.requests.len();
+        self.fresh = 0;
         self.stale.before += self.unsettled;
         self.unsettled = 0;
     }
@@ -286,7 +310,7 @@ impl Books {
     /// empty, or they are exact, hold no stale request and owe nothing
     /// (every request open was filled).
     pub(crate) fn all_ended(&self) -> bool {
-        self.requests.is_empty() || (self.exact && self.stale_open() == 0 && self.owed() == 0)
+        self.requests.is_empty() || (self.exact && self.stale_open == 0 && self.owed() == 0)
     }
 
     /// Whether a request sent since the last reconnect still owes messages:
@@ -298,9 +322,8 @@ impl Books {
     /// When the next request leaves the books if no status comes.
     pub(crate) fn next_expiry(&self) -> Option<Instant> {
         self.requests
-            .iter()
+            .front()
             .map(|request| request.expires_at + EXPIRY_MARGIN)
-            .min()
     }
 
     /// How many requests are on the books.
@@ -315,16 +338,28 @@ impl Books {
         self.emptied();
     }
 
-    fn fresh_size(&self) -> usize {
+    /// Where request `id` is on the books (ids grow in their order).
+    fn position(&self, id: u64) -> Option<usize> {
         self.requests
-            .iter()
-            .filter(|request| !request.stale)
-            .map(|request| request.size)
-            .sum()
+            .binary_search_by_key(&id, |request| request.id)
+            .ok()
     }
 
-    fn stale_open(&self) -> usize {
-        self.requests.iter().filter(|request| request.stale).count()
+    /// Takes the request at `index` off the books, and its size off the
+    /// sums.
+    fn take(&mut self, index: usize) -> Request {
+        let request = self.requests.remove(index).expect("a request on the books");
+        self.all -= request.size;
+        if request.stale {
+            self.stale_open -= 1;
+        } else {
+            self.fresh -= request.size;
+        }
+        request
+    }
+
+    fn pop_front(&mut self) -> Request {
+        self.take(0)
     }
 
     /// Credits an ended request with the `delivered` messages it reported.
@@ -344,7 +379,7 @@ impl Books {
             End::Refused => {}
             End::Unknown | End::LeaderChanged => self.stale.unknown = true,
         }
-        if self.stale_open() > 0 {
+        if self.stale_open > 0 {
             return;
         }
         // The last stale request ended: what they delivered since the
@@ -359,6 +394,9 @@ impl Books {
 
     /// No request is open: nothing can be owed, and the count starts over.
     fn emptied(&mut self) {
+        self.all = 0;
+        self.fresh = 0;
+        self.stale_open = 0;
         self.unsettled = 0;
         self.exact = true;
         self.stale = Stale::default();
