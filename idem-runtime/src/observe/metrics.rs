@@ -799,6 +799,34 @@ mod tests {
     }
 
     #[test]
+    fn the_pull_records_its_refusals_by_reason_and_its_cap() {
+        let recorder = Recording::default();
+        metrics::with_local_recorder(&recorder, || {
+            pull_request_refused("orders", "no_responders");
+            pull_request_refused("orders", "no_responders");
+            pull_request_refused("orders", "max_waiting");
+            pull_request_capped("orders", true);
+        });
+        assert_eq!(
+            recorder.counter("idem_pull_requests_refused_total{route=orders,reason=no_responders}"),
+            2
+        );
+        assert_eq!(
+            recorder.counter("idem_pull_requests_refused_total{route=orders,reason=max_waiting}"),
+            1
+        );
+        assert_eq!(
+            recorder.gauge("idem_pull_request_capped{route=orders}"),
+            1.0
+        );
+        metrics::with_local_recorder(&recorder, || pull_request_capped("orders", false));
+        assert_eq!(
+            recorder.gauge("idem_pull_request_capped{route=orders}"),
+            0.0
+        );
+    }
+
+    #[test]
     fn names_follow_prometheus_conventions() {
         let counters = [
             RECEIVED,
@@ -817,6 +845,7 @@ mod tests {
             OUTBOX_PUBLISH_FAILURES,
             PURGE_FAILURES,
             STARTUP_RETRIES,
+            PULL_REQUESTS_REFUSED,
         ];
         for name in counters {
             assert!(
