@@ -264,9 +264,12 @@ impl Books {
     /// Takes off the books every request whose expiry and
     /// [`EXPIRY_MARGIN`] have passed at `now` without a status: it was
     /// filled (or the server lost it), and can deliver no more. Returns how
-    /// many left.
+    /// many of them cannot have been filled, as too few messages came: the
+    /// server dropped them without a word (a full wait list, a leader that
+    /// died).
     pub(crate) fn expire(&mut self, now: Instant) -> usize {
         let mut expired = 0;
+        let mut lost = 0;
         while self
             .requests
             .front()
@@ -280,7 +283,7 @@ impl Books {
                 // As filled: every message it asked for came.
                 self.unsettled -= request.size;
             } else {
-                // It cannot have been filled: the server lost it.
+                lost += 1;
                 self.unsettled = 0;
                 self.exact = false;
             }
@@ -288,7 +291,7 @@ impl Books {
         if expired > 0 && self.requests.is_empty() {
             self.emptied();
         }
-        expired
+        lost
     }
 
     /// The client reconnected: every request open becomes stale (see the
@@ -507,7 +510,7 @@ mod tests {
         assert_eq!(books.next_expiry(), Some(now + LIFE + EXPIRY_MARGIN));
         assert_eq!(books.expire(now + LIFE), 0, "not before the margin");
         assert!(!books.wants_more());
-        assert_eq!(books.expire(now + LIFE + EXPIRY_MARGIN), 1);
+        assert_eq!(books.expire(now + LIFE + EXPIRY_MARGIN), 1, "lost");
         assert!(!books.is_open(a));
         assert!(books.wants_more());
         assert!(books.all_ended());
@@ -523,7 +526,7 @@ mod tests {
         receive(&mut books, 8);
         // 12 of 16 came; the server served both, neither provably filled.
         assert_eq!((books.open(), books.owed()), (2, 4));
-        assert_eq!(books.expire(now + LIFE + EXPIRY_MARGIN), 1);
+        assert_eq!(books.expire(now + LIFE + EXPIRY_MARGIN), 0, "as filled");
         assert_eq!((books.open(), books.owed()), (1, 4));
         assert!(!books.all_ended());
         receive(&mut books, 4);

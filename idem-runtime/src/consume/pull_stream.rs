@@ -49,11 +49,15 @@
 //! leader, a full wait list) pause the next request, briefly after no
 //! responders, so that the pull asks again soon after a new leader is
 //! elected; a new leader's `409 Leadership Change` asks again at once. A
-//! refusal that lasts is warned about, naming its cause, and every refusal
-//! is counted (`idem_pull_requests_refused_total`). A server that goes
-//! silent (no message, heartbeat or status for three heartbeats while a
-//! request is owed) and a refusal that cannot pass (the consumer was
-//! deleted) are errors of the pull: the caller closes it and opens another.
+//! request that leaves the books at its expiry without a word, too few
+//! messages having come for it to have been filled, was *lost*: dropped by
+//! the server (a full wait list, a leader that died), and counts as a
+//! refusal. A refusal that lasts is warned about, naming its cause, and
+//! every refusal is counted (`idem_pull_requests_refused_total`). A refusal
+//! that cannot pass (the consumer was deleted) is an error of the pull, and
+//! so, as a backstop, is a server that says nothing (no message, heartbeat
+//! or status) for longer than a request lives while one is owed: the
+//! caller closes the pull and opens another.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,7 +71,7 @@ use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt};
 use tokio::time::Instant;
 
-use crate::consume::pull_books::{Books, End};
+use crate::consume::pull_books::{Books, EXPIRY_MARGIN, End};
 use crate::observe::metrics;
 
 /// How long one pull request lives on the server (less if the consumer's
@@ -79,10 +83,6 @@ pub(crate) const PULL_EXPIRES: Duration = Duration::from_secs(2);
 /// How often the server must say it is alive while a request waits
 /// (at most half of the request's expiry, which the server requires).
 const PULL_HEARTBEAT: Duration = Duration::from_secs(1);
-
-/// Silence for this many heartbeats while requests are owed means the
-/// server is gone or has lost them.
-const SILENT_HEARTBEATS: u32 = 3;
 
 /// How often an idle pull checks whether the client reconnected, and
 /// whether a request has expired.
@@ -150,6 +150,10 @@ enum Refusal {
     LeadershipChange,
     /// `409 Consumer Deleted`, `Consumer is push based`.
     ConsumerGone,
+    /// Past its expiry without a word, and too few messages came for it to
+    /// have been filled: dropped by the server (a full wait list, which it
+    /// does not report to a request with heartbeats; a leader that died).
+    Lost,
     /// Anything else.
     Other,
 }
@@ -163,6 +167,7 @@ impl Refusal {
             Refusal::RequestLimits => "request_limits",
             Refusal::LeadershipChange => "leadership_change",
             Refusal::ConsumerGone => "consumer_gone",
+            Refusal::Lost => "lost",
             Refusal::Other => "other",
         }
     }
@@ -338,18 +343,19 @@ impl PullStream {
                 return Some(Err(error.clone()));
             }
             self.notice_reconnect();
-            let expired = self.books.expire(Instant::now());
-            if expired > 0 {
-                tracing::trace!(
-                    route = self.signals.route,
-                    expired,
-                    "pull requests past their expiry left the books"
-                );
+            let lost = self.books.expire(Instant::now());
+            if lost > 0 {
+                // Dropped by the server without a word: counted, and warned
+                // about if it lasts, like a refusal.
+                self.refused(Refusal::Lost, "ended without a word", REFUSED_PAUSE);
             }
             if let Err(error) = self.ask_if_low().await {
                 return Some(Err(self.fail(error)));
             }
-            let silence = self.heartbeat * SILENT_HEARTBEATS;
+            // Longer than a request lives on the books: a request lost
+            // without a word leaves them first, and is counted and warned
+            // about as lost, while the pull goes on asking.
+            let silence = self.expires + EXPIRY_MARGIN + self.heartbeat;
             let silent_at = self.last_heard + silence;
             // While the client is away, the reconnect is what to wait for.
             let expects_word = self.books.expects_word()
@@ -405,7 +411,7 @@ impl PullStream {
             tracing::debug!(
                 route = self.signals.route,
                 open = self.books.open(),
-                "closing the pull while NATS is away: what its requests deliver is redelivered after ack_wait"
+                "closing the pull without reading its requests' ends (NATS is away, or its subscription ended): what they deliver is redelivered after ack_wait"
             );
             self.books.clear();
         }
@@ -659,6 +665,11 @@ impl PullStream {
                 Refusal::MaxWaiting => format!(
                     "consumer {} has too many pull requests waiting (its max_waiting): too many \
                      workers pull from it",
+                    self.consumer
+                ),
+                Refusal::Lost => format!(
+                    "the server drops them without a word: consumer {} has too many pull requests \
+                     waiting (its max_waiting), or its leader is gone",
                     self.consumer
                 ),
                 _ => format!("consumer {}: {description}", self.consumer),

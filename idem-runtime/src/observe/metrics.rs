@@ -31,7 +31,7 @@
 //! | `idem_handler_duration_seconds` | histogram | `route` | one handler call (a batch handler's call covers its batch), failed calls included |
 //! | `idem_end_to_end_duration_seconds` | histogram | `route` | from the message's JetStream timestamp (when it was stored) to its ack as processed, retries included |
 //! | `idem_messages_in_flight` | gauge | `route` | messages taken and not yet settled (a batch's, until its last one settles) |
-//! | `idem_pull_requests_refused_total` | counter | `route`, `reason` | pull requests the server turned away or ended early: `no_responders` (the consumer has no leader, or is gone), `max_waiting` (its wait list is full), `leadership_change` (asked again of the new leader), `max_request_batch` (capped, asked again), `request_limits`, `consumer_gone`, `other`; a route whose requests are refused for 10 s in a row also logs a warning naming the cause |
+//! | `idem_pull_requests_refused_total` | counter | `route`, `reason` | pull requests the server turned away or ended early: `no_responders` (the consumer has no leader, or is gone), `max_waiting` (its wait list is full), `leadership_change` (asked again of the new leader), `max_request_batch` (capped, asked again), `request_limits`, `consumer_gone`, `lost` (past its expiry without a word, and not filled), `other`; a route whose requests are refused for 10 s in a row also logs a warning naming the cause |
 //! | `idem_pull_request_capped` | gauge | `route` | 1 while the route's pull requests are capped by the consumer's `max_batch` below `concurrency x batch` (fewer messages are fetched ahead), else 0; `idem status` shows it too |
 //! | `idem_consumer_pending_messages` | gauge | `route` | the consumer's `num_pending`: stored, not yet delivered |
 //! | `idem_consumer_ack_pending_messages` | gauge | `route` | the consumer's `num_ack_pending`: delivered, not yet acked |
@@ -272,7 +272,7 @@ pub fn describe() {
     describe_counter!(
         PULL_REQUESTS_REFUSED,
         Unit::Count,
-        "Pull requests the server turned away or ended early, by reason: no_responders (the consumer has no leader, or is gone), max_waiting, leadership_change, max_request_batch, request_limits, consumer_gone, other."
+        "Pull requests the server turned away or ended early, by reason: no_responders (the consumer has no leader, or is gone), max_waiting, leadership_change, max_request_batch, request_limits, consumer_gone, lost (past its expiry without a word, not filled), other."
     );
     describe_gauge!(
         PULL_REQUEST_CAPPED,

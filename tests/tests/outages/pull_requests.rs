@@ -152,3 +152,105 @@ async fn request_limits_lowered_under_a_running_route_are_read_again_and_nothing
         "nothing pending, and no pull request left on the server"
     );
 }
+
+/// Another client fills the consumer's wait list (`max_waiting`, 512
+/// requests) before the route starts. The server then drops each of the
+/// route's pull requests without a word: it tells a request that asks for
+/// heartbeats nothing when its list is full. Each request leaves the pull's
+/// books at its expiry; as no message came, none can have been filled, so
+/// each counts as lost, and once that has lasted 10 s the route warns,
+/// naming the wait list. Once the other client has gone, the route takes
+/// messages again, and applies each once.
+#[tokio::test]
+async fn a_full_wait_list_that_drops_the_routes_requests_without_a_word_is_warned_about() {
+    use futures_util::{FutureExt, StreamExt};
+    const MESSAGES: i64 = 10;
+    let logs = idem_tests::capture_logs();
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("FULLWAIT", Duration::from_secs(120)).await;
+    // The route's consumer, as the route creates it, so that the other
+    // client can pull from it first.
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("c".into()),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 13,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let filler = env.nats().await;
+    let inbox = filler.new_inbox();
+    let mut replies = filler.subscribe(format!("{inbox}.*")).await.unwrap();
+    let request = serde_json::to_vec(&serde_json::json!({
+        "batch": 1,
+        "expires": Duration::from_secs(120).as_nanos() as u64,
+    }))
+    .unwrap();
+    for i in 0..512 {
+        filler
+            .publish_with_reply(
+                format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.c"),
+                format!("{inbox}.{i}"),
+                request.clone().into(),
+            )
+            .await
+            .unwrap();
+    }
+    filler.flush().await.unwrap();
+    eventually("the wait list is full", Duration::from_secs(10), || async {
+        env.consumer_info(&stream, "c").await.num_waiting == 512
+    })
+    .await;
+
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), no_ids),
+        nats.clone(),
+        pool.clone(),
+    );
+    let warning = || logs.matching(&["WARN", "max_waiting", "without a word", "route=\"c\""]);
+    eventually(
+        "the route warns that its requests are dropped",
+        Duration::from_secs(40),
+        || async { !warning().is_empty() },
+    )
+    .await;
+    // It happened: the list was still full of the other client's requests,
+    // and none of them was answered.
+    assert_eq!(env.consumer_info(&stream, "c").await.num_waiting, 512);
+    assert!(
+        replies.next().now_or_never().is_none(),
+        "the other client's requests still wait"
+    );
+    assert_eq!(warning().len(), 1, "warned once: {:#?}", warning());
+
+    // The other client goes; the route takes messages again.
+    drop(replies);
+    drop(filler);
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit("a", i), Some(&format!("m-{i}"))).await;
+    }
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+    assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(MESSAGES));
+    assert_eq!(
+        latest_delivery(&pool, "no-ids").await,
+        1,
+        "none redelivered"
+    );
+    let info = env.consumer_info(&stream, "c").await;
+    assert_eq!(
+        (info.num_pending, info.num_ack_pending, info.num_waiting),
+        (0, 0, 0),
+        "nothing pending, and no pull request left on the server"
+    );
+}
