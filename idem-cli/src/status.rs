@@ -42,6 +42,9 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
                 "retention_seconds": consumer.retention.map(|r| r.as_secs_f64()),
                 "dead_letter_subject": consumer.dead_letter_subject,
                 "dead_letters": consumer.dead_letters,
+                "pull_batch": consumer.pull_batch,
+                "max_batch": consumer.max_batch,
+                "pull_capped": consumer.pull_capped(),
                 "claims": claims.map(|h| h.claims),
                 "oldest_claim_age_seconds": claims.and_then(|h| h.oldest_age).map(|a| a.as_secs_f64()),
             })
@@ -116,7 +119,12 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
             ]);
         }
         text.push_str(&output::render(&table));
-        text.push_str("\n\n");
+        text.push('\n');
+        for line in pull_lines(&consumers) {
+            text.push_str(&line);
+            text.push('\n');
+        }
+        text.push('\n');
     }
     if handlers.is_empty() {
         text.push_str("no handlers registered in the dedup schema yet\n");
@@ -200,6 +208,27 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
         text.push_str(&format!("\n  warning: {warning}"));
     }
     Ok(Report::done(json, text))
+}
+
+/// A line for each consumer whose `max_batch` caps its route's pull
+/// requests.
+fn pull_lines(consumers: &[status::ConsumerStatus]) -> Vec<String> {
+    consumers
+        .iter()
+        .filter(|consumer| consumer.pull_capped())
+        .map(|consumer| {
+            format!(
+                "  warning: {}/{}: pull requests capped at {} messages by the consumer's max_batch \
+                 (its route asks for {}: concurrency x batch), so fewer messages are fetched ahead; \
+                 raise the limit (the server's jetstream max_request_batch), or lower the route's \
+                 concurrency or batch",
+                consumer.stream,
+                consumer.durable,
+                or_dash(consumer.max_batch),
+                or_dash(consumer.pull_batch),
+            )
+        })
+        .collect()
 }
 
 /// The expiry's figures, for `--json`.

@@ -30,7 +30,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 
 use crate::error::retention::decode_duration;
-use crate::route::metadata::{DEAD_LETTERS_KEY, HANDLER_KEY, RETENTION_KEY};
+use crate::route::metadata::{DEAD_LETTERS_KEY, HANDLER_KEY, PULL_BATCH_KEY, RETENTION_KEY};
 
 pub use crate::retention::status::{ExpiryStatus, expiry};
 use crate::retention::status::{seconds, timestamp};
@@ -62,6 +62,31 @@ pub struct ConsumerStatus {
     /// Dead letters stored under that subject; `None` if no stream stores
     /// it (no router started since it was set), or it could not be read.
     pub dead_letters: Option<u64>,
+    /// How many messages each pull request of its route asks for
+    /// (concurrency × batch); `None` for a route of an idem that did not
+    /// record it.
+    pub pull_batch: Option<u64>,
+    /// The consumer's `max_batch`: the most one pull request may ask for
+    /// (its own, or the server's `max_request_batch` limit); `None`: no
+    /// limit.
+    pub max_batch: Option<u64>,
+}
+
+impl ConsumerStatus {
+    /// Whether the consumer's `max_batch` caps its route's pull requests:
+    /// each asks for `max_batch` messages instead, so fewer are fetched
+    /// ahead (the route also warns, and sets `idem_pull_request_capped`).
+    ///
+    /// ```
+    /// # fn f(consumer: &idem_runtime::status::ConsumerStatus) {
+    /// if consumer.pull_capped() {
+    ///     println!("{}: pull requests capped at {:?}", consumer.durable, consumer.max_batch);
+    /// }
+    /// # }
+    /// ```
+    pub fn pull_capped(&self) -> bool {
+        matches!((self.pull_batch, self.max_batch), (Some(wanted), Some(max)) if wanted > max)
+    }
 }
 
 /// Why [`consumers`] failed.
@@ -123,6 +148,8 @@ pub async fn consumers(js: &jetstream::Context) -> Result<Vec<ConsumerStatus>, S
                 redelivered: info.num_redelivered as u64,
                 waiting: info.num_waiting as u64,
                 retention: decode_duration(retention),
+                pull_batch: metadata.get(PULL_BATCH_KEY).and_then(|n| n.parse().ok()),
+                max_batch: u64::try_from(info.config.max_batch).ok().filter(|n| *n > 0),
                 dead_letters: dead_letter_count(js, &dead_letter_subject).await,
                 dead_letter_subject,
             });

@@ -126,6 +126,26 @@ impl TestEnv {
         }
     }
 
+    /// As [`TestEnv::start`], with a NATS server of the test's own whose
+    /// `jetstream` block also holds `settings` (see
+    /// [`NatsServer::start_with_jetstream`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`TestEnv::start`], and if `NATS_URL` is set.
+    pub async fn start_with_jetstream(settings: &str) -> TestEnv {
+        init_tracing();
+        let (nats, postgres) = tokio::join!(
+            NatsServer::start_with_jetstream(settings),
+            Postgres::start()
+        );
+        TestEnv {
+            client: OnceCell::new(),
+            nats,
+            postgres,
+        }
+    }
+
     /// As [`TestEnv::start`], with a PostgreSQL server of the test's own run
     /// with `settings` (see [`Postgres::start_with`]).
     ///

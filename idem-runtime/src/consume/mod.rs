@@ -55,6 +55,7 @@ pub(crate) mod health;
 pub(crate) mod heartbeat;
 pub(crate) mod pipeline;
 pub(crate) mod pull;
+pub(crate) mod pull_books;
 pub(crate) mod pull_stream;
 pub(crate) mod reply;
 pub(crate) mod sizing;

@@ -1,17 +1,21 @@
 //! The pull loop: one long-lived pull per route, processed as slots free up.
 //!
 //! The pull (`pull_stream.rs`) keeps at most about `concurrency × batch`
-//! messages requested ahead, re-requesting at half, asks again as soon as
-//! the client reconnects, and asks for idle heartbeats so that a silent
-//! server is noticed: then, or on any other error of the pull, it is
-//! dropped and a new one opened. A message is taken off it only once a slot
-//! is free, so what waits locally is bounded; one that waited past ack_wait
-//! is redelivered, and its claim skips whichever copy comes second.
+//! messages requested ahead (at most the consumer's `max_batch` a
+//! request), re-requesting at half, asks again as soon as the client
+//! reconnects or a new consumer leader is elected, and asks for idle
+//! heartbeats so that a silent server is noticed: then, or on any other
+//! error of the pull, it is closed and a new one opened. A message is taken
+//! off it only once a slot is free, so what waits locally is bounded; one
+//! that waited past ack_wait is redelivered, and its claim skips whichever
+//! copy comes second.
 //!
-//! The pull is *closed*, not dropped, when the route pauses and at
-//! shutdown: it stops asking and collects what its last requests deliver
-//! until the server has ended them all, so that nothing goes into an inbox
-//! no one reads (and waits out ack_wait there).
+//! The pull is *closed*, never dropped: when the route pauses, at shutdown,
+//! and after an error of the pull. It stops asking and collects what its
+//! last requests deliver until the server has ended them all (or they are
+//! past their expiry), so that nothing goes into an inbox no one reads (and
+//! waits out ack_wait there). What an error's close collects is parked, and
+//! started first.
 //!
 //! While the route is paused (its database cannot be used, see
 //! `health.rs`), the pull is closed and nothing new is taken until the
@@ -38,7 +42,7 @@ use crate::consume::ack;
 use crate::consume::health::Health;
 use crate::consume::heartbeat::Lease;
 use crate::consume::pipeline::Pipeline;
-use crate::consume::pull_stream::PullStream;
+use crate::consume::pull_stream::{PullError, PullSignals, PullStream};
 use crate::handler::Handler;
 use crate::route::Route;
 use crate::tasks::Signal;
@@ -63,6 +67,8 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
         slots: Arc::new(Semaphore::new(pipeline.route.concurrency)),
         shutdown,
         failures: 0,
+        signals: PullSignals::new(&pipeline.route.durable),
+        refresh_info: false,
         consumer: &consumer,
         pipeline: &pipeline,
     };
@@ -80,7 +86,7 @@ pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>
     // Both at once: the pull's last requests end while in-flight messages
     // finish.
     let ((), abandoned) = tokio::join!(
-        give_back_unstarted(pull, parked, &pipeline.nats, &pipeline.route),
+        give_back_unstarted(pull, parked, &pipeline.nats),
         drain(in_flight, &pipeline.route, grace),
     );
     abandoned
@@ -110,6 +116,11 @@ struct Puller<'a, H, S> {
     shutdown: Signal,
     /// Failures of the pull in a row.
     failures: u32,
+    /// The route's warnings and metrics about its pulls.
+    signals: Arc<PullSignals>,
+    /// Read the consumer's info again before the next pull opens: its
+    /// request limits refused the last one.
+    refresh_info: bool,
     consumer: &'a PullConsumer,
     pipeline: &'a Arc<Pipeline<H, S>>,
 }
@@ -144,6 +155,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             &mut self.in_flight,
         )
         .await?;
+        // What the pull asks for follows the batch size: messages fetched
+        // ahead are not leased, and must not wait past ack_wait.
+        messages.set_batch(request_size(self.pipeline));
         // After batches conflicted, nothing starts beside a running batch.
         tokio::select! {
             biased;
@@ -151,7 +165,6 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             _ = self.pipeline.health.paused() => return Err(Cut::Again),
             () = self.pipeline.sizer.may_start() => {}
         }
-        let route = &self.pipeline.route;
         let first = tokio::select! {
             biased;
             _ = self.shutdown.fired() => return Err(Cut::Stop),
@@ -159,26 +172,46 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             next = messages.next() => match next {
                 Some(Ok(message)) => message,
                 Some(Err(error)) => {
-                    // A silent server, a deleted consumer, no JetStream:
-                    // open a new pull, after a pause. (A reconnect is not
-                    // an error: the pull asks again by itself.)
-                    self.failures += 1;
-                    tracing::debug!(%error, route = route.durable, "pull interrupted; opening a new one");
-                    self.pull = None;
+                    self.pull_failed(error).await;
                     return Err(Cut::Again);
                 }
                 None => {
-                    self.failures += 1;
-                    tracing::debug!(route = route.durable, "pull ended; opening a new one");
-                    self.pull = None;
+                    self.pull_failed(PullError::Unsubscribed).await;
                     return Err(Cut::Again);
                 }
             },
         };
         self.failures = 0;
-        let group = gather(first, messages, self.pipeline.sizer.next());
+        let (group, failed) = gather(first, messages, self.pipeline.sizer.next());
         self.start(group, slot);
+        if let Some(error) = failed {
+            self.pull_failed(error).await;
+        }
         Ok(())
+    }
+
+    /// The pull failed (a silent server, a deleted consumer, limits that
+    /// changed; a reconnect or a leader election is not an error: the pull
+    /// asks again by itself). The failure is counted, so that the next pull
+    /// opens after a pause; the pull is closed, so that none of its
+    /// requests is left on the server where the connection allows; and what
+    /// it delivered meanwhile is parked, kept leased, to start first.
+    async fn pull_failed(&mut self, error: PullError) {
+        let route = &self.pipeline.route;
+        self.failures += 1;
+        self.refresh_info |= error.needs_fresh_info();
+        match &error {
+            PullError::Ended(_) | PullError::Limits(_) => {
+                tracing::warn!(%error, route = route.durable, "pull ended; opening a new one");
+            }
+            _ => {
+                tracing::debug!(%error, route = route.durable, "pull interrupted; opening a new one")
+            }
+        }
+        for message in close(self.pull.take()).await {
+            let lease = self.pipeline.heartbeats.lease(&message);
+            self.parked.push_back((message, lease));
+        }
     }
 
     /// While the route is paused: parks what the pull fetched and did not
@@ -187,7 +220,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
     async fn sit_out_pause(&mut self) -> Result<(), Cut> {
         let route = &self.pipeline.route;
         let health = &self.pipeline.health;
-        for message in close(self.pull.take(), route).await {
+        for message in close(self.pull.take()).await {
             let lease = self.pipeline.heartbeats.lease(&message);
             self.parked.push_back((message, lease));
         }
@@ -249,10 +282,26 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
     /// counted, and the next turn tries again.
     async fn open_pull(&mut self) -> Result<PullStream, Cut> {
         let route = &self.pipeline.route;
+        let info = if self.refresh_info {
+            match self.consumer.get_info().await {
+                Ok(info) => {
+                    self.refresh_info = false;
+                    info
+                }
+                Err(error) => {
+                    self.failures += 1;
+                    tracing::warn!(%error, route = route.durable, "reading the consumer's limits failed; retrying");
+                    return Err(Cut::Again);
+                }
+            }
+        } else {
+            self.consumer.cached_info().clone()
+        };
         let opened = PullStream::open(
-            self.consumer,
+            &info,
             &self.pipeline.nats,
-            route.concurrency * route.batch_cap(),
+            request_size(self.pipeline),
+            self.signals.clone(),
         )
         .await;
         match opened {
@@ -283,6 +332,15 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
     }
 }
 
+/// How many messages one pull request of `pipeline`'s route asks for: a
+/// batch of the size the next one takes, for every slot. An adaptive route
+/// asks for more as its batches grow, rather than for its largest size from
+/// the start: what it fetches ahead waits unleased, and must be taken
+/// before ack_wait.
+fn request_size<H, S>(pipeline: &Pipeline<H, S>) -> usize {
+    pipeline.route.concurrency * pipeline.sizer.next()
+}
+
 /// Waits for a free slot, then reaps the tasks that have finished. Shutdown
 /// first: with both ready, an unbiased select could go on taking messages
 /// after shutdown.
@@ -305,16 +363,23 @@ async fn free_slot(
 }
 
 /// `first`, and whatever else has already arrived, up to `batch` messages:
-/// it never waits to fill the batch.
-fn gather(first: Message, messages: &mut PullStream, batch: usize) -> Vec<Message> {
+/// it never waits to fill the batch. An error of the pull ends the group
+/// and comes back with it, to be handled as the pull loop handles one (the
+/// pull also keeps returning it).
+fn gather(
+    first: Message,
+    messages: &mut PullStream,
+    batch: usize,
+) -> (Vec<Message>, Option<PullError>) {
     let mut group = vec![first];
     while group.len() < batch {
         match messages.next().now_or_never() {
             Some(Some(Ok(message))) => group.push(message),
+            Some(Some(Err(error))) => return (group, Some(error)),
             _ => break,
         }
     }
-    group
+    (group, None)
 }
 
 /// At shutdown, gives back what was fetched and not started: what the
@@ -323,9 +388,8 @@ async fn give_back_unstarted(
     pull: Option<PullStream>,
     parked: VecDeque<(Message, Lease)>,
     nats: &async_nats::Client,
-    route: &Route,
 ) {
-    let mut unstarted = close(pull, route).await;
+    let mut unstarted = close(pull).await;
     for (message, lease) in parked {
         // No heartbeat may follow its NAK.
         lease.end().await;
@@ -368,9 +432,9 @@ async fn drain(mut in_flight: JoinSet<()>, route: &Route, grace: Duration) -> us
 
 /// Closes `pull`, if one is open: what it fetched and did not start, once no
 /// request of it is left on the server (see [`PullStream::close`]).
-async fn close(pull: Option<PullStream>, route: &Route) -> Vec<Message> {
+async fn close(pull: Option<PullStream>) -> Vec<Message> {
     match pull {
-        Some(pull) => pull.close(route.durable.as_str()).await,
+        Some(pull) => pull.close().await,
         None => Vec::new(),
     }
 }

@@ -31,6 +31,8 @@
 //! | `idem_handler_duration_seconds` | histogram | `route` | one handler call (a batch handler's call covers its batch), failed calls included |
 //! | `idem_end_to_end_duration_seconds` | histogram | `route` | from the message's JetStream timestamp (when it was stored) to its ack as processed, retries included |
 //! | `idem_messages_in_flight` | gauge | `route` | messages taken and not yet settled (a batch's, until its last one settles) |
+//! | `idem_pull_requests_refused_total` | counter | `route`, `reason` | pull requests the server turned away or ended early: `no_responders` (the consumer has no leader, or is gone), `max_waiting` (its wait list is full), `leadership_change` (asked again of the new leader), `max_request_batch` (capped, asked again), `request_limits`, `consumer_gone`, `lost` (past its expiry without a word, and not filled), `other`; a route whose requests are refused for 10 s in a row also logs a warning naming the cause |
+//! | `idem_pull_request_capped` | gauge | `route` | 1 while the route's pull requests are capped by the consumer's `max_batch` below `concurrency x batch` (fewer messages are fetched ahead), else 0; `idem status` shows it too |
 //! | `idem_consumer_pending_messages` | gauge | `route` | the consumer's `num_pending`: stored, not yet delivered |
 //! | `idem_consumer_ack_pending_messages` | gauge | `route` | the consumer's `num_ack_pending`: delivered, not yet acked |
 //! | `idem_outbox_pending_rows` | gauge | | outbox rows committed and not yet published |
@@ -113,6 +115,10 @@ pub const HANDLER_DURATION: &str = "idem_handler_duration_seconds";
 pub const END_TO_END_DURATION: &str = "idem_end_to_end_duration_seconds";
 /// Messages taken and not yet settled.
 pub const IN_FLIGHT: &str = "idem_messages_in_flight";
+/// Pull requests the server turned away or ended early, by `reason`.
+pub const PULL_REQUESTS_REFUSED: &str = "idem_pull_requests_refused_total";
+/// 1 while a route's pull requests are capped by the consumer's `max_batch`.
+pub const PULL_REQUEST_CAPPED: &str = "idem_pull_request_capped";
 /// The consumer's `num_pending`.
 pub const CONSUMER_PENDING: &str = "idem_consumer_pending_messages";
 /// The consumer's `num_ack_pending`.
@@ -262,6 +268,15 @@ pub fn describe() {
         IN_FLIGHT,
         Unit::Count,
         "Messages taken from the consumer and not yet settled."
+    );
+    describe_counter!(
+        PULL_REQUESTS_REFUSED,
+        Unit::Count,
+        "Pull requests the server turned away or ended early, by reason: no_responders (the consumer has no leader, or is gone), max_waiting, leadership_change, max_request_batch, request_limits, consumer_gone, lost (past its expiry without a word, not filled), other."
+    );
+    describe_gauge!(
+        PULL_REQUEST_CAPPED,
+        "1 while the route's pull requests are capped by the consumer's max_batch below concurrency x batch (fewer messages fetched ahead); 0 otherwise."
     );
     describe_gauge!(
         CONSUMER_PENDING,
@@ -544,6 +559,23 @@ pub(crate) fn outbox_nats_unreachable(away: bool) {
     metrics::gauge!(OUTBOX_NATS_UNREACHABLE).set(if away { 1.0 } else { 0.0 });
 }
 
+/// A pull request of route `route` turned away or ended early, for
+/// `reason`.
+pub(crate) fn pull_request_refused(route: &str, reason: &'static str) {
+    metrics::counter!(PULL_REQUESTS_REFUSED, ROUTE_LABEL => route.to_owned(), REASON_LABEL => reason)
+        .increment(1);
+}
+
+/// Whether route `route`'s pull requests are capped by its consumer's
+/// `max_batch` (set when that changes).
+pub(crate) fn pull_request_capped(route: &str, capped: bool) {
+    metrics::gauge!(PULL_REQUEST_CAPPED, ROUTE_LABEL => route.to_owned()).set(if capped {
+        1.0
+    } else {
+        0.0
+    });
+}
+
 /// A purge run failed.
 pub(crate) fn purge_failed() {
     metrics::counter!(PURGE_FAILURES).increment(1);
@@ -767,6 +799,34 @@ mod tests {
     }
 
     #[test]
+    fn the_pull_records_its_refusals_by_reason_and_its_cap() {
+        let recorder = Recording::default();
+        metrics::with_local_recorder(&recorder, || {
+            pull_request_refused("orders", "no_responders");
+            pull_request_refused("orders", "no_responders");
+            pull_request_refused("orders", "max_waiting");
+            pull_request_capped("orders", true);
+        });
+        assert_eq!(
+            recorder.counter("idem_pull_requests_refused_total{route=orders,reason=no_responders}"),
+            2
+        );
+        assert_eq!(
+            recorder.counter("idem_pull_requests_refused_total{route=orders,reason=max_waiting}"),
+            1
+        );
+        assert_eq!(
+            recorder.gauge("idem_pull_request_capped{route=orders}"),
+            1.0
+        );
+        metrics::with_local_recorder(&recorder, || pull_request_capped("orders", false));
+        assert_eq!(
+            recorder.gauge("idem_pull_request_capped{route=orders}"),
+            0.0
+        );
+    }
+
+    #[test]
     fn names_follow_prometheus_conventions() {
         let counters = [
             RECEIVED,
@@ -785,6 +845,7 @@ mod tests {
             OUTBOX_PUBLISH_FAILURES,
             PURGE_FAILURES,
             STARTUP_RETRIES,
+            PULL_REQUESTS_REFUSED,
         ];
         for name in counters {
             assert!(

@@ -1,7 +1,8 @@
 //! What a route records on its consumer, in the consumer's metadata: its
 //! retention and the copies term of its floor, for its dead letters to copy
-//! (see [`dead_letter`](crate::dead_letter)); its handler and its
-//! dead-letter subject, for operators ([`status::consumers`](crate::status::consumers)).
+//! (see [`dead_letter`](crate::dead_letter)); its handler, its
+//! dead-letter subject and the size of its pull requests, for operators
+//! ([`status::consumers`](crate::status::consumers)).
 
 use crate::error::retention::{RetentionFloor, encode_duration};
 use crate::route::Route;
@@ -22,6 +23,11 @@ pub(crate) const HANDLER_KEY: &str = "idem.handler";
 /// subject.
 pub(crate) const DEAD_LETTERS_KEY: &str = "idem.dead_letters";
 
+/// The consumer metadata key under which a route records how many messages
+/// each of its pull requests asks for (concurrency × batch), for `idem
+/// status` to tell when the consumer's `max_batch` caps it.
+pub(crate) const PULL_BATCH_KEY: &str = "idem.pull_batch";
+
 /// The metadata `route`, running `handler`, records on its consumer.
 pub(crate) fn consumer_metadata(
     route: &Route,
@@ -40,5 +46,9 @@ pub(crate) fn consumer_metadata(
     }
     metadata.push((HANDLER_KEY.to_owned(), handler.to_owned()));
     metadata.push((DEAD_LETTERS_KEY.to_owned(), route.dead_letter_target()));
+    metadata.push((
+        PULL_BATCH_KEY.to_owned(),
+        (route.concurrency * route.batch_cap()).to_string(),
+    ));
     metadata
 }

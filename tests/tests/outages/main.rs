@@ -6,11 +6,13 @@
 //! - `connections`: dead kept connections and lost prepared statements.
 //! - `locks`: statements stuck on a lock.
 //! - `nats`: the route's consumer deleted under it.
+//! - `pull_requests`: the limits a consumer puts on pull requests.
 
 mod connections;
 mod locks;
 mod nats;
 mod postgres;
+mod pull_requests;
 
 /// The highest delivery count among `handler`'s applied effects: 1 when
 /// every message was applied on its first delivery. A message NAKed while
