@@ -81,6 +81,11 @@ async fn rolls_back_first(
 /// (ack_wait expired, heartbeats off) waits on its claim, as
 /// `pg_blocking_pids` shows. The first attempt rolls back, so the waiting
 /// attempt's claim goes through and it applies the message, once.
+///
+/// Per message: a redelivery in a batch waits at most the batch's
+/// `lock_timeout`, then runs alone (the batched variants of
+/// `exactly_once::redelivery_during_first_attempt_waits_on_claim_then_skips`
+/// cover that path).
 #[tokio::test]
 async fn when_the_first_attempt_rolls_back_the_waiting_redelivery_proceeds() {
     let Scenario {
@@ -94,6 +99,7 @@ async fn when_the_first_attempt_rolls_back_the_waiting_redelivery_proceeds() {
     publish(&js, &subject, &deposit("a", 7), Some("race-1")).await;
     let route = || {
         fast(Route::new(&stream, "c"))
+            .per_message()
             .ack_wait(Duration::from_secs(1))
             .without_heartbeat()
             .allow_redelivery_while_running()
