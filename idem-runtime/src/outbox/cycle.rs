@@ -20,9 +20,12 @@
 //!    further send would wait out its own timeout.
 //! 3. **Await the PubAcks** ([`await_acks`]), each up to the client's
 //!    timeout; but once one has come back, those still missing a second
-//!    later (or as long as the last took, if longer) are given up on: a
-//!    publish the server refused for want of permission never gets an
-//!    answer, and must not hold up the rows that went through. Once the
+//!    later (or as long as the last took, if longer) are given up on, if
+//!    one of them was published before an acknowledged one: a publish the
+//!    server refused for want of permission never gets an answer, and must
+//!    not hold up the rows that went through (a stream that is only slow
+//!    answers in order, so its missing PubAcks are all after the last one
+//!    that came). Once the
 //!    client has connected again, those of the lost connection are given
 //!    up on too. The PubAcks that came back are counted in the relay's
 //!    stats now, before the rows are deleted.
@@ -596,8 +599,12 @@ const RECONNECT_CHECK_EVERY: Duration = Duration::from_millis(100);
 ///
 /// - once a publish has been acknowledged and the others are still
 ///   unanswered [`STRAGGLER_GRACE`] after the last acknowledgement (or as
-///   long as it took, if longer): NATS is up, and they are not coming (a
-///   publish refused for want of permission gets no answer);
+///   long as it took, if longer), if one of them was published before an
+///   acknowledged one: NATS is up, and they are not coming (a publish
+///   refused for want of permission gets no answer, while the server
+///   answers those after it). When only publishes after the last
+///   acknowledged one are missing, the stream may only be slow (it answers
+///   in order), and they wait out the client's timeout;
 /// - once the client has connected again (`reconnected`): the PubAcks of
 ///   the lost connection are not coming either.
 async fn await_acks(
@@ -614,6 +621,8 @@ async fn await_acks(
         .map(|(i, ack)| async move { (i, ack.await) })
         .collect();
     let mut give_up_at: Option<tokio::time::Instant> = None;
+    // The last publish (in the cycle's order) acknowledged so far.
+    let mut latest_acknowledged: Option<usize> = None;
     // Racing the PubAcks (not a transaction) with a timer is safe: a PubAck
     // given up on only leaves its row pending.
     while !pending.is_empty() && !reconnected() {
@@ -624,11 +633,23 @@ async fn await_acks(
                 if ack.is_ok() {
                     give_up_at =
                         Some(tokio::time::Instant::now() + started.elapsed().max(STRAGGLER_GRACE));
+                    latest_acknowledged = latest_acknowledged.max(Some(i));
                 }
                 results[i] = Some(ack);
             }
             Ok(None) => break,
-            Err(_) if give_up_at.is_some_and(|at| at <= tokio::time::Instant::now()) => break,
+            Err(_) if give_up_at.is_some_and(|at| at <= tokio::time::Instant::now()) => {
+                // A stream answers its publishes in order: if only rows
+                // after the last one acknowledged are missing, the stream
+                // is slow (an fsync that stalls), not refusing them; each
+                // waits out the client's timeout instead.
+                let passed = latest_acknowledged
+                    .is_some_and(|latest| results[..latest].iter().any(Option::is_none));
+                if passed {
+                    break;
+                }
+                give_up_at = None;
+            }
             Err(_) => {}
         }
     }

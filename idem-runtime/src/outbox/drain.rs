@@ -37,8 +37,9 @@
 //!   its COMMIT, so the take then follows it in the same message.
 //!
 //! A drain holds up to two connections ([`Sessions`]), taken from the pool
-//! when first needed and given back when it ends, so that a relay between
-//! drains holds none. A database error ends the drain: the session it came
+//! when first needed; the lane keeps them between drains while it is busy,
+//! outside any transaction, and gives them back once it is idle. A
+//! database error ends the drain: the session it came
 //! from is closed, the cycle whose PubAcks are in is still finished on its
 //! own session if it can be, and any other open transaction goes with its
 //! session (closed, so that the server releases its rows at once). Rows
@@ -55,11 +56,21 @@ use super::cycle::{Acked, Cycles, LostConnections, Open, RelayError};
 use super::session::{Advanced, Lane, Marks, Session, Take};
 use super::stats::Drain;
 
-/// A drain's connections: two while its cycles overlap, taken from the
-/// pool as they are first needed and given back when the drain ends
-/// (closed instead if a transaction may be open on one).
+/// The fresh lane's connections: two while its cycles overlap, taken from
+/// the pool as they are first needed. The lane keeps them between drains
+/// while it is busy (each outside a transaction then), and gives them back
+/// once a poll finds nothing to do ([`Sessions::release`]); a dropped
+/// session that may be inside a transaction is closed instead.
 #[derive(Default)]
-struct Sessions([Option<Session>; 2]);
+pub(super) struct Sessions([Option<Session>; 2]);
+
+impl Sessions {
+    /// Gives both back to the pool (or closes one a transaction may be open
+    /// on, after an error).
+    pub(super) fn release(&mut self) {
+        self.0 = [None, None];
+    }
+}
 
 /// What a drain is told while it runs.
 #[derive(Debug, Default)]
@@ -87,11 +98,11 @@ pub(super) async fn drain(
     cycles: &Cycles,
     js: &jetstream::Context,
     pool: &PgPool,
+    sessions: &mut Sessions,
     lost: &mut LostConnections,
     signals: &Signals,
     most: usize,
 ) -> Result<Drain, RelayError> {
-    let sessions = &mut Sessions::default();
     let mut drain = Drain::default();
     // The cycle taken and not yet published, on its slot.
     let mut ahead: Option<(usize, Open)> = None;

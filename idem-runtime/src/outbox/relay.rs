@@ -7,9 +7,9 @@
 //! # The lanes
 //!
 //! [`Relay::run_until`] runs both at once, each with its own transactions
-//! (a relay holds up to four connections: two while the fresh lane's
-//! cycles overlap, one for the retry lane, and the LISTEN one while the
-//! NOTIFY trigger is enabled).
+//! (a relay holds up to four connections: two while the fresh lane is busy,
+//! given back once a poll finds nothing, one for the retry lane, and the
+//! LISTEN one while the NOTIFY trigger is enabled).
 //!
 //! - **Fresh rows**, woken by this process's commits, notifications or the
 //!   poll (see `wake.rs`), drained (see `drain.rs`) while cycles take all
@@ -40,7 +40,7 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 
 use super::cycle::{Cycles, FIRST_ROW_BACKOFF, LostConnections, RelayError};
-use super::drain::{Signals, drain};
+use super::drain::{Sessions, Signals, drain};
 use super::lag::lag;
 use super::session::{Lane, any_fresh};
 #[cfg(feature = "fault-injection")]
@@ -305,6 +305,7 @@ impl Relay {
         let mut backoff = Backoff::default();
         let mut lost = LostConnections::default();
         let mut poll = Poll::new(self.min_poll_interval, self.poll_interval);
+        let mut sessions = Sessions::default();
         let mut lag_read: Option<Instant> = None;
         let mut trigger = false;
         // The first pass drains at once; after a wait that the poll ended,
@@ -322,10 +323,12 @@ impl Relay {
             if look_first && !self.any_fresh(pool).await {
                 poll.after(false);
                 self.cycles.stats.empty_cycle();
+                // Idle: its connections go back to the pool.
+                sessions.release();
             } else {
                 loop {
                     if shutdown.as_mut().now_or_never().is_some() {
-                        return self.final_cycles(js, pool, &mut lost).await;
+                        return self.final_cycles(js, pool, &mut sessions, &mut lost).await;
                     }
                     if *stopped.borrow() {
                         return Ok(());
@@ -335,7 +338,15 @@ impl Relay {
                         .drain_until_stopped(
                             &mut wakeup,
                             &signals,
-                            drain(&self.cycles, js, pool, &mut lost, &signals, usize::MAX),
+                            drain(
+                                &self.cycles,
+                                js,
+                                pool,
+                                &mut sessions,
+                                &mut lost,
+                                &signals,
+                                usize::MAX,
+                            ),
                             shutdown.as_mut(),
                             &mut stopped,
                         )
@@ -347,7 +358,9 @@ impl Relay {
                             let backs_off = self.settle(&drained, &mut backoff, away, Lane::Fresh);
                             match stopping {
                                 Some(Stopping::Shutdown) if !backs_off => {
-                                    return self.final_cycles(js, pool, &mut lost).await;
+                                    return self
+                                        .final_cycles(js, pool, &mut sessions, &mut lost)
+                                        .await;
                                 }
                                 Some(_) => return Ok(()),
                                 None if backs_off || !again => break,
@@ -355,6 +368,7 @@ impl Relay {
                             }
                         }
                         Err(RelayError::Database(error)) => {
+                            sessions.release();
                             if stopping.is_some() {
                                 tracing::warn!(%error, "outbox relay cycle failed while stopping; its rows stay pending for the next relay");
                                 return Ok(());
@@ -370,11 +384,14 @@ impl Relay {
             // A back-off reads and discards notifications; otherwise the
             // first one ends the wait (see `wake.rs`).
             let (wait, early) = match backoff.current() {
-                Some(wait) => (wait, false),
+                Some(wait) => {
+                    sessions.release();
+                    (wait, false)
+                }
                 None => (poll.wait(), true),
             };
             let woken = tokio::select! {
-                () = &mut shutdown => return self.final_cycles(js, pool, &mut lost).await,
+                () = &mut shutdown => return self.final_cycles(js, pool, &mut sessions, &mut lost).await,
                 _ = stopped.changed() => return Ok(()),
                 woken = wakeup.wait(wait, early) => woken,
             };
@@ -522,10 +539,22 @@ impl Relay {
         &self,
         js: &jetstream::Context,
         pool: &PgPool,
+        sessions: &mut Sessions,
         lost: &mut LostConnections,
     ) -> Result<(), RelayError> {
         let signals = Signals::default();
-        match drain(&self.cycles, js, pool, lost, &signals, FINAL_CYCLES).await {
+        let drained = drain(
+            &self.cycles,
+            js,
+            pool,
+            sessions,
+            lost,
+            &signals,
+            FINAL_CYCLES,
+        )
+        .await;
+        sessions.release();
+        match drained {
             Ok(drained) => {
                 if let Some(cause) = drained.nats_away {
                     tracing::warn!(
@@ -619,6 +648,7 @@ impl Relay {
             &self.cycles,
             js,
             pool,
+            &mut Sessions::default(),
             &mut lost,
             &Signals::default(),
             usize::MAX,

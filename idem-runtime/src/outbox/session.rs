@@ -250,6 +250,8 @@ pub(super) struct Session {
     /// It holds the prepared statements (see [`prepare_sql`]): once a take
     /// has run on it.
     prepared: bool,
+    /// A take without the `DO` block was tried on it ([`Session::first_take`]).
+    tried: bool,
     /// A transaction may be open, or the connection's state is unknown
     /// (a message failed or was dropped midway): if dropped now, the
     /// connection is closed, not returned to the pool.
@@ -270,6 +272,7 @@ impl Session {
         Ok(Session {
             connection: pool.acquire().await?,
             prepared: false,
+            tried: false,
             open: false,
         })
     }
@@ -278,6 +281,28 @@ impl Session {
     /// take that finds nothing ends its transaction (a second one).
     pub(super) async fn take(&mut self, take: Take) -> Result<Vec<Row>, sqlx::Error> {
         self.advance(None, Some(take)).await.taken
+    }
+
+    /// A take (no finish) on a session new to this relay: the pooled
+    /// connection most likely holds the prepared statements from an earlier
+    /// session, so it is tried without the `DO` block; if they are missing
+    /// (26000), the aborted transaction is rolled back and the take sent
+    /// again with it.
+    async fn first_take(&mut self, take: Take) -> Advanced {
+        self.prepared = true;
+        let tried = self.advance(None, Some(take)).await;
+        match &tried.taken {
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("26000") => {}
+            _ => return tried,
+        }
+        self.prepared = false;
+        if let Err(error) = self.rollback().await {
+            return Advanced {
+                committed: false,
+                taken: Err(error),
+            };
+        }
+        self.advance(None, Some(take)).await
     }
 
     /// Ends the open transaction: records `marks` (a round trip of its own,
@@ -289,6 +314,14 @@ impl Session {
         finish: Option<(&[i64], &Marks)>,
         next: Option<Take>,
     ) -> Advanced {
+        if finish.is_none()
+            && let Some(take) = next
+            && !self.prepared
+            && !self.tried
+        {
+            self.tried = true;
+            return Box::pin(self.first_take(take)).await;
+        }
         // The statements before the take's, each answered with a
         // CommandComplete: the DELETE (if any) and the COMMIT.
         let mut sql = String::new();
