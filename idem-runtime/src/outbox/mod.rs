@@ -67,10 +67,12 @@
 //!   status`. Once the cause is fixed, [`retry_failing`] (`idem outbox
 //!   retry`) makes them due at once.
 //!
-//! A PubAck that does not come while others of its cycle did (a publish the
-//! server refused for want of permission gets no answer at all) is given up
-//! on a second (or as long as the last answer took, if longer) after the
-//! last answer, and its row counts as failed. If that publish still lands,
+//! A PubAck that does not come while those of later publishes of its cycle
+//! did (a publish the server refused for want of permission gets no answer
+//! at all) is given up on a second (or as long as the last answer took, if
+//! longer) after the last answer, and its row counts as failed; PubAcks
+//! missing only after the last answer (a stream that is slow, and answers
+//! in order) wait out the client's timeout. If that publish still lands,
 //! JetStream drops the retry as a duplicate. PubAcks lost with the
 //! connection are not blamed on their rows; a row over which the server
 //! drops the connection is found by publishing one row per cycle after two
@@ -132,11 +134,12 @@ use crate::handler::delivery::Delivery;
 use crate::handler::state::{FromBatch, FromDelivery, Parameter};
 
 pub use cycle::RelayError;
+pub(crate) use lag::notify_trigger_enabled;
 pub(crate) use lag::record_gauges as record_lag_gauges;
 pub use lag::{Failing, Lag, MOST_FAILURES, lag, retry_failing};
 pub use relay::{FINAL_CYCLES, Relay};
 pub use stats::{Cycle, Drain, Published, RelayStats};
-pub(crate) use wake::{Bell, after_commit, notify_trigger_enabled};
+pub(crate) use wake::{Bell, after_commit};
 pub use wake::{wake_local_relays, wake_relays};
 
 /// The channel the outbox's trigger notifies on each queuing transaction.

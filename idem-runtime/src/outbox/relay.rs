@@ -41,12 +41,12 @@ use tokio::sync::watch;
 
 use super::cycle::{Cycles, FIRST_ROW_BACKOFF, LostConnections, RelayError};
 use super::drain::{Sessions, Signals, drain};
-use super::lag::lag;
+use super::lag::lag_and_notify;
 use super::session::{Lane, any_fresh};
 #[cfg(feature = "fault-injection")]
 use super::stats::Published;
 use super::stats::{Cycle, Drain, RelayStats};
-use super::wake::{Bell, Poll, Wakeup, Woken, notify_trigger_enabled};
+use super::wake::{Bell, Poll, Wakeup, Woken};
 
 /// How long until the first failing row is due (negative: it is).
 const NEXT_DUE_SQL: &str = "\
@@ -579,8 +579,8 @@ impl Relay {
     /// debug otherwise. Returns whether the NOTIFY trigger is enabled, if
     /// that could be read.
     async fn read_lag(&self, pool: &PgPool) -> Option<bool> {
-        match lag(pool).await {
-            Ok(lag) => {
+        match lag_and_notify(pool).await {
+            Ok((lag, notify)) => {
                 super::lag::record_gauges(&lag);
                 let oldest_ms = lag.oldest.as_millis() as u64;
                 if lag.oldest >= self.poll_interval || lag.failing > 0 {
@@ -594,13 +594,10 @@ impl Relay {
                     tracing::debug!(pending = lag.pending, oldest_ms, "outbox lag");
                 }
                 self.cycles.stats.record_lag(lag);
+                Some(notify)
             }
-            Err(error) => tracing::debug!(%error, "outbox lag unreadable"),
-        }
-        match notify_trigger_enabled(pool).await {
-            Ok(enabled) => Some(enabled),
             Err(error) => {
-                tracing::debug!(%error, "whether the outbox's NOTIFY trigger is enabled is unreadable");
+                tracing::debug!(%error, "outbox lag unreadable");
                 None
             }
         }

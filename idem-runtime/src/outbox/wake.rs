@@ -22,8 +22,7 @@
 //! - **A notification on [`CHANNEL`]**, only where the trigger
 //!   `idem_outbox_notify` was enabled again (migration 7 disables it; see
 //!   the guide's outbox chapter). A relay LISTENs only while the trigger is
-//!   enabled ([`notify_trigger_enabled`], read with the lag about once a
-//!   second), so that enabling it needs no change to the relays, and a
+//!   enabled (read with its lag about once a second), so that enabling it needs no change to the relays, and a
 //!   relay without it holds no LISTEN connection.
 //!
 //! **One bell per database.** A process may run relays of several
@@ -173,17 +172,6 @@ pub(crate) fn after_commit(delivery: &Delivery, bell: &Bell) {
     if delivery.take_outbox_queued() {
         bell.ring();
     }
-}
-
-/// Whether the outbox's NOTIFY trigger is enabled (migration 7 disables
-/// it): `false` also where there is no trigger or no outbox table.
-pub(crate) async fn notify_trigger_enabled(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT coalesce(bool_or(tgenabled IN ('O', 'A')), false) FROM pg_trigger
-          WHERE tgname = 'idem_outbox_notify' AND tgrelid = to_regclass('idem_outbox')",
-    )
-    .fetch_one(pool)
-    .await
 }
 
 /// Why a wait ended.
