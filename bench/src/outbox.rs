@@ -780,6 +780,11 @@ async fn publish_all(
     rate: Option<f64>,
     publish: impl Fn(usize) -> jetstream::message::PublishMessage,
 ) -> Result<(), BenchError> {
+    // The input is not what is measured: on a loaded machine with an fsync
+    // per message, its PubAcks may wait out the client's 5 s, which ended
+    // runs before they were measured.
+    let mut publisher = ctx.publisher.clone();
+    publisher.set_timeout(Duration::from_secs(60));
     let started = tokio::time::Instant::now();
     let mut acks = Vec::with_capacity(n);
     for i in 0..n {
@@ -787,7 +792,7 @@ async fn publish_all(
             tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate)).await;
         }
         acks.push(
-            ctx.publisher
+            publisher
                 .send_publish(subject.to_owned(), publish(i))
                 .await
                 .map_err(|e| BenchError::failed(format!("publish: {e}")))?,
