@@ -4,9 +4,10 @@
 //! publishes after its COMMIT.
 //!
 //! - **Throughput.** N rows are queued in `idem_outbox` (multi-row inserts,
-//!   untimed), then one [`Relay`] drains them with its own cycle
-//!   ([`Relay::relay_batch`] until a cycle takes nothing): SELECT .. FOR
-//!   UPDATE SKIP LOCKED, publish all, await the PubAcks, DELETE, COMMIT. The
+//!   untimed), then one [`Relay`] drains them as its fresh lane does
+//!   ([`Relay::drain`]): cycles of SELECT .. FOR UPDATE SKIP LOCKED, publish
+//!   all, await the PubAcks, DELETE and COMMIT, each next cycle taken on a
+//!   second connection while the one before awaits its PubAcks. The
 //!   baseline, `raw`, publishes the same N payloads with a `Nats-Msg-Id`
 //!   each, pipelined in windows of the relay's batch size (send the window,
 //!   then await its PubAcks), on the same connection and servers.
@@ -111,7 +112,83 @@ pub struct Report {
     pub raw_after_msgs_per_sec: f64,
     pub relay_msgs_per_sec: f64,
     pub relay_vs_raw: f64,
+    /// Where the CPU went in raw's runs and the relay's drain.
+    pub drain_profile: Vec<Phase>,
+    /// The drain's statements, from `pg_stat_statements` when the bench's
+    /// PostgreSQL preloads it (`--pg-setting
+    /// shared_preload_libraries=pg_stat_statements`).
+    pub drain_statements: Vec<Statement>,
     pub runs: Vec<Emitting>,
+}
+
+/// One timed phase of the relay-against-raw run, and the CPU it used.
+#[derive(Debug, Clone, Serialize)]
+pub struct Phase {
+    name: &'static str,
+    messages: usize,
+    seconds: f64,
+    msgs_per_sec: f64,
+    /// CPU of the bench's process (the NATS client, the relay), per message.
+    bench_cpu_us_per_msg: f64,
+    /// CPU of nats-server and PostgreSQL (every backend), per message, when
+    /// the bench runs them.
+    servers_cpu_us_per_msg: Option<f64>,
+    /// The machine's idle share of its CPUs during the phase (other people's
+    /// work included): near 0, the phase was bound by CPU.
+    machine_idle: f64,
+}
+
+/// One statement's figures from `pg_stat_statements`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Statement {
+    query: String,
+    calls: i64,
+    rows: i64,
+    mean_ms: f64,
+    total_ms: f64,
+}
+
+/// The machine's CPU ticks from /proc/stat: (idle and iowait, all).
+fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+    (idle, ticks.iter().take(8).sum())
+}
+
+/// Times `work`, which handles `messages`, with the CPU it and the servers
+/// used.
+async fn phase<T>(
+    ctx: &Context,
+    name: &'static str,
+    messages: usize,
+    work: impl std::future::Future<Output = Result<T, BenchError>>,
+) -> Result<(T, Phase), BenchError> {
+    let cpu = crate::probe::CpuSample::now(ctx.server_pids.as_deref());
+    let machine = machine_ticks();
+    let started = Instant::now();
+    let output = work.await?;
+    let seconds = started.elapsed().as_secs_f64();
+    let (bench, servers) = crate::probe::CpuSample::now(ctx.server_pids.as_deref()).since(cpu);
+    let (idle, all) = machine_ticks();
+    let per_msg = |cpu_s: f64| cpu_s * 1e6 / messages.max(1) as f64;
+    let phase = Phase {
+        name,
+        messages,
+        seconds,
+        msgs_per_sec: messages as f64 / seconds,
+        bench_cpu_us_per_msg: per_msg(bench),
+        servers_cpu_us_per_msg: servers.map(per_msg),
+        machine_idle: (idle - machine.0) as f64 / (all - machine.1).max(1) as f64,
+    };
+    Ok((output, phase))
 }
 
 fn now_us() -> i64 {
@@ -159,7 +236,14 @@ async fn insert_effect(conn: &mut sqlx::PgConnection, key: &str) -> Result<(), s
 /// The whole scenario: the relay against raw, then both handlers at the
 /// offered rate and over a backlog.
 pub async fn outbox(ctx: &Context, base: &Plan, scenario: &Scenario) -> Result<Report, BenchError> {
-    let (raw_before, relay, raw_after) = relay_against_raw(ctx, base, scenario).await?;
+    let (phases, statements) = relay_against_raw(ctx, base, scenario).await?;
+    let rate = |name: &str| {
+        phases
+            .iter()
+            .find(|p| p.name == name)
+            .map_or(f64::NAN, |p| p.msgs_per_sec)
+    };
+    let (raw_before, relay, raw_after) = (rate("raw (a)"), rate("relay drain"), rate("raw (b)"));
     let raw = (raw_before + raw_after) / 2.0;
     let mut runs = Vec::new();
     let emits = [Emit::AfterCommit, Emit::Outbox, Emit::OutboxNotify];
@@ -175,6 +259,8 @@ pub async fn outbox(ctx: &Context, base: &Plan, scenario: &Scenario) -> Result<R
         raw_after_msgs_per_sec: raw_after,
         relay_msgs_per_sec: relay,
         relay_vs_raw: relay / raw,
+        drain_profile: phases,
+        drain_statements: statements,
         runs,
     };
     eprintln!();
@@ -188,6 +274,31 @@ pub async fn outbox(ctx: &Context, base: &Plan, scenario: &Scenario) -> Result<R
          {raw:.0} | 1.00 |"
     );
     eprintln!("| outbox Relay | {relay:.0} | {:.2} |", relay / raw);
+    eprintln!();
+    eprintln!("| phase | msgs/s | bench CPU µs/msg | servers CPU µs/msg | machine idle |");
+    eprintln!("|---|---|---|---|---|");
+    for p in &report.drain_profile {
+        eprintln!(
+            "| {} | {:.0} | {:.1} | {} | {:.0} % |",
+            p.name,
+            p.msgs_per_sec,
+            p.bench_cpu_us_per_msg,
+            p.servers_cpu_us_per_msg
+                .map_or_else(|| "–".to_owned(), |us| format!("{us:.1}")),
+            p.machine_idle * 100.0
+        );
+    }
+    if !report.drain_statements.is_empty() {
+        eprintln!();
+        eprintln!("| drain statement (pg_stat_statements) | calls | rows | mean ms | total ms |");
+        eprintln!("|---|---|---|---|---|");
+        for st in &report.drain_statements {
+            eprintln!(
+                "| {} | {} | {} | {:.3} | {:.1} |",
+                st.query, st.calls, st.rows, st.mean_ms, st.total_ms
+            );
+        }
+    }
     eprintln!();
     eprintln!("| handler | run | msgs | msgs/s | p50 ms | p99 ms | max ms |");
     eprintln!("|---|---|---|---|---|---|---|");
@@ -296,12 +407,13 @@ fn payloads(n: usize) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Returns msgs/s of raw, then the relay, then raw again.
+/// Raw, then the relay's drain, then raw again: each phase's rate and CPU;
+/// and the drain's statements, where `pg_stat_statements` is loaded.
 async fn relay_against_raw(
     ctx: &Context,
     base: &Plan,
     scenario: &Scenario,
-) -> Result<(f64, f64, f64), BenchError> {
+) -> Result<(Vec<Phase>, Vec<Statement>), BenchError> {
     let n = scenario.messages;
     let tag = ctx.next_tag();
     let bodies = payloads(n);
@@ -318,8 +430,16 @@ async fn relay_against_raw(
         }
     };
     let outcome = async {
+        let mut phases = Vec::new();
         // Raw before and after the relay, on a machine whose load drifts.
-        let raw_before = raw_publish(ctx, &raw_subject, &bodies, scenario.relay_batch, "a").await?;
+        let ((), raw_a) = phase(
+            ctx,
+            "raw (a)",
+            n,
+            raw_publish(ctx, &raw_subject, &bodies, scenario.relay_batch, "a"),
+        )
+        .await?;
+        phases.push(raw_a);
 
         let queued = Instant::now();
         queue_rows(&db.pool, &out_subject, &bodies).await?;
@@ -333,31 +453,36 @@ async fn relay_against_raw(
             "queued {n} outbox rows in {:.1} s",
             queued.elapsed().as_secs_f64()
         ));
+        let statements = Statements::reset(&db.pool).await;
         let relay = Relay::new().batch_size(scenario.relay_batch);
-        let started = Instant::now();
-        loop {
-            let cycle = relay
-                .relay_batch(&ctx.publisher, &db.pool)
+        let (drained, drain) = phase(ctx, "relay drain", n, async {
+            relay
+                .drain(&ctx.publisher, &db.pool)
                 .await
-                .map_err(|e| BenchError::failed(format!("relay cycle: {e}")))?;
-            if cycle.failed > 0 {
-                return Err(BenchError::failed(format!(
-                    "{} relay publishes failed",
-                    cycle.failed
-                )));
-            }
-            if cycle.taken == 0 {
-                break;
-            }
+                .map_err(|e| BenchError::failed(format!("relay drain: {e}")))
+        })
+        .await?;
+        if drained.failed > 0 || drained.nats_away.is_some() {
+            return Err(BenchError::failed(format!(
+                "{} relay publishes failed (NATS away: {:?})",
+                drained.failed, drained.nats_away
+            )));
         }
-        let elapsed = started.elapsed();
         let published = relay.stats().published();
-        let relay_rate = published as f64 / elapsed.as_secs_f64();
         progress(&format!(
-            "relay: {published} rows drained in {:.2} s, {relay_rate:.0} msgs/s",
-            elapsed.as_secs_f64()
+            "relay: {published} rows drained in {:.2} s, {:.0} msgs/s, in {} cycles",
+            drain.seconds, drain.msgs_per_sec, drained.cycles
         ));
-        let raw_after = raw_publish(ctx, &raw_subject, &bodies, scenario.relay_batch, "b").await?;
+        phases.push(drain);
+        let statements = statements.read(&db.pool).await;
+        let ((), raw_b) = phase(
+            ctx,
+            "raw (b)",
+            n,
+            raw_publish(ctx, &raw_subject, &bodies, scenario.relay_batch, "b"),
+        )
+        .await?;
+        phases.push(raw_b);
         let (raw_stored, out_stored) = (
             stored(ctx, &raw_stream).await?,
             stored(ctx, &out_stream).await?,
@@ -368,7 +493,7 @@ async fn relay_against_raw(
                  raw {raw_stored}, relayed {out_stored}"
             )));
         }
-        Ok((raw_before, relay_rate, raw_after))
+        Ok((phases, statements))
     }
     .await;
     delete_stream(ctx, &raw_stream).await;
@@ -377,16 +502,76 @@ async fn relay_against_raw(
     outcome
 }
 
+/// `pg_stat_statements`, where the bench's PostgreSQL preloads it.
+struct Statements(bool);
+
+/// A row of `pg_stat_statements`: query, calls, rows, mean and total ms.
+type StatementRow = (String, i64, i64, f64, f64);
+
+impl Statements {
+    /// Creates the extension and resets its figures; `Statements(false)`
+    /// where it is not loaded.
+    async fn reset(pool: &PgPool) -> Statements {
+        let ready = async {
+            sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+                .execute(pool)
+                .await?;
+            sqlx::query("SELECT pg_stat_statements_reset()")
+                .execute(pool)
+                .await?;
+            Ok::<_, sqlx::Error>(())
+        };
+        match ready.await {
+            Ok(()) => Statements(true),
+            Err(e) => {
+                tracing::info!(%e, "no pg_stat_statements: the drain's statements are not profiled");
+                Statements(false)
+            }
+        }
+    }
+
+    /// The statements run since the reset, the most time first.
+    async fn read(self, pool: &PgPool) -> Vec<Statement> {
+        if !self.0 {
+            return Vec::new();
+        }
+        let rows: Result<Vec<StatementRow>, sqlx::Error> = sqlx::query_as(
+            "SELECT regexp_replace(left(query, 90), '\\s+', ' ', 'g'), calls, rows,
+                    mean_exec_time, total_exec_time
+               FROM pg_stat_statements
+              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+              ORDER BY total_exec_time DESC LIMIT 8",
+        )
+        .fetch_all(pool)
+        .await;
+        match rows {
+            Ok(rows) => rows
+                .into_iter()
+                .map(|(query, calls, rows, mean_ms, total_ms)| Statement {
+                    query,
+                    calls,
+                    rows,
+                    mean_ms,
+                    total_ms,
+                })
+                .collect(),
+            Err(e) => {
+                tracing::info!(%e, "pg_stat_statements unreadable");
+                Vec::new()
+            }
+        }
+    }
+}
+
 /// Publishes `bodies` with ids `raw-<run>-<i>`, in windows of `window`
-/// (send the window, then await its PubAcks, as a relay cycle does);
-/// returns msgs/s.
+/// (send the window, then await its PubAcks, as a relay cycle does).
 async fn raw_publish(
     ctx: &Context,
     subject: &str,
     bodies: &[Vec<u8>],
     window: usize,
     run: &str,
-) -> Result<f64, BenchError> {
+) -> Result<(), BenchError> {
     let started = Instant::now();
     for (w, chunk) in bodies.chunks(window).enumerate() {
         let mut acks = Vec::with_capacity(chunk.len());
@@ -411,7 +596,7 @@ async fn raw_publish(
         "raw ({run}): {} publishes, {rate:.0} msgs/s",
         bodies.len()
     ));
-    Ok(rate)
+    Ok(())
 }
 
 /// Queues `bodies` for `subject` with multi-row inserts, in transactions
@@ -450,9 +635,11 @@ async fn emitting(
     let (out_stream, out_subject) = (format!("BENCH_OUT_{tag}"), format!("bench.{tag}.out"));
     create_stream(ctx, &in_stream, &in_subject).await?;
     create_stream(ctx, &out_stream, &out_subject).await?;
-    // The relay's LISTEN and its two lanes take connections of their own.
+    // The relay's lanes take connections of their own: two while the fresh
+    // lane's cycles overlap, one for the retry lane, and the LISTEN one
+    // while the NOTIFY trigger is enabled.
     let db_plan = Plan {
-        concurrency: scenario.concurrency + 3,
+        concurrency: scenario.concurrency + 4,
         ..base.clone()
     };
     let db = match Database::create(ctx, &tag, &db_plan).await {
@@ -593,6 +780,11 @@ async fn publish_all(
     rate: Option<f64>,
     publish: impl Fn(usize) -> jetstream::message::PublishMessage,
 ) -> Result<(), BenchError> {
+    // The input is not what is measured: on a loaded machine with an fsync
+    // per message, its PubAcks may wait out the client's 5 s, which ended
+    // runs before they were measured.
+    let mut publisher = ctx.publisher.clone();
+    publisher.set_timeout(Duration::from_secs(60));
     let started = tokio::time::Instant::now();
     let mut acks = Vec::with_capacity(n);
     for i in 0..n {
@@ -600,7 +792,7 @@ async fn publish_all(
             tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate)).await;
         }
         acks.push(
-            ctx.publisher
+            publisher
                 .send_publish(subject.to_owned(), publish(i))
                 .await
                 .map_err(|e| BenchError::failed(format!("publish: {e}")))?,

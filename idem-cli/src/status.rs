@@ -21,6 +21,7 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
     })?;
     let handlers = status::handlers(pool).await.map_err(database_error)?;
     let lag = outbox::lag(pool).await.map_err(database_error)?;
+    let notify = status::outbox_notify(pool).await.map_err(database_error)?;
     let expiry = status::expiry(pool).await.map_err(database_error)?;
     let durability = status::durability(pool).await.map_err(database_error)?;
 
@@ -69,6 +70,7 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
             "pending": lag.pending,
             "oldest_age_seconds": lag.oldest.as_secs_f64(),
             "failing": lag.failing,
+            "notify_trigger": notify,
             "failures": lag.failures.iter().map(|failing| json!({
                 "subject": failing.subject,
                 "error": failing.error,
@@ -154,6 +156,11 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
             String::new()
         }
     ));
+    text.push_str(if notify {
+        "; NOTIFY trigger on: each queuing COMMIT notifies the relays (and takes PostgreSQL's server-wide notification lock, so such commits run one at a time)"
+    } else {
+        "; NOTIFY trigger off: relays are woken by their own process's commits, and poll"
+    });
     if lag.failing > 0 {
         text.push_str(&format!(
             "; {} failing: their publishes fail while NATS answers, so each is retried after its own back-off while the rows after them go out. Fix the cause, then `idem outbox retry`.\n\n",

@@ -2,7 +2,8 @@
 //! queued for a subject no stream stores yet keep failing while the relay
 //! publishes the others; `idem status` lists them with their subject and
 //! why; once the stream exists, `idem outbox retry` makes them go out at
-//! once rather than after their back-off, each stored once.
+//! once rather than after their back-off, each stored once; and `idem
+//! status` says whether the outbox's NOTIFY trigger is on.
 
 use std::time::Duration;
 
@@ -147,4 +148,30 @@ async fn idem_status_lists_failing_outbox_rows_and_idem_outbox_retry_sends_them_
         .expect("the relay stops")
         .expect("the relay does not panic")
         .expect("the relay returns Ok");
+}
+
+#[tokio::test]
+async fn idem_status_says_whether_the_outbox_notify_trigger_is_on() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+
+    // Migration 7 leaves it off.
+    let status = idem_json(&env, &["status", "--json"]).await;
+    assert_eq!(status["outbox"]["notify_trigger"], false, "{status:#}");
+    let (code, text) = idem(&env, &["status"]).await;
+    assert_eq!(code, 0);
+    assert!(text.contains("NOTIFY trigger off"), "{text}");
+    assert!(!idem_runtime::status::outbox_notify(&pool).await.unwrap());
+
+    sqlx::query("ALTER TABLE idem_outbox ENABLE TRIGGER idem_outbox_notify")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let status = idem_json(&env, &["status", "--json"]).await;
+    assert_eq!(status["outbox"]["notify_trigger"], true, "{status:#}");
+    let (code, text) = idem(&env, &["status"]).await;
+    assert_eq!(code, 0);
+    assert!(text.contains("NOTIFY trigger on"), "{text}");
+    assert!(idem_runtime::status::outbox_notify(&pool).await.unwrap());
 }

@@ -7,7 +7,8 @@
 //! that [`consumers`] finds every idem consumer on a server and ties it to
 //! its handler and its dead letters without knowing the application's
 //! routes. [`durability`] reads how durable PostgreSQL makes the commits
-//! idem acks after.
+//! idem acks after, [`outbox_notify`] whether queuing commits notify the
+//! outbox's relays.
 //!
 //! ```no_run
 //! # async fn f(js: async_nats::jetstream::Context, pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -270,6 +271,26 @@ pub async fn handler_names(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar("SELECT name FROM idem_handlers ORDER BY name")
         .fetch_all(pool)
         .await
+}
+
+/// Whether the outbox's NOTIFY trigger (`idem_outbox_notify`) is enabled:
+/// migration 7 disables it, and an operator may enable it again with
+/// `ALTER TABLE idem_outbox ENABLE TRIGGER idem_outbox_notify` (see the
+/// guide's outbox chapter). While it is, each queuing COMMIT notifies the
+/// relays, which LISTEN, and takes PostgreSQL's server-wide notification
+/// lock; while it is not, relays are woken by their own process's commits
+/// and poll. `false` where there is no outbox table yet.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+/// if idem_runtime::status::outbox_notify(&pool).await? {
+///     println!("queuing commits notify the relays");
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub async fn outbox_notify(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    crate::outbox::notify_trigger_enabled(pool).await
 }
 
 /// How durable PostgreSQL makes the commits idem acks after, as the pool's

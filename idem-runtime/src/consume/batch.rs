@@ -267,7 +267,17 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                         return None;
                     }
                 }
-                Err(failure) => break failure,
+                Err(failure) => {
+                    if matches!(failure, BatchFailure::CommitUnknown(_)) {
+                        // It may have committed: what its messages queued
+                        // may be there, and their reruns then find them
+                        // processed (settled as duplicates, with no ring).
+                        for item in &ready {
+                            crate::outbox::after_commit(&item.delivery, &self.outbox_bell);
+                        }
+                    }
+                    break failure;
+                }
             }
         };
         Some((failure, ready))

@@ -66,6 +66,10 @@ pub(crate) struct Pipeline<H, S> {
     /// and claims are keyed under the route's name rather than the
     /// handler's).
     pub(crate) mode: Mode,
+    /// Rung after a transaction that queued outbox rows may have committed,
+    /// so that this process's relays on the route's database publish them
+    /// now (see `outbox/wake.rs`).
+    pub(crate) outbox_bell: crate::outbox::Bell,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::fault::FaultHooks,
 }
@@ -122,6 +126,7 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
             health: Health::new(),
             shutdown: context.shutdown.clone(),
             mode,
+            outbox_bell: crate::outbox::Bell::of(&context.pool),
             #[cfg(feature = "fault-injection")]
             faults: context.faults.clone(),
         }
@@ -436,8 +441,12 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     "the database has not answered a transaction for longer than its bounds allow; no longer waiting for it (it finishes on its own), and the message is settled as of unknown outcome"
                 );
                 self.recorder.record(Event::AbandonedTransaction);
+                // If it commits after all, rows it queued go out now rather
+                // than at a relay's next poll.
+                let bell = self.outbox_bell.clone();
                 tokio::spawn(async move {
                     let _ = work.await;
+                    bell.ring();
                 });
                 stuck(limit)
             }
@@ -752,23 +761,32 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let retry = &self.route.retry;
         match verdict {
             Verdict::Processed(_) => {
-                // Committed: a relay of this process publishes what it queued.
-                crate::outbox::after_commit(delivery);
                 self.recorder.record(Event::Processed);
                 #[cfg(feature = "fault-injection")]
                 if self.faults.decide_after_commit(delivery)
                     == crate::fault::AfterCommit::DropWithoutAck
                 {
+                    // As if the process died right after its COMMIT: no
+                    // relay is woken and nothing is acked.
                     tracing::warn!("fault injection: committed but not acking");
                     self.recorder.record(Event::DroppedByFault);
                     return;
                 }
+                // Committed: a relay of this process publishes what it queued.
+                crate::outbox::after_commit(delivery, &self.outbox_bell);
                 lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
                 self.recorder.acked_processed(delivery.stored_at());
                 tracing::debug!("processed");
             }
             Verdict::Duplicate | Verdict::Replayed(_) => {
+                // A redelivery whose earlier attempt committed: that attempt
+                // may have queued outbox rows that no relay was woken for
+                // (its COMMIT's outcome was unknown, or its process died
+                // right after it). A look costs a relay one cycle.
+                if delivery.delivered() > 1 {
+                    self.outbox_bell.ring();
+                }
                 lease.end().await;
                 ack::ack(message, self.route.ack_mode).await;
                 self.recorder.record(Event::Duplicate);
@@ -796,6 +814,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
             Verdict::CommitUnknown(error) => {
                 self.recorder.record(Event::CommitFailed);
+                // It may have committed: what it queued may be there.
+                crate::outbox::after_commit(delivery, &self.outbox_bell);
                 let delay = retry.nak_delay(delivery.delivered());
                 lease.end().await;
                 ack::nak(message, delay).await;

@@ -289,19 +289,28 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     let verdict = self
                         .transact_with_retries(&request.payload, payload, &delivery)
                         .await;
-                    // Committed: a relay of this process publishes what it queued.
-                    if matches!(verdict, Verdict::Processed(_)) {
-                        crate::outbox::after_commit(&delivery);
-                    }
                     #[cfg(feature = "fault-injection")]
                     if matches!(verdict, Verdict::Processed(_))
                         && self.faults.decide_after_commit(&delivery)
                             == crate::fault::AfterCommit::DropWithoutAck
                     {
+                        // As if the process died right after its COMMIT.
                         tracing::warn!("fault injection: committed but not replying");
                         self.recorder.record(Event::Processed);
                         self.recorder.record(Event::DroppedByFault);
                         return;
+                    }
+                    match verdict {
+                        // Committed, or it may have: a relay of this process
+                        // publishes what it queued.
+                        Verdict::Processed(_) | Verdict::CommitUnknown(_) => {
+                            crate::outbox::after_commit(&delivery, &self.outbox_bell);
+                        }
+                        // A retry of a request that committed before: that
+                        // attempt may have queued rows no relay was woken
+                        // for (its process died right after its COMMIT).
+                        Verdict::Replayed(_) => self.outbox_bell.ring(),
+                        _ => {}
                     }
                     self.answer_of(verdict)
                 }

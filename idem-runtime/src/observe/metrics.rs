@@ -37,7 +37,7 @@
 //! | `idem_consumer_ack_pending_messages` | gauge | `route` | the consumer's `num_ack_pending`: delivered, not yet acked |
 //! | `idem_outbox_pending_rows` | gauge | | outbox rows committed and not yet published |
 //! | `idem_outbox_oldest_age_seconds` | gauge | | how long ago the oldest pending row was queued (0 when none) |
-//! | `idem_outbox_published_total` | counter | | messages a relay published and deleted (JetStream duplicates included) |
+//! | `idem_outbox_published_total` | counter | | messages a relay published and JetStream acknowledged (duplicates included), counted as the PubAcks come |
 //! | `idem_outbox_publish_failures_total` | counter | | relay publishes that failed (their rows stay pending) |
 //! | `idem_outbox_failing_rows` | gauge | | pending rows whose last publish failed while NATS answered (no stream, too big, not permitted): each waits out its own back-off; the reasons are in `outbox::lag` and `idem status` |
 //! | `idem_outbox_nats_unreachable` | gauge | | 1 while a relay of this process backs off because nothing went out and JetStream does not answer, else 0 |
@@ -301,7 +301,7 @@ pub fn describe() {
     describe_counter!(
         OUTBOX_PUBLISHED,
         Unit::Count,
-        "Messages a relay published and deleted from the outbox (JetStream duplicates included)."
+        "Messages a relay published and JetStream acknowledged (duplicates included), counted as the PubAcks come, before the rows are deleted."
     );
     describe_counter!(
         OUTBOX_PUBLISH_FAILURES,
@@ -547,9 +547,13 @@ pub(crate) fn start_up_retry(server: &'static str) {
     metrics::counter!(STARTUP_RETRIES, SERVER_LABEL => server).increment(1);
 }
 
-/// What one relay cycle did, counted.
-pub(crate) fn outbox_cycle(published: usize, failed: usize) {
+/// Messages JetStream acknowledged to a relay, counted as the PubAcks come.
+pub(crate) fn outbox_published(published: usize) {
     metrics::counter!(OUTBOX_PUBLISHED).increment(published as u64);
+}
+
+/// Publishes of an outbox cycle that failed.
+pub(crate) fn outbox_publish_failures(failed: usize) {
     metrics::counter!(OUTBOX_PUBLISH_FAILURES).increment(failed as u64);
 }
 

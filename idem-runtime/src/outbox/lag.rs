@@ -63,24 +63,45 @@ pub struct Failing {
 /// # }
 /// ```
 pub async fn lag(pool: &PgPool) -> Result<Lag, sqlx::Error> {
-    let (pending, oldest, failing): (i64, Option<f64>, i64) = sqlx::query_as(
-        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8,
-                count(*) FILTER (WHERE not_before IS NOT NULL)
-           FROM idem_outbox",
-    )
-    .fetch_one(pool)
-    .await?;
+    Ok(lag_and_notify(pool).await?.0)
+}
+
+/// Whether the outbox's NOTIFY trigger is enabled (migration 7 disables
+/// it): `false` also where there is no trigger or no outbox table.
+const NOTIFY_ENABLED_SQL: &str = "\
+SELECT coalesce(bool_or(tgenabled IN ('O', 'A')), false) FROM pg_trigger
+ WHERE tgname = 'idem_outbox_notify' AND tgrelid = to_regclass('idem_outbox')";
+
+/// The [`lag`], and whether the NOTIFY trigger is enabled (see
+/// [`notify_trigger_enabled`]): what a relay reads about once a second, in
+/// one query (two while rows are failing).
+pub(crate) async fn lag_and_notify(pool: &PgPool) -> Result<(Lag, bool), sqlx::Error> {
+    let (pending, oldest, failing, notify): (i64, Option<f64>, i64, bool) =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8,
+                    count(*) FILTER (WHERE not_before IS NOT NULL), ({NOTIFY_ENABLED_SQL})
+               FROM idem_outbox"
+        )))
+        .fetch_one(pool)
+        .await?;
     let failures = if failing > 0 {
         failures(pool).await?
     } else {
         Vec::new()
     };
-    Ok(Lag {
+    let lag = Lag {
         pending,
         oldest: seconds(oldest),
         failing,
         failures,
-    })
+    };
+    Ok((lag, notify))
+}
+
+/// Whether the outbox's NOTIFY trigger is enabled (migration 7 disables
+/// it): `false` also where there is no trigger or no outbox table.
+pub(crate) async fn notify_trigger_enabled(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(NOTIFY_ENABLED_SQL).fetch_one(pool).await
 }
 
 type FailingRow = (String, Option<String>, i64, Option<f64>, i32, Option<f64>);

@@ -12,12 +12,15 @@
 //! ```text
 //!  handler transaction (one COMMIT)          relay transaction
 //!  ┌──────────────────────────────┐          ┌──────────────────────────────────┐
-//!  │ claim (handler, message id)  │          │ SELECT .. FOR UPDATE SKIP LOCKED │
-//!  │ business writes              │  NOTIFY  │ publish each, Nats-Msg-Id = id   │──▶ JetStream
+//!  │ claim (handler, message id)  │  wake-up │ SELECT .. FOR UPDATE SKIP LOCKED │
+//!  │ business writes              │ in proc. │ publish each, Nats-Msg-Id = id   │──▶ JetStream
 //!  │ INSERT INTO idem_outbox ─────┼─────────▶│ await every PubAck               │    (drops a
 //!  └──────────────────────────────┘  or poll │ DELETE the acked rows; COMMIT    │◀── republish
 //!                                            └──────────────────────────────────┘    in its window)
 //! ```
+//!
+//! While one relay transaction awaits its PubAcks, the one before it
+//! commits and the one after it takes its rows, on a second connection.
 //!
 //! # Ids
 //!
@@ -64,10 +67,12 @@
 //!   status`. Once the cause is fixed, [`retry_failing`] (`idem outbox
 //!   retry`) makes them due at once.
 //!
-//! A PubAck that does not come while others of its cycle did (a publish the
-//! server refused for want of permission gets no answer at all) is given up
-//! on a second (or as long as the last answer took, if longer) after the
-//! last answer, and its row counts as failed. If that publish still lands,
+//! A PubAck that does not come while those of later publishes of its cycle
+//! did (a publish the server refused for want of permission gets no answer
+//! at all) is given up on a second (or as long as the last answer took, if
+//! longer) after the last answer, and its row counts as failed; PubAcks
+//! missing only after the last answer (a stream that is slow, and answers
+//! in order) wait out the client's timeout. If that publish still lands,
 //! JetStream drops the retry as a duplicate. PubAcks lost with the
 //! connection are not blamed on their rows; a row over which the server
 //! drops the connection is found by publishing one row per cycle after two
@@ -76,8 +81,9 @@
 //! # Ordering
 //!
 //! One relay publishes the rows it takes in id order (the order they were
-//! queued within each transaction), and takes its next batch only after the
-//! last one's PubAcks: so with **one relay** the messages one transaction
+//! queued within each transaction), and publishes its next batch only after
+//! the last one's PubAcks (it may take it earlier, locking the rows after
+//! the last batch's): so with **one relay** the messages one transaction
 //! queued reach the stream in the order they were queued, unless a publish
 //! fails (the failed message is published again later, after those that
 //! followed it). Transactions that commit concurrently may interleave. With
@@ -92,10 +98,13 @@
 //! [`RouterHandle::relay`](crate::RouterHandle::relay). A relay can also run
 //! in a process of its own ([`Relay::run_until`]), as many as you like.
 //!
-//! The code: `relay.rs` holds the cycles and the relay's two lanes (fresh
-//! rows; failing rows once due), `wake.rs` what wakes the fresh lane
-//! (notifications and the poll, folded into one wake-up), `lag.rs` what an
-//! operator reads and retries.
+//! The code: `relay.rs` holds the relay's two lanes (fresh rows; failing
+//! rows once due), `cycle.rs` one cycle's steps (take, publish, PubAcks,
+//! blame, finish), `drain.rs` how the fresh lane overlaps its cycles,
+//! `session.rs` the messages a cycle sends PostgreSQL (each step one round
+//! trip), `wake.rs` what wakes the fresh lane (this process's commits,
+//! notifications and the poll, folded into one wake-up), `stats.rs` what
+//! the relay counts, `lag.rs` what an operator reads and retries.
 //!
 //! # Batch handlers
 //!
@@ -105,8 +114,11 @@
 //! handler. So a batch rolled back and rerun one message per transaction
 //! (the batch fallback) queues the same ids again.
 
+mod cycle;
+mod drain;
 mod lag;
 mod relay;
+mod session;
 mod stats;
 mod wake;
 
@@ -121,12 +133,14 @@ use crate::error::class::{Classifier, Classify, ErrorClass};
 use crate::handler::delivery::Delivery;
 use crate::handler::state::{FromBatch, FromDelivery, Parameter};
 
+pub use cycle::RelayError;
+pub(crate) use lag::notify_trigger_enabled;
 pub(crate) use lag::record_gauges as record_lag_gauges;
 pub use lag::{Failing, Lag, MOST_FAILURES, lag, retry_failing};
-pub use relay::{FINAL_CYCLES, Relay, RelayError};
-pub use stats::{Cycle, Published, RelayStats};
-pub(crate) use wake::after_commit;
-pub use wake::wake_local_relays;
+pub use relay::{FINAL_CYCLES, Relay};
+pub use stats::{Cycle, Drain, Published, RelayStats};
+pub(crate) use wake::{Bell, after_commit};
+pub use wake::{wake_local_relays, wake_relays};
 
 /// The channel the outbox's trigger notifies on each queuing transaction.
 pub const CHANNEL: &str = "idem_outbox";

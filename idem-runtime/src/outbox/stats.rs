@@ -46,6 +46,58 @@ pub struct Cycle {
     pub reconnected: bool,
 }
 
+/// What a drain did ([`Relay::drain`](super::Relay::drain), and each
+/// burst of a running relay's fresh lane): its cycles summed, and how its
+/// last one ended.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct Drain {
+    /// Cycles that took rows and committed.
+    pub cycles: usize,
+    /// Rows taken by its cycles (committed or not).
+    pub taken: usize,
+    /// Rows published, acknowledged and deleted by those that committed.
+    pub published: usize,
+    /// Of those, how many JetStream had already (PubAck `duplicate`).
+    pub duplicates: usize,
+    /// Rows whose publish failed (left pending), in cycles that committed.
+    pub failed: usize,
+    /// Of those, the rows whose failure was recorded on them.
+    pub failing: usize,
+    /// Why NATS seemed away in its last cycle, if it did: the drain stopped
+    /// there, and the rows stay as they are.
+    pub nats_away: Option<String>,
+    /// More rows may be waiting: its last cycle was full (or cut at
+    /// `max_cycle_bytes`), or a cycle taken ahead was put back.
+    pub more: bool,
+}
+
+impl Drain {
+    /// The drain of one cycle.
+    pub(super) fn of(cycle: &Cycle) -> Drain {
+        let mut drain = Drain::default();
+        drain.headed(cycle);
+        drain.add(cycle);
+        drain
+    }
+
+    /// A cycle whose PubAcks are in: its rows, and how it ended.
+    pub(super) fn headed(&mut self, cycle: &Cycle) {
+        self.taken += cycle.taken;
+        self.nats_away.clone_from(&cycle.nats_away);
+        self.more = cycle.more;
+    }
+
+    /// A cycle that committed.
+    pub(super) fn add(&mut self, cycle: &Cycle) {
+        self.cycles += 1;
+        self.published += cycle.published.len();
+        self.duplicates += cycle.published.iter().filter(|p| p.duplicate).count();
+        self.failed += cycle.failed;
+        self.failing += cycle.failing;
+    }
+}
+
 /// Counters of one relay (and its clones), readable while it runs.
 #[derive(Debug, Clone, Default)]
 pub struct RelayStats(Arc<Counters>);
@@ -66,7 +118,12 @@ struct Counters {
 }
 
 impl RelayStats {
-    /// Messages published and deleted, duplicates included.
+    /// Messages published and acknowledged by JetStream, duplicates
+    /// included: counted as each cycle's PubAcks come back, before its rows
+    /// are deleted, so that a message a subscriber has received is
+    /// counted by the time the relay's next cycle starts. A row whose
+    /// DELETE then fails (the database went away) is published again, and
+    /// counted again (as a duplicate, within the stream's window).
     pub fn published(&self) -> u64 {
         self.0.published.load(Ordering::Relaxed)
     }
@@ -87,12 +144,13 @@ impl RelayStats {
         self.0.failing.load(Ordering::Relaxed)
     }
 
-    /// Cycles that took at least one row.
+    /// Cycles that took at least one row and committed.
     pub fn cycles(&self) -> u64 {
         self.0.cycles.load(Ordering::Relaxed)
     }
 
-    /// Cycles that found no row to take.
+    /// Looks for fresh rows that found none: a cycle that took no row, or
+    /// a poll's look (one query, before any cycle) that found none.
     pub fn empty_cycles(&self) -> u64 {
         self.0.empty_cycles.load(Ordering::Relaxed)
     }
@@ -143,18 +201,28 @@ impl RelayStats {
         *self.0.lag.lock().unwrap_or_else(|e| e.into_inner()) = Some((lag, Instant::now()));
     }
 
-    /// What one cycle that took rows did: into these counters and the
-    /// metrics, in one place, so that the two cannot drift.
-    pub(super) fn record_cycle(&self, cycle: &Cycle, duplicates: usize) {
-        crate::observe::metrics::outbox_cycle(cycle.published.len(), cycle.failed);
+    /// The messages a cycle's PubAcks acknowledged: into these counters
+    /// and the metrics, as soon as they come back.
+    pub(super) fn acknowledged(&self, published: &[Published]) {
+        let duplicates = published.iter().filter(|p| p.duplicate).count();
+        crate::observe::metrics::outbox_published(published.len());
         let counters = &self.0;
-        counters.cycles.fetch_add(1, Ordering::Relaxed);
         counters
             .published
-            .fetch_add(cycle.published.len() as u64, Ordering::Relaxed);
+            .fetch_add(published.len() as u64, Ordering::Relaxed);
         counters
             .duplicates
             .fetch_add(duplicates as u64, Ordering::Relaxed);
+    }
+
+    /// What one cycle that took rows did, once it committed (its PubAcks
+    /// were counted by [`acknowledged`](Self::acknowledged)): into these
+    /// counters and the metrics, in one place, so that the two cannot
+    /// drift.
+    pub(super) fn record_cycle(&self, cycle: &Cycle) {
+        crate::observe::metrics::outbox_publish_failures(cycle.failed);
+        let counters = &self.0;
+        counters.cycles.fetch_add(1, Ordering::Relaxed);
         counters
             .failed
             .fetch_add(cycle.failed as u64, Ordering::Relaxed);

@@ -1,14 +1,18 @@
 //! What wakes a relay's fresh lane, whichever comes first:
 //!
-//! - **This process's COMMITs** ([`after_commit`], [`wake_local_relays`]).
-//!   A handler's [`Outbox`](super::Outbox) marks its delivery when it queues
-//!   a message; once that transaction has committed, the runtime rings a
-//!   process-wide bell (a `tokio::sync::watch`), and every relay of the
-//!   process runs a cycle. No round trip and no lock: the NOTIFY trigger
-//!   took PostgreSQL's notification-queue lock at every queuing COMMIT,
-//!   which serialised those commits. A ring that comes while a cycle runs
-//!   calls for one more (the cycle may have taken its rows before that
-//!   COMMIT); rings that come together make one wake-up.
+//! - **This process's COMMITs** ([`after_commit`], [`wake_local_relays`],
+//!   [`wake_relays`]). A handler's [`Outbox`](super::Outbox) marks its
+//!   delivery when it queues a message; once that transaction has
+//!   committed, the runtime rings the bell of its database ([`Bell`], a
+//!   `tokio::sync::watch`), and every relay of the process on that database
+//!   runs a cycle. No round trip and no lock: the NOTIFY trigger took
+//!   PostgreSQL's notification-queue lock at every queuing COMMIT, which
+//!   serialised those commits. A ring that comes while a cycle runs calls
+//!   for one more (the cycle may have taken its rows before that COMMIT);
+//!   rings that come together make one wake-up. A COMMIT whose outcome is
+//!   unknown rings too (it may have gone through), and so does a
+//!   redelivery found processed before: the attempt that committed may
+//!   never have rung (its process died after its COMMIT).
 //! - **The poll**, adaptive ([`Poll`]): from `min_poll_interval` after a
 //!   cycle that found rows, doubling while polls find none, up to
 //!   `poll_interval`. It is what wakes a relay in another process than the
@@ -17,8 +21,15 @@
 //!   than `poll_interval` for a look.
 //! - **A notification on [`CHANNEL`]**, only where the trigger
 //!   `idem_outbox_notify` was enabled again (migration 7 disables it; see
-//!   the guide's outbox chapter): a relay always LISTENs, so that enabling
-//!   it needs no change to the relays.
+//!   the guide's outbox chapter). A relay LISTENs only while the trigger is
+//!   enabled (read with its lag about once a second), so that enabling it needs no change to the relays, and a
+//!   relay without it holds no LISTEN connection.
+//!
+//! **One bell per database.** A process may run relays of several
+//! databases; a COMMIT wakes those of its own database, named by the
+//! pool's connect options (host, port or socket, database). Two pools that
+//! name one database differently (`localhost` and `127.0.0.1`) get two
+//! bells: a relay then finds the other's rows by its poll.
 //!
 //! Two rules for the notifications:
 //!
@@ -35,7 +46,7 @@
 //!   only as fast as the slowest listener reads. A relay backing off (NATS
 //!   away) that stopped reading held the queue back for everyone, and once
 //!   it is full every notifying COMMIT fails (54000). So a back-off is a
-//!   wait that reads and discards, and a cycle runs beside a read
+//!   wait that reads and discards, and cycles run beside a read
 //!   ([`Wakeup::during`]) whose notifications call for one more cycle.
 //!
 //! A lost LISTEN connection is reconnected by the next wait, and a wake-up
@@ -45,11 +56,12 @@
 //! read only in part when it is cancelled (its read is cancel-safe), and so
 //! does `watch::Receiver::changed`.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
-
-use std::sync::LazyLock;
 
 use futures_util::FutureExt;
 use sqlx::PgPool;
@@ -61,21 +73,57 @@ use super::CHANNEL;
 use super::stats::RelayStats;
 use crate::handler::delivery::Delivery;
 
-/// The bell this process's relays wait on: rung after each COMMIT that
-/// queued outbox rows. A `watch` remembers a ring for each relay until it
-/// looks, so a ring between two waits is not lost, and many rings make one
-/// wake-up.
-static LOCAL: LazyLock<watch::Sender<()>> = LazyLock::new(|| watch::channel(()).0);
+/// The bell of one database's relays in this process: rung after each
+/// COMMIT that queued outbox rows there. A `watch` remembers a ring for
+/// each relay until it looks, so a ring between two waits is not lost, and
+/// many rings make one wake-up.
+#[derive(Debug, Clone)]
+pub(crate) struct Bell(Arc<watch::Sender<()>>);
 
-/// Wakes every relay running in this process, so that it publishes what
-/// was committed before this call now rather than at its next poll.
+/// Every bell of the process, by [`database_key`]. A bell is never removed:
+/// one per database the process ever spoke to.
+static BELLS: LazyLock<Mutex<HashMap<String, Bell>>> = LazyLock::new(Mutex::default);
+
+impl Bell {
+    /// The bell of the database `pool` connects to.
+    pub(crate) fn of(pool: &PgPool) -> Bell {
+        let key = database_key(pool);
+        let mut bells = BELLS.lock().unwrap_or_else(|e| e.into_inner());
+        bells
+            .entry(key)
+            .or_insert_with(|| Bell(Arc::new(watch::channel(()).0)))
+            .clone()
+    }
+
+    /// Wakes the relays of this bell's database.
+    pub(crate) fn ring(&self) {
+        self.0.send_modify(|()| {});
+    }
+}
+
+/// Which database a pool connects to, as its options name it.
+fn database_key(pool: &PgPool) -> String {
+    let options = pool.connect_options();
+    let database = options
+        .get_database()
+        .unwrap_or_else(|| options.get_username());
+    match options.get_socket() {
+        Some(socket) => format!("{}|{}|{database}", socket.display(), options.get_port()),
+        None => format!("{}|{}|{database}", options.get_host(), options.get_port()),
+    }
+}
+
+/// Wakes every relay running in this process, whatever its database, so
+/// that it publishes what was committed before this call now rather than
+/// at its next poll. [`wake_relays`] wakes only those of one database.
 ///
-/// The runtime calls it after each handler's COMMIT that queued a message
-/// with [`Outbox`](super::Outbox). Call it yourself after committing a
-/// transaction that queued messages outside a handler
+/// The runtime rings after each handler's COMMIT that queued a message with
+/// [`Outbox`](super::Outbox). Call this (or [`wake_relays`]) yourself after
+/// committing a transaction that queued messages outside a handler
 /// ([`Outbox::keyed`](super::Outbox::keyed), [`Outbox::random`](super::Outbox::random),
-/// [`enqueue`](super::enqueue)). It costs an atomic write; a relay that is
-/// in the middle of a cycle runs one more.
+/// [`enqueue`](super::enqueue)). It costs an atomic write per database; a
+/// relay that is in the middle of a cycle runs one more, and one of another
+/// database looks for rows in vain.
 ///
 /// ```
 /// # async fn queue(pool: sqlx::PgPool) -> Result<(), idem_runtime::outbox::OutboxError> {
@@ -90,14 +138,39 @@ static LOCAL: LazyLock<watch::Sender<()>> = LazyLock::new(|| watch::channel(()).
 /// # }
 /// ```
 pub fn wake_local_relays() {
-    LOCAL.send_modify(|()| {});
+    let bells = BELLS.lock().unwrap_or_else(|e| e.into_inner());
+    for bell in bells.values() {
+        bell.ring();
+    }
 }
 
-/// Rings the bell if `delivery`'s transaction queued outbox rows; called by
-/// the runtime right after that transaction committed.
-pub(crate) fn after_commit(delivery: &Delivery) {
+/// Wakes the relays running in this process on the database `pool`
+/// connects to (as its connect options name it: host, port or socket,
+/// database), so that they publish what was committed before this call
+/// now rather than at their next poll. See [`wake_local_relays`].
+///
+/// ```
+/// # async fn queue(pool: sqlx::PgPool) -> Result<(), idem_runtime::outbox::OutboxError> {
+/// use idem_runtime::outbox::{Outbox, wake_relays};
+///
+/// let mut tx = pool.begin().await?;
+/// let outbox: Outbox = Outbox::keyed("checkout:4711");
+/// outbox.send(&mut tx, "orders.checked_out", &4711).await?;
+/// tx.commit().await?;
+/// wake_relays(&pool);
+/// # Ok(())
+/// # }
+/// ```
+pub fn wake_relays(pool: &PgPool) {
+    Bell::of(pool).ring();
+}
+
+/// Rings `bell` if `delivery`'s transaction queued outbox rows; called by
+/// the runtime right after that transaction committed, or after its COMMIT
+/// failed with an unknown outcome (it may have committed).
+pub(crate) fn after_commit(delivery: &Delivery, bell: &Bell) {
     if delivery.take_outbox_queued() {
-        wake_local_relays();
+        bell.ring();
     }
 }
 
@@ -154,24 +227,30 @@ const MOST_PER_WAKE_UP: usize = 100_000;
 /// The LISTEN connection of one relay, and the waits on it.
 pub(super) struct Wakeup {
     listener: Option<PgListener>,
-    /// This process's bell ([`LOCAL`]).
+    /// The bell of the relay's database ([`Bell`]).
     local: watch::Receiver<()>,
     /// Counts notifications read and wake-ups they caused.
     stats: RelayStats,
 }
 
 impl Wakeup {
-    pub(super) fn new(stats: RelayStats) -> Self {
+    pub(super) fn new(stats: RelayStats, bell: &Bell) -> Self {
         Self {
             listener: None,
-            local: LOCAL.subscribe(),
+            local: bell.0.subscribe(),
             stats,
         }
     }
 
-    /// LISTENs on [`CHANNEL`] if not yet listening. Without a LISTEN
-    /// connection the relay polls; this is tried again before each wait.
-    pub(super) async fn listen(&mut self, pool: &PgPool) {
+    /// LISTENs on [`CHANNEL`] if `enabled` (the trigger is) and not yet
+    /// listening; stops listening (`UNLISTEN`, and the connection goes back
+    /// to the pool) if not. Without a LISTEN connection the relay polls;
+    /// this is tried again before each wait.
+    pub(super) async fn listen(&mut self, pool: &PgPool, enabled: bool) {
+        if !enabled {
+            self.listener = None;
+            return;
+        }
         if self.listener.is_some() {
             return;
         }
@@ -238,53 +317,54 @@ impl Wakeup {
         }
     }
 
-    /// Runs `work` (a cycle) to its end, never cancelled, while reading the
+    /// Runs `work` (a drain) to its end, never cancelled, while reading the
     /// notifications that arrive meanwhile, so that a long cycle (a PubAck
-    /// timeout) does not leave them unread. Returns its output, and whether
-    /// any came, this process rang, or the LISTEN connection was lost: they
-    /// may announce rows committed after the cycle took its own, so another
-    /// cycle should look.
-    pub(super) async fn during<F: Future>(&mut self, work: F) -> (F::Output, bool) {
-        // Rings from here on are for rows this cycle may miss; earlier ones
-        // are served by it.
-        self.local.mark_unchanged();
-        let (output, notified) = self.read_during(work).await;
-        let rung = self.local.has_changed().unwrap_or(false);
-        (output, notified || rung)
-    }
-
-    async fn read_during<F: Future>(&mut self, work: F) -> (F::Output, bool) {
+    /// timeout) does not leave them unread, and watching the bell. Sets
+    /// `announced` whenever one came, the bell rang, or the LISTEN
+    /// connection was lost: they may announce rows committed after the
+    /// drain's last take, so another cycle should look.
+    pub(super) async fn during<F: Future>(&mut self, announced: &AtomicBool, work: F) -> F::Output {
         enum Next<T> {
             Done(T),
             Received(Result<Option<PgNotification>, sqlx::Error>),
+            Rung,
         }
+        // Rings from here on are for rows the drain may miss; earlier ones
+        // are served by its first take.
+        self.local.mark_unchanged();
         let mut work = pin!(work);
-        let mut notified = false;
         loop {
-            let Some(listener) = self.listener.as_mut() else {
-                return (work.await, notified);
+            let Self {
+                listener, local, ..
+            } = self;
+            let received = async {
+                match listener.as_mut() {
+                    Some(listener) => listener.try_recv().await,
+                    None => std::future::pending().await,
+                }
             };
-            // Only the read is cancelled when the cycle ends first, never the
-            // cycle (see the module docs).
+            // Only the read and the bell's watch are cancelled when the
+            // drain ends first, never the drain (see the module docs).
             let next = tokio::select! {
                 biased;
                 output = &mut work => Next::Done(output),
-                received = listener.try_recv() => Next::Received(received),
+                received = received => Next::Received(received),
+                // The sender is in a static map: never closed.
+                _ = local.changed() => Next::Rung,
             };
             match next {
-                Next::Done(output) => return (output, notified),
+                Next::Done(output) => return output,
                 Next::Received(Ok(Some(_))) => {
                     let read = 1 + self.drain();
                     self.stats.notified(read, false);
-                    notified = true;
                 }
-                Next::Received(Ok(None)) => notified = true,
+                Next::Received(Ok(None)) | Next::Rung => {}
                 Next::Received(Err(error)) => {
                     tracing::warn!(%error, "outbox LISTEN connection failed; polling until it is back");
                     self.listener = None;
-                    notified = true;
                 }
             }
+            announced.store(true, Ordering::Relaxed);
         }
     }
 

@@ -102,8 +102,8 @@ impl<S: Send + Sync + 'static> Router<S> {
     }
 
     /// Warns when the pool has fewer connections than the routes can use at
-    /// once: each message (or batch) in flight holds one, and the relay
-    /// three.
+    /// once: each message (or batch) in flight holds one, and the relay up
+    /// to four.
     pub(super) fn warn_if_the_pool_is_small(&self, pool: &PgPool) {
         let in_flight: usize = self
             .routes
@@ -111,9 +111,10 @@ impl<S: Send + Sync + 'static> Router<S> {
             .map(|bound| bound.route().concurrency)
             .chain(self.replies.iter().map(|reply| reply.route().concurrency))
             .sum();
-        // A relay holds its LISTEN connection and takes one per cycle in
-        // each of its two lanes (fresh rows, failing rows due again).
-        let relay_connections = if self.relay.is_some() { 3 } else { 0 };
+        // A relay's fresh lane holds two while its cycles overlap, its retry
+        // lane one per cycle, and its LISTEN connection one while the NOTIFY
+        // trigger is enabled.
+        let relay_connections = if self.relay.is_some() { 4 } else { 0 };
         let pool_size = pool.options().get_max_connections() as usize;
         if pool_size < in_flight + relay_connections {
             tracing::warn!(

@@ -726,6 +726,12 @@ async fn nothing_the_router_started_outlives_its_dropped_run_future() {
         stream,
         subject,
     } = scenario("TEARDOWN", Duration::from_millis(100)).await;
+    // The relay LISTENs only while the NOTIFY trigger is enabled: on, so
+    // that its LISTEN connection is there to outlive the run, or not.
+    sqlx::query("ALTER TABLE idem_outbox ENABLE TRIGGER idem_outbox_notify")
+        .execute(&pool)
+        .await
+        .unwrap();
     let alive = Arc::new(());
     let watch = Arc::downgrade(&alive);
     // A 10 s retention: generations of 5 s, a purge every 1.25 s.

@@ -1,11 +1,15 @@
 //! The transactional outbox against a real nats-server and PostgreSQL.
 //!
+//! - `drain`: a relay's overlapping cycles keep one relay's order, use two
+//!   connections, and release their rows when dropped.
 //! - `publishing`: what a handler queues is published once, in order, also
 //!   across relay crashes and two relays.
 //! - `relay_liveness`: the relay never stops, whatever its rows or NATS do.
 //! - `wake`: what wakes a relay without the NOTIFY trigger: its router's
-//!   commits, or its adaptive poll.
+//!   commits (its own database's only), a redelivery found processed, or its
+//!   adaptive poll; and when it LISTENs.
 
+mod drain;
 mod publishing;
 mod relay_liveness;
 mod wake;

@@ -669,6 +669,20 @@ async fn a_relay_that_cannot_reach_nats_keeps_reading_its_notifications() {
     let relay = Relay::new().max_backoff(Duration::from_millis(500));
     let stats = relay.stats();
     let (stop, task) = spawn_relay(relay, relay_nats, pool.clone());
+    // Every notification counted below must reach it: it LISTENs before
+    // the writers start (it does once it has read that the trigger is on).
+    eventually("the relay listens", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND state = 'idle'
+                    AND query ILIKE 'LISTEN%idem_outbox%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
 
     // NATS away for the relay (a partition: its connection stays open,
     // nothing comes back), while writers keep committing: one queues rows,

@@ -1,15 +1,20 @@
 //! What wakes a relay now that the NOTIFY trigger is opt-in (migration 7):
 //! a router's relay is woken in process after each COMMIT that queued rows,
-//! well before its poll; a relay that nothing wakes (another process's)
-//! still delivers within its poll ceiling; and while NATS is away, rings
-//! cost no extra cycles.
+//! well before its poll, and by a redelivery found processed (its first
+//! attempt committed and never rang); a ring wakes only the relays of its
+//! own database; a relay that nothing wakes (another process's) still
+//! delivers within its poll ceiling; while NATS is away, rings cost no extra
+//! cycles; and a relay LISTENs only while the trigger is enabled.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures_util::StreamExt;
-use idem_runtime::outbox::{Outbox, OutboxError, Relay, RelayError, wake_local_relays};
+use idem_runtime::fault::{AfterCommit, FaultHooks};
+use idem_runtime::outbox::{
+    Outbox, OutboxError, Relay, RelayError, wake_local_relays, wake_relays,
+};
 use idem_runtime::{Route, Router, State, idempotent};
 use idem_tests::scenario::*;
 use sqlx::PgPool;
@@ -240,7 +245,8 @@ async fn a_relay_nothing_wakes_delivers_within_its_poll_ceiling() {
         p50 < CEILING / 2,
         "while rows keep coming the poll stays fast: p50 {p50:?}, ceiling {CEILING:?}"
     );
-    // Counted after the cycle's COMMIT, a moment after the publish is seen.
+    // Counted when its PubAck comes back, which may be a moment after a
+    // subscriber sees the message.
     eventually(
         "the relay counts every row published",
         Duration::from_secs(10),
@@ -248,7 +254,13 @@ async fn a_relay_nothing_wakes_delivers_within_its_poll_ceiling() {
     )
     .await;
     assert_eq!(stats.published(), 105, "each published once");
-    assert_eq!(pending_rows(&pool).await, 0);
+    // Deleted by the cycle's COMMIT, a moment after its PubAcks.
+    eventually(
+        "every row deleted once acknowledged",
+        Duration::from_secs(10),
+        || async { pending_rows(&pool).await == 0 },
+    )
+    .await;
     stop_relay(stop, task).await;
 }
 
@@ -317,4 +329,234 @@ async fn rings_while_nats_is_away_cost_no_cycles_and_lose_no_rows() {
     .await;
     assert_eq!(stats.published(), 50);
     stop_relay(stop, task).await;
+}
+
+/// A second database on the test's server, migrated, and a pool on it.
+async fn other_database(env: &idem_tests::TestEnv, pool: &PgPool) -> PgPool {
+    let name = unique_name("obother").to_lowercase();
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(pool)
+        .await
+        .expect("a second database is created");
+    let url = env.database_url();
+    let base = &url[..url.rfind('/').expect("a database in the URL")];
+    let other = PgPool::connect(&format!("{base}/{name}"))
+        .await
+        .expect("the second database connects");
+    idem_runtime::schema::migrate(&other)
+        .await
+        .expect("idem migrations apply");
+    other
+}
+
+#[tokio::test]
+async fn a_commit_wakes_the_relays_of_its_own_database_only() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let other = other_database(&env, &pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let out = out_stream(&js, "OBBELL").await;
+    // A poll that cannot explain a look within the test.
+    const POLL: Duration = Duration::from_secs(30);
+    let relay = Relay::new().poll_interval(POLL).min_poll_interval(POLL);
+    let stats = relay.stats();
+    let (stop_sender, task) = spawn_relay(relay, nats.clone(), other.clone());
+    // Its look at start-up; then only a ring wakes it.
+    eventually(
+        "the relay's first look",
+        Duration::from_secs(30),
+        || async { stats.empty_cycles() >= 1 },
+    )
+    .await;
+    let looks = || stats.cycles() + stats.empty_cycles();
+    let before = looks();
+
+    // Commits of the first database ring its bell, not the relay's.
+    for _ in 0..1000 {
+        wake_relays(&pool);
+        tokio::task::yield_now().await;
+    }
+    // A measuring window, not a wait: a ring it heard would have run a
+    // cycle within milliseconds.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        looks(),
+        before,
+        "1000 rings of another database woke the relay"
+    );
+
+    // Its own database's ring wakes it: the row goes out long before the
+    // poll.
+    queue_elsewhere(&other, "own-db", &format!("{out}.paid"), 1).await;
+    let rung = Instant::now();
+    wake_relays(&other);
+    eventually(
+        "the relay publishes after its own database's ring",
+        Duration::from_secs(10),
+        || async { stored_count(&js, &out).await == 1 },
+    )
+    .await;
+    println!(
+        "own database's ring -> stored in {:?}; {} looks before, {} after",
+        rung.elapsed(),
+        before,
+        looks()
+    );
+    stop_relay(stop_sender, task).await;
+}
+
+#[tokio::test]
+async fn a_redelivery_found_processed_wakes_the_relay_for_what_its_first_attempt_queued() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("OBREDELIVER", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBREDELIVER_OUT").await;
+    // A poll that cannot explain a delivery within the test.
+    const POLL: Duration = Duration::from_secs(30);
+    let relay = Relay::new().poll_interval(POLL).min_poll_interval(POLL);
+    let relay_stats = relay.stats();
+    let state = Forward {
+        subject: format!("{out}.paid"),
+        before_commit: Arc::default(),
+    };
+    // The first attempt commits (its outbox row with it), then its process
+    // "dies": no ring, no ack. JetStream redelivers after ack_wait.
+    let faults = FaultHooks::default().after_commit(|delivery| {
+        if delivery.delivered() == 1 {
+            AfterCommit::DropWithoutAck
+        } else {
+            AfterCommit::Ack
+        }
+    });
+    let router = Router::with_state(state)
+        .route(
+            Route::new(&stream, "forward").ack_wait(Duration::from_secs(1)),
+            forward,
+        )
+        .relay(relay)
+        .fault_hooks(faults);
+    let mut received = nats.subscribe(format!("{out}.>")).await.unwrap();
+    let (handle, task) = spawn(router, nats.clone(), pool.clone());
+    let stats = handle.stats("forward").unwrap();
+    eventually(
+        "the relay's first look",
+        Duration::from_secs(30),
+        || async { relay_stats.empty_cycles() >= 1 },
+    )
+    .await;
+
+    publish(
+        &js,
+        &subject,
+        &deposit("redelivered", 7),
+        Some("redelivered-7"),
+    )
+    .await;
+    let published = Instant::now();
+    let message = tokio::time::timeout(Duration::from_secs(15), received.next())
+        .await
+        .expect("the outbox message is published well before the 30 s poll")
+        .expect("the subscription is open");
+    println!(
+        "published -> outbox message out in {:?}",
+        published.elapsed()
+    );
+    let sent: Deposit = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(sent.amount, 7);
+    assert_eq!(
+        (stats.dropped_by_fault(), stats.duplicates()),
+        (1, 1),
+        "the first attempt committed and never rang; its redelivery found it processed"
+    );
+    eventually(
+        "the row is deleted once acknowledged",
+        Duration::from_secs(10),
+        || async { pending_rows(&pool).await == 0 },
+    )
+    .await;
+    assert_eq!(stored_count(&js, &out).await, 1);
+    stop(handle, task).await;
+}
+
+/// The LISTEN sessions on the test's database.
+async fn listening(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE datname = current_database() AND query ILIKE 'LISTEN%idem_outbox%'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_relay_listens_only_while_the_notify_trigger_is_enabled() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let out = out_stream(&js, "OBLISTEN").await;
+    assert!(!notify_trigger_enabled(&pool).await);
+    // The trigger's state is read with the lag: once per poll interval
+    // (1 s here), while the relay runs.
+    let relay = Relay::new();
+    let stats = relay.stats();
+    let (stop_sender, task) = spawn_relay(relay, nats.clone(), pool.clone());
+    // Its first look comes after it decided whether to listen.
+    eventually(
+        "the relay's first look",
+        Duration::from_secs(30),
+        || async { stats.empty_cycles() >= 1 },
+    )
+    .await;
+    assert_eq!(
+        listening(&pool).await,
+        0,
+        "no LISTEN while the trigger is off"
+    );
+
+    sqlx::query("ALTER TABLE idem_outbox ENABLE TRIGGER idem_outbox_notify")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(idem_runtime::status::outbox_notify(&pool).await.unwrap());
+    eventually(
+        "the relay listens once the trigger is enabled",
+        Duration::from_secs(20),
+        || async { listening(&pool).await == 1 },
+    )
+    .await;
+    // And reads what the trigger sends.
+    queue_elsewhere(&pool, "notified", &format!("{out}.paid"), 1).await;
+    eventually(
+        "the relay reads the notification",
+        Duration::from_secs(20),
+        || async { stats.notifications() >= 1 },
+    )
+    .await;
+    eventually("the row goes out", Duration::from_secs(20), || async {
+        stored_count(&js, &out).await == 1
+    })
+    .await;
+
+    sqlx::query("ALTER TABLE idem_outbox DISABLE TRIGGER idem_outbox_notify")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(!idem_runtime::status::outbox_notify(&pool).await.unwrap());
+    eventually(
+        "the relay stops listening once the trigger is disabled",
+        Duration::from_secs(20),
+        || async { listening(&pool).await == 0 },
+    )
+    .await;
+    stop_relay(stop_sender, task).await;
 }

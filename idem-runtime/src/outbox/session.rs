@@ -1,0 +1,423 @@
+//! A relay's connection, and the messages it sends: each step of a cycle
+//! that speaks to PostgreSQL is one round trip.
+//!
+//! - **A take** is `BEGIN; SET LOCAL idle_in_transaction_session_timeout
+//!   = '60s'; SET LOCAL synchronous_commit = off; EXECUTE
+//!   idem_relay_take_fresh_v1(1024, 8388608)` in one simple-query message:
+//!   the settings are transaction-local, set in the same round trip as the
+//!   rows are locked. The take and the DELETE are the session's prepared
+//!   statements, prepared by a `DO` block in the first message on each
+//!   connection that lacks them ([`prepare_sql`]).
+//! - **A finish** is `DELETE ...; COMMIT` in one message, after the
+//!   failures (if any) were recorded on their rows with a statement of
+//!   their own (a rare step: a failure's text goes in as a bound parameter,
+//!   never into the SQL).
+//! - **A finish and the next take** on the same connection go together:
+//!   `DELETE ...; COMMIT; BEGIN; SET LOCAL ...; <the take>`.
+//!
+//! **A relay's COMMIT does not wait for its WAL to reach disk**
+//! (`synchronous_commit = off`, for its own transactions only). Such a
+//! transaction only deletes rows JetStream has acknowledged, and records
+//! failures. If PostgreSQL crashes before the WAL is flushed (within about
+//! three `wal_writer_delay`s, 600 ms by default), the deleted rows come back
+//! and are published again with the same ids: JetStream drops the copies
+//! within its duplicate window, a downstream claim after it. A lost failure
+//! record makes that row's next try come sooner. No row is lost, and none
+//! is deleted before its PubAck; what is saved is an fsync per cycle, which
+//! the handlers' own COMMITs would queue behind.
+//!
+//! The only values in these messages are numbers (row ids, a limit, a byte
+//! count), so they are written into the SQL; the results come back in text
+//! format, which sqlx decodes (a `bytea` in hex).
+//!
+//! A transaction never outlives the cycle that began it: a take that finds
+//! nothing ends its transaction at once, so that no session sits idle in a
+//! transaction between cycles (the purge's transitions wait for every
+//! transaction running, see `retention/expiry.rs`). Begun and ended in
+//! these messages, a transaction is not one sqlx knows of, so a [`Session`]
+//! keeps track: dropped while its transaction may be open (a cycle's future
+//! dropped, a statement failed), its connection is closed, not returned to
+//! the pool, and the server rolls the transaction back and releases its
+//! rows at once.
+
+use futures_util::StreamExt;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, Either, FromRow, PgPool, Postgres};
+
+use crate::store::transaction::literal;
+
+/// The rows a take returns: id, msg_id, subject, payload, headers (JSON
+/// text), attempts, and how many rows the take locked.
+pub(super) type Row = (i64, String, String, Vec<u8>, Option<String>, i32, i64);
+
+/// Which rows a take locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Lane {
+    /// Rows that never failed, in id order.
+    Fresh,
+    /// Failing rows that are due, the earliest due first.
+    Retry,
+}
+
+impl Lane {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Lane::Fresh => "fresh",
+            Lane::Retry => "retry",
+        }
+    }
+}
+
+/// What a take asks for: up to `limit` rows of `lane`, of those the
+/// longest prefix within `bytes` (always the first).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Take {
+    pub(super) lane: Lane,
+    pub(super) limit: usize,
+    pub(super) bytes: usize,
+}
+
+/// A cycle's `idle_in_transaction_session_timeout`: far above a cycle's
+/// longest pause (its PubAcks' timeout, 5 s by default, and a 2 s probe of
+/// JetStream), so that only a cycle whose process or network is gone
+/// reaches it; its rows are then released to the other relays, and to
+/// this one's next cycle. (No statement_timeout: it would also cut a COMMIT
+/// waiting for a synchronous standby.)
+const CYCLE_SERVER_TIMEOUT_SETTING: &str = "60s";
+
+/// The take of the fresh lane: rows that never failed, in id order; of
+/// those, as many as fit in `$2` bytes (always the first). `locked` is how
+/// many the take locked: rows whose lock is skipped (another relay's) are
+/// not counted, and locked rows beyond the byte limit stay locked until the
+/// transaction ends.
+const TAKE_FRESH: (&str, &str, &str) = (
+    "idem_relay_take_fresh_v1",
+    "(int8, int8)",
+    "WITH taken AS (
+         SELECT id, msg_id, subject, payload, headers, attempts,
+                octet_length(payload)::int8 + coalesce(pg_column_size(headers), 0)::int8 AS bytes
+           FROM idem_outbox WHERE not_before IS NULL
+          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED),
+     sized AS (
+         SELECT *, sum(bytes) OVER (ORDER BY id) AS running,
+                row_number() OVER (ORDER BY id) AS n, count(*) OVER () AS locked
+           FROM taken)
+     SELECT id, msg_id, subject, payload, headers::text, attempts, locked
+       FROM sized WHERE n = 1 OR running <= $2
+      ORDER BY id",
+);
+
+/// The take of the retry lane: failing rows that are due, the earliest due
+/// first, within `$2` bytes as above; published in id order.
+const TAKE_DUE: (&str, &str, &str) = (
+    "idem_relay_take_due_v1",
+    "(int8, int8)",
+    "WITH taken AS (
+         SELECT id, msg_id, subject, payload, headers, attempts, not_before,
+                octet_length(payload)::int8 + coalesce(pg_column_size(headers), 0)::int8 AS bytes
+           FROM idem_outbox WHERE not_before <= clock_timestamp()
+          ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED),
+     sized AS (
+         SELECT *, sum(bytes) OVER (ORDER BY not_before, id) AS running,
+                row_number() OVER (ORDER BY not_before, id) AS n, count(*) OVER () AS locked
+           FROM taken)
+     SELECT id, msg_id, subject, payload, headers::text, attempts, locked
+       FROM sized WHERE n = 1 OR running <= $2
+      ORDER BY id",
+);
+
+/// Deletes the rows JetStream acknowledged.
+const DELETE: (&str, &str, &str) = (
+    "idem_relay_delete_v1",
+    "(int8[])",
+    "DELETE FROM idem_outbox WHERE id = ANY($1)",
+);
+
+/// A `DO` block that prepares, on the session, whichever of the relay's
+/// statements it lacks: sent in the first message of each session, so
+/// that the server parses and plans them once per connection rather than
+/// once per cycle (a simple query cannot bind parameters). A name carries a
+/// version, so that a runtime whose statement changed never executes an
+/// older one a session still holds.
+fn prepare_sql() -> String {
+    let prepares: Vec<String> = [TAKE_FRESH, TAKE_DUE, DELETE]
+        .iter()
+        .map(|(name, parameters, sql)| {
+            format!(
+                "IF NOT EXISTS (SELECT FROM pg_prepared_statements WHERE name = '{name}') \
+                 THEN EXECUTE {}; END IF;",
+                literal(&format!("PREPARE {name}{parameters} AS {sql}"))
+            )
+        })
+        .collect();
+    format!(
+        "DO {}",
+        literal(&format!("BEGIN {} END", prepares.join(" ")))
+    )
+}
+
+impl Take {
+    /// The statements that begin a cycle's transaction, bound it on the
+    /// server (a cycle whose process froze, or whose network went away
+    /// without a reset, must not keep its rows locked until TCP keepalive
+    /// gives up), and lock its rows; `prepared` says whether the session
+    /// holds the prepared statements.
+    fn sql(&self, prepared: bool) -> String {
+        let limit = i64::try_from(self.limit).unwrap_or(i64::MAX);
+        let bytes = i64::try_from(self.bytes).unwrap_or(i64::MAX);
+        let (name, ..) = match self.lane {
+            Lane::Fresh => TAKE_FRESH,
+            Lane::Retry => TAKE_DUE,
+        };
+        let prepare = if prepared {
+            String::new()
+        } else {
+            format!("{}; ", prepare_sql())
+        };
+        format!(
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = '{CYCLE_SERVER_TIMEOUT_SETTING}'; \
+             SET LOCAL synchronous_commit = off; {prepare}EXECUTE {name}({limit}, {bytes})"
+        )
+    }
+}
+
+/// Deletes the rows JetStream acknowledged and commits: the end of a
+/// cycle's transaction, on a session that holds the prepared statements
+/// (its take prepared them).
+fn finish_sql(acknowledged: &[i64]) -> String {
+    let mut sql = String::new();
+    if !acknowledged.is_empty() {
+        let ids: Vec<String> = acknowledged.iter().map(i64::to_string).collect();
+        sql.push_str(&format!("EXECUTE {}('{{{}}}'); ", DELETE.0, ids.join(",")));
+    }
+    sql.push_str("COMMIT");
+    sql
+}
+
+/// Records failures: each row's error and back-off (seconds).
+const MARK_SQL: &str = "\
+UPDATE idem_outbox o
+   SET attempts = o.attempts + 1, last_error = f.error, failed_at = clock_timestamp(),
+       not_before = clock_timestamp() + f.backoff * interval '1 second'
+  FROM unnest($1::int8[], $2::text[], $3::float8[]) AS f(id, error, backoff)
+ WHERE o.id = f.id";
+
+/// Whether a fresh row is pending, without locking or waiting: the look a
+/// poll takes before a cycle. It counts rows another relay holds too (a
+/// cycle then takes nothing).
+const ANY_FRESH_SQL: &str = "SELECT EXISTS (SELECT FROM idem_outbox WHERE not_before IS NULL)";
+
+/// Whether a fresh row is pending (see [`ANY_FRESH_SQL`]), asked of the
+/// pool.
+pub(super) async fn any_fresh(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(ANY_FRESH_SQL).fetch_one(pool).await
+}
+
+/// The failures to record on their rows at the end of a cycle: each row's
+/// id, error, and its next back-off in seconds.
+#[derive(Debug, Default)]
+pub(super) struct Marks {
+    pub(super) ids: Vec<i64>,
+    pub(super) errors: Vec<String>,
+    pub(super) backoffs: Vec<f64>,
+}
+
+/// What a finish (with a take after it, perhaps) came to.
+pub(super) struct Advanced {
+    /// Whether the finished cycle's COMMIT went through (false also when
+    /// there was nothing to finish).
+    pub(super) committed: bool,
+    /// The rows taken, or why the message failed. Empty when no take was
+    /// asked for, or it found nothing (its transaction is then ended).
+    pub(super) taken: Result<Vec<Row>, sqlx::Error>,
+}
+
+impl Advanced {
+    /// Nothing was asked.
+    pub(super) fn nothing() -> Advanced {
+        Advanced {
+            committed: false,
+            taken: Ok(Vec::new()),
+        }
+    }
+}
+
+/// A pooled connection whose transactions the relay begins and ends in the
+/// messages of the module docs.
+pub(super) struct Session {
+    connection: PoolConnection<Postgres>,
+    /// It holds the prepared statements (see [`prepare_sql`]): once a take
+    /// has run on it.
+    prepared: bool,
+    /// A take without the `DO` block was tried on it ([`Session::first_take`]).
+    tried: bool,
+    /// A transaction may be open, or the connection's state is unknown
+    /// (a message failed or was dropped midway): if dropped now, the
+    /// connection is closed, not returned to the pool.
+    open: bool,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if self.open {
+            self.connection.close_on_drop();
+        }
+    }
+}
+
+impl Session {
+    /// A connection from `pool`, outside any transaction.
+    pub(super) async fn acquire(pool: &PgPool) -> Result<Session, sqlx::Error> {
+        Ok(Session {
+            connection: pool.acquire().await?,
+            prepared: false,
+            tried: false,
+            open: false,
+        })
+    }
+
+    /// Begins a cycle's transaction and takes its rows: one round trip. A
+    /// take that finds nothing ends its transaction (a second one).
+    pub(super) async fn take(&mut self, take: Take) -> Result<Vec<Row>, sqlx::Error> {
+        self.advance(None, Some(take)).await.taken
+    }
+
+    /// A take (no finish) on a session new to this relay: the pooled
+    /// connection most likely holds the prepared statements from an earlier
+    /// session, so it is tried without the `DO` block; if they are missing
+    /// (26000), the aborted transaction is rolled back and the take sent
+    /// again with it.
+    async fn first_take(&mut self, take: Take) -> Advanced {
+        self.prepared = true;
+        let tried = self.advance(None, Some(take)).await;
+        match &tried.taken {
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("26000") => {}
+            _ => return tried,
+        }
+        self.prepared = false;
+        if let Err(error) = self.rollback().await {
+            return Advanced {
+                committed: false,
+                taken: Err(error),
+            };
+        }
+        self.advance(None, Some(take)).await
+    }
+
+    /// Ends the open transaction: records `marks` (a round trip of its own,
+    /// when there are any), deletes `acknowledged` and commits, then, with
+    /// `next`, begins the next transaction and takes its rows in the same
+    /// message. With `finish` `None`, only the take.
+    pub(super) async fn advance(
+        &mut self,
+        finish: Option<(&[i64], &Marks)>,
+        next: Option<Take>,
+    ) -> Advanced {
+        if finish.is_none()
+            && let Some(take) = next
+            && !self.prepared
+            && !self.tried
+        {
+            self.tried = true;
+            return Box::pin(self.first_take(take)).await;
+        }
+        // The statements before the take's, each answered with a
+        // CommandComplete: the DELETE (if any) and the COMMIT.
+        let mut sql = String::new();
+        let mut before_take = 0;
+        if let Some((acknowledged, marks)) = finish {
+            debug_assert!(self.open, "a finish ends an open transaction");
+            if !marks.ids.is_empty()
+                && let Err(error) = self.mark(marks).await
+            {
+                return Advanced {
+                    committed: false,
+                    taken: Err(error),
+                };
+            }
+            sql.push_str(&finish_sql(acknowledged));
+            before_take = usize::from(!acknowledged.is_empty()) + 1;
+        }
+        if let Some(take) = next {
+            if !sql.is_empty() {
+                sql.push_str("; ");
+            }
+            sql.push_str(&take.sql(self.prepared));
+        }
+        if sql.is_empty() {
+            return Advanced::nothing();
+        }
+        self.open = true;
+        let (completed, rows) = self.run(sql).await;
+        // Once a take has run, the session holds the statements; if it
+        // failed, the session is not used again.
+        self.prepared |= next.is_some() && rows.is_ok();
+        let committed = finish.is_some() && completed >= before_take;
+        let taken = match rows {
+            Ok(rows) if next.is_none() => {
+                self.open = false;
+                Ok(rows)
+            }
+            Ok(rows) if rows.is_empty() => {
+                // Nothing to hold: end the transaction now, not at the
+                // next cycle.
+                match self.run("COMMIT".to_owned()).await {
+                    (_, Ok(_)) => {
+                        self.open = false;
+                        Ok(rows)
+                    }
+                    (_, Err(error)) => Err(error),
+                }
+            }
+            Ok(rows) => Ok(rows),
+            Err(error) => Err(error),
+        };
+        Advanced {
+            committed,
+            taken: taken.and_then(|rows| {
+                rows.iter()
+                    .map(Row::from_row)
+                    .collect::<Result<Vec<Row>, sqlx::Error>>()
+            }),
+        }
+    }
+
+    /// Rolls back the open transaction: its rows are released unpublished.
+    pub(super) async fn rollback(&mut self) -> Result<(), sqlx::Error> {
+        self.open = true;
+        sqlx::raw_sql("ROLLBACK")
+            .execute(&mut *self.connection)
+            .await?;
+        self.open = false;
+        Ok(())
+    }
+
+    /// Records each failure on its row, in the open transaction.
+    async fn mark(&mut self, marks: &Marks) -> Result<(), sqlx::Error> {
+        sqlx::query(MARK_SQL)
+            .bind(&marks.ids)
+            .bind(&marks.errors)
+            .bind(&marks.backoffs)
+            .execute(&mut *self.connection)
+            .await?;
+        Ok(())
+    }
+
+    /// Sends `sql`, a message of statements; returns how many completed,
+    /// and the rows, or the error of the statement that failed (those after
+    /// it did not run).
+    async fn run(&mut self, sql: String) -> (usize, Result<Vec<PgRow>, sqlx::Error>) {
+        let mut completed = 0;
+        let mut rows = Vec::new();
+        let mut results = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_many(&mut *self.connection);
+        while let Some(result) = results.next().await {
+            match result {
+                Ok(Either::Left(_)) => completed += 1,
+                Ok(Either::Right(row)) => rows.push(row),
+                Err(error) => return (completed, Err(error)),
+            }
+        }
+        (completed, Ok(rows))
+    }
+}
