@@ -102,6 +102,17 @@ enum BatchFailure {
     NotCommitted(HandlerError),
     #[error("COMMIT failed, outcome unknown: {0}")]
     CommitUnknown(sqlx::Error),
+    /// The claims were no longer the batch's own when it was to end: a
+    /// handler ended the transaction itself (a raw COMMIT), which committed
+    /// every claim of the batch, handled or not.
+    #[error("{}", HandlerError::ClaimLost)]
+    ClaimLost,
+    /// Not a failure: the claim found these messages (their indexes) claimed
+    /// by transactions that committed. The batch rolled back before any
+    /// handler ran, so that they are acked at once and the rest run
+    /// without them.
+    #[error("messages of the batch were processed before")]
+    ProcessedBefore(Vec<usize>),
 }
 
 /// How a failed batch's messages are tried again (see the module docs).
@@ -123,7 +134,10 @@ impl BatchFailure {
             BatchFailure::Handler { error, .. } | BatchFailure::NotCommitted(error) => {
                 error.is_conflict()
             }
-            BatchFailure::Infrastructure(_) | BatchFailure::CommitUnknown(_) => false,
+            BatchFailure::Infrastructure(_)
+            | BatchFailure::CommitUnknown(_)
+            | BatchFailure::ClaimLost
+            | BatchFailure::ProcessedBefore(_) => false,
         }
     }
 
@@ -136,7 +150,10 @@ impl BatchFailure {
             } => Retry::Alone,
             BatchFailure::Handler { at: Some(at), .. } => Retry::AroundFailed(*at),
             BatchFailure::Handler { at: None, .. } | BatchFailure::NotCommitted(_) => Retry::Halves,
-            BatchFailure::Infrastructure(_) | BatchFailure::CommitUnknown(_) => Retry::Alone,
+            BatchFailure::Infrastructure(_)
+            | BatchFailure::CommitUnknown(_)
+            | BatchFailure::ClaimLost
+            | BatchFailure::ProcessedBefore(_) => Retry::Alone,
         }
     }
 }
@@ -249,6 +266,47 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                         };
                         self.settle(&item.message, &item.delivery, verdict, item.lease)
                             .await;
+                    }
+                    return None;
+                }
+                Err(BatchFailure::ProcessedBefore(processed)) => {
+                    // Acked at once, not held through the batch (and its
+                    // fallback, should it fail): the retention floor counts
+                    // a duplicate's claim wait, not a batch's transaction.
+                    let mut at = 0;
+                    let mut rest = Vec::with_capacity(ready.len());
+                    for item in ready {
+                        if processed.contains(&at) {
+                            self.settle(
+                                &item.message,
+                                &item.delivery,
+                                Verdict::Duplicate,
+                                item.lease,
+                            )
+                            .await;
+                        } else {
+                            rest.push(item);
+                        }
+                        at += 1;
+                    }
+                    ready = rest;
+                    if ready.is_empty() {
+                        return None;
+                    }
+                }
+                Err(BatchFailure::ClaimLost) => {
+                    // Every claim of the batch committed with part of its
+                    // work: none may be retried (it would be taken for
+                    // processed). Each is failed for good, as one message
+                    // alone would be.
+                    for item in ready {
+                        self.settle(
+                            &item.message,
+                            &item.delivery,
+                            Verdict::Failed(HandlerError::ClaimLost),
+                            item.lease,
+                        )
+                        .await;
                     }
                     return None;
                 }
@@ -449,6 +507,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         self.health.resume();
         // An id twice in one batch: only its first message is fresh.
         let fresh: Vec<bool> = keys.iter().map(|key| unclaimed.remove(key)).collect();
+        let processed_before = processed_before(&keys, &fresh);
+        if !processed_before.is_empty() && fresh.contains(&true) {
+            // Acked first (see `commit_batch`); the rest claim again.
+            if transaction::rollback(tx).await {
+                connection.keep();
+            }
+            return Err(BatchFailure::ProcessedBefore(processed_before));
+        }
         if !fresh.contains(&true) {
             // Every message was processed before: nothing to commit.
             if transaction::rollback(tx).await {
@@ -488,8 +554,15 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 return Err(BatchFailure::Handler { error, at });
             }
             Err((at, error)) => {
+                // A handler that ended the transaction itself (a raw COMMIT)
+                // and then failed has committed every claim of the batch:
+                // see `Pipeline::transact` for one message alone.
+                let lost = !transaction::claims_still_pending(&mut tx).await;
                 if transaction::rollback(tx).await {
                     connection.keep();
+                }
+                if lost {
+                    return Err(BatchFailure::ClaimLost);
                 }
                 return Err(BatchFailure::Handler { error, at });
             }
@@ -533,6 +606,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         }
         match ended {
             Ended::Committed => Ok(outcomes),
+            Ended::NotCommitted(HandlerError::ClaimLost) => Err(BatchFailure::ClaimLost),
             Ended::NotCommitted(error) => Err(BatchFailure::NotCommitted(error)),
             Ended::Unknown(error) => {
                 self.connections.forget_idle();
@@ -602,6 +676,24 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 }
 
+/// The indexes of the messages whose claim another transaction made and
+/// committed: not fresh, and not a second copy of a message this batch
+/// claimed.
+fn processed_before(keys: &[String], fresh: &[bool]) -> Vec<usize> {
+    let claimed_here: std::collections::HashSet<&str> = keys
+        .iter()
+        .zip(fresh)
+        .filter(|(_, fresh)| **fresh)
+        .map(|(key, _)| key.as_str())
+        .collect();
+    keys.iter()
+        .zip(fresh)
+        .enumerate()
+        .filter(|(_, (key, fresh))| !**fresh && !claimed_here.contains(key.as_str()))
+        .map(|(at, _)| at)
+        .collect()
+}
+
 /// What became of each message of a batch whose handlers ran up to (not
 /// including) index `stopped_at`: a fresh message before it was processed,
 /// one from it on was not started; a message claimed before is a
@@ -653,6 +745,16 @@ mod tests {
                 Outcome::Processed
             ]
         );
+    }
+
+    #[test]
+    fn messages_claimed_by_others_are_told_from_copies_claimed_here() {
+        let keys = keys(&["a", "b", "a", "c", "d"]);
+        let fresh = [true, false, false, false, true];
+        // "b" and "c" were claimed by other transactions; the second "a" is
+        // a copy of a message this batch claimed.
+        assert_eq!(processed_before(&keys, &fresh), [1, 3]);
+        assert!(processed_before(&keys, &[true, true, false, true, true]).is_empty());
     }
 
     #[test]

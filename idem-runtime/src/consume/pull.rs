@@ -139,13 +139,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
         if self.failures > 0 {
             self.back_off().await?;
         }
-        let messages = match &mut self.pull {
-            Some(messages) => messages,
-            None => {
-                let opened = self.open_pull().await?;
-                self.pull.insert(opened)
-            }
-        };
+        if self.pull.is_none() {
+            self.pull = Some(self.open_pull().await?);
+        }
         // A free slot first, so that a message is taken only when it can
         // start.
         let slot = free_slot(
@@ -155,16 +151,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             &mut self.in_flight,
         )
         .await?;
+        self.may_start().await?;
+        let messages = self.pull.as_mut().expect("opened above");
         // What the pull asks for follows the batch size: messages fetched
         // ahead are not leased, and must not wait past ack_wait.
         messages.set_batch(request_size(self.pipeline));
-        // After batches conflicted, nothing starts beside a running batch.
-        tokio::select! {
-            biased;
-            _ = self.shutdown.fired() => return Err(Cut::Stop),
-            _ = self.pipeline.health.paused() => return Err(Cut::Again),
-            () = self.pipeline.sizer.may_start() => {}
-        }
         let first = tokio::select! {
             biased;
             _ = self.shutdown.fired() => return Err(Cut::Stop),
@@ -214,6 +205,18 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
         }
     }
 
+    /// Waits until the route may start something: after batches
+    /// conflicted, nothing starts beside a running batch (see
+    /// `consume/sizing.rs`).
+    async fn may_start(&mut self) -> Result<(), Cut> {
+        tokio::select! {
+            biased;
+            _ = self.shutdown.fired() => Err(Cut::Stop),
+            _ = self.pipeline.health.paused() => Err(Cut::Again),
+            () = self.pipeline.sizer.may_start() => Ok(()),
+        }
+    }
+
     /// While the route is paused: parks what the pull fetched and did not
     /// start (the pull is dropped), and takes nothing new until the
     /// database answers again.
@@ -249,6 +252,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
             &mut self.in_flight,
         )
         .await?;
+        self.may_start().await?;
         let batch = self.pipeline.sizer.next();
         let mut group = Vec::with_capacity(batch);
         while group.len() < batch {
@@ -333,12 +337,17 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
 }
 
 /// How many messages one pull request of `pipeline`'s route asks for: a
-/// batch of the size the next one takes, for every slot. An adaptive route
+/// batch of the size the next one takes, for every slot that may run one
+/// (fewer while conflicts limit the batches at once). An adaptive route
 /// asks for more as its batches grow, rather than for its largest size from
 /// the start: what it fetches ahead waits unleased, and must be taken
 /// before ack_wait.
 fn request_size<H, S>(pipeline: &Pipeline<H, S>) -> usize {
-    pipeline.route.concurrency * pipeline.sizer.next()
+    let slots = match pipeline.sizer.batch_limit() {
+        Some(limit) => limit.min(pipeline.route.concurrency),
+        None => pipeline.route.concurrency,
+    };
+    slots * pipeline.sizer.next()
 }
 
 /// Waits for a free slot, then reaps the tasks that have finished. Shutdown

@@ -197,6 +197,11 @@ impl BatchSizer {
         }
     }
 
+    /// How many batches may run at once now, if conflicts limited them.
+    pub(crate) fn batch_limit(&self) -> Option<usize> {
+        self.state().limit_at(Instant::now())
+    }
+
     fn must_wait_at(&self, now: Instant) -> bool {
         let state = self.state();
         self.adaptive

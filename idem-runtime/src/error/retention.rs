@@ -129,7 +129,7 @@ pub struct RetentionFloor {
     pub(crate) transaction: Value,
     /// Deliveries that can follow the claiming one.
     pub(crate) redeliveries: u64,
-    /// What each of them adds: `ack_wait`, plus a batch's transaction in
+    /// What each of them adds: `ack_wait`, plus a batch's claim wait in
     /// batch mode.
     pub(crate) per_redelivery: Option<Duration>,
     pub(crate) nak_total: Duration,
@@ -208,7 +208,7 @@ impl RetentionFloor {
         match self.per_redelivery {
             Some(each) if inputs.batch > 1 => write!(
                 f,
-                " + {} later deliveries (max_deliver {} + 3 on the server, less the claiming one) × (ack_wait {} + a batch's transaction) = {}",
+                " + {} later deliveries (max_deliver {} + 3 on the server, less the claiming one) × (ack_wait {} + a batch's claim wait) = {}",
                 self.redeliveries,
                 inputs.max_deliver,
                 Human(inputs.ack_wait),
@@ -224,7 +224,7 @@ impl RetentionFloor {
             )?,
             None => write!(
                 f,
-                " + {} later deliveries × (ack_wait {} + a batch's transaction, unbounded)",
+                " + {} later deliveries × (ack_wait {} + a batch's claim wait, unbounded)",
                 self.redeliveries,
                 Human(inputs.ack_wait)
             )?,

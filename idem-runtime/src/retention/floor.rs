@@ -45,8 +45,11 @@
 //!      1 to `max_deliver − 1`: `initial × 2^(n−1)`, capped at `max`, each
 //!      up to `+jitter`): a little more than any mix of the two can take.
 //!      A duplicate's own attempt is its claim check, which finds a
-//!      committed row at once; in batch mode it is acked with its batch, so
-//!      every gap also counts a batch's transaction.
+//!      committed row at once. In a batch, the claim statement may wait on
+//!      the claims of the batch's other messages (up to the statement
+//!      timeout, the handler timeout) before it finds the duplicate, which
+//!      is then acked at once, before any handler runs: every gap also
+//!      counts that wait.
 //! 2. **Replays and late deliveries of a stored copy.** A consumer's ack
 //!    floor can be reset (nats-server#8036), a consumer deleted and created
 //!    again, or a consumer can be far behind: a stored copy can be delivered
@@ -191,10 +194,17 @@ pub(crate) fn compute(inputs: Inputs) -> RetentionFloor {
         None => Value::Unbounded(Unbounded::HandlerTimeout),
     };
     let redeliveries = inputs.server_max_deliver.saturating_sub(1);
+    // In a batch, a duplicate is acked once the batch's claim statement
+    // found it (before any handler runs), which may wait on other messages'
+    // claims for up to the statement timeout (the handler timeout).
+    let claim_wait = match inputs.handler_timeout {
+        Some(timeout) => Value::Bounded(timeout),
+        None => transaction,
+    };
     let per_redelivery = if inputs.batch > 1 {
-        transaction
+        claim_wait
             .counted()
-            .map(|batch| inputs.ack_wait.saturating_add(batch))
+            .map(|wait| inputs.ack_wait.saturating_add(wait))
     } else {
         Some(inputs.ack_wait)
     };
@@ -500,10 +510,11 @@ mod tests {
                 .handler_timeout(secs(10))
                 .retention_floor(&stream(secs(1)));
             // Whatever the size: transaction 3 × 10 s (the batch's calls
-            // share one timeout); 12 × (30 s + 30 s); NAKs 613.2 s.
+            // share one timeout); 12 × (30 s + a claim wait of 10 s); NAKs
+            // 613.2 s.
             assert_eq!(
                 floor.value(),
-                Some(secs(30) + secs(12 * 60) + Duration::from_millis(613_200))
+                Some(secs(30) + secs(12 * 40) + Duration::from_millis(613_200))
             );
             assert!(
                 floor.to_string().contains(
@@ -529,7 +540,7 @@ mod tests {
         // 31m 13.2s.
         let per_message_floor = route().retention_floor(&stream(secs(1))).value().unwrap();
         let by_default = short(Route::new("S", "c").publisher_retry_horizon(secs(60)));
-        // 15m + 12 × (30s + 15m) + 10m 13.2s: the floor without a retention
+        // 15m + 12 × (30s + 5m) + 10m 13.2s: the floor without a retention
         // for the default to give way to.
         let batched_floor = Route::new("S", "c")
             .publisher_retry_horizon(secs(60))

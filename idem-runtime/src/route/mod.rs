@@ -613,7 +613,7 @@ impl Route {
     /// The route's retention floor, judged against its retention, as
     /// start-up judges it. A route that batches by default and whose
     /// retention is below its floor with batches (every later delivery of a
-    /// message then counts a batch's transaction) runs per message instead,
+    /// message then counts a batch's claim wait) runs per message instead,
     /// if its retention covers that floor: `true` with the per-message
     /// floor. If it covers neither, the refusal is the per-message floor's:
     /// the least the route needs.

@@ -236,3 +236,95 @@ async fn when_every_message_fails_the_batch_falls_back_to_one_per_transaction_at
     assert_eq!(calls[&0], 2, "{calls:?}");
     assert_eq!(calls[&1], 2, "{calls:?}");
 }
+
+/// Whether a `waits_for_row` call saw its statement fail on the batch's
+/// lock timeout (55P03), and how many calls ran after the lock was freed.
+#[derive(Clone, Default)]
+struct RowWaits {
+    timed_out: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[idempotent(name = "waits-for-row")]
+async fn waits_for_row(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    State(waits): State<RowWaits>,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    let locked = sqlx::query("SELECT id FROM hot_row WHERE id = 1 FOR UPDATE")
+        .execute(&mut **tx)
+        .await;
+    if let Err(sqlx::Error::Database(error)) = &locked
+        && error.code().as_deref() == Some("55P03")
+    {
+        waits
+            .timed_out
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    locked?;
+    record_effect(tx, "waits-for-row", &d, delivery).await
+}
+
+/// A row another transaction holds for longer than an adaptive batch waits
+/// for a lock (200 ms): the batch's statement fails with 55P03 instead of
+/// waiting (as it would behind a deadlock, until PostgreSQL's
+/// `deadlock_timeout`), the batch counts as a conflict, and its messages run
+/// one per transaction, which wait for the row as long as it takes. When
+/// the row is free, every message is applied once.
+#[tokio::test]
+async fn a_batch_waiting_on_a_row_lock_gives_up_at_once_and_its_messages_wait_alone() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("ROWWAIT", Duration::from_secs(120)).await;
+    sqlx::query("CREATE TABLE hot_row (id int PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO hot_row VALUES (1)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM hot_row WHERE id = 1 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    const MESSAGES: i64 = 6;
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit("a", i), Some(&format!("w-{i}"))).await;
+    }
+    let waits = RowWaits::default();
+    let (handle, task) = spawn(
+        Router::with_state(waits.clone())
+            .route(Route::new(&stream, "c").concurrency(1), waits_for_row),
+        nats,
+        pool.clone(),
+    );
+    eventually(
+        "a batch's statement gave up on the row lock (55P03)",
+        Duration::from_secs(30),
+        || async { waits.timed_out.load(std::sync::atomic::Ordering::SeqCst) },
+    )
+    .await;
+    let stats = handle.stats("c").unwrap();
+    eventually("the batch fell back", Duration::from_secs(10), || async {
+        stats.batch_fallbacks() >= 1
+    })
+    .await;
+    // Alone, its first message now waits for the row: nothing is applied
+    // while the lock is held.
+    assert_eq!(stats.processed(), 0, "{stats:?}");
+    holder.commit().await.unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(stats.processed(), MESSAGES as u64, "{stats:?}");
+    assert_eq!(
+        ledger(&pool, "waits-for-row").await,
+        Ledger::once_each(MESSAGES)
+    );
+}

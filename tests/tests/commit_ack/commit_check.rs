@@ -239,3 +239,83 @@ async fn a_handler_that_commits_by_itself_is_not_acked_half_done() {
         stats.duplicates()
     );
 }
+
+/// The second message of each batch commits by itself (a raw COMMIT), then
+/// fails: that COMMIT made every claim of the batch permanent, the handled
+/// and the not yet handled alike.
+#[idempotent(name = "chunked-in-batch")]
+async fn chunked_in_batch(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), BoxError> {
+    if d.account == "chunky" {
+        sqlx::raw_sql("COMMIT; BEGIN").execute(&mut **tx).await?;
+        return Err(Transient::new("failed after its raw COMMIT").into());
+    }
+    record_effect(tx, "chunked-in-batch", &d, delivery).await?;
+    Ok(())
+}
+
+/// In a batch, a handler's raw COMMIT commits the claims of its batch
+/// neighbours too, those whose handlers have not run yet. Retried, they
+/// would find their claims and be acked without ever running. None may be:
+/// every message is applied or dead-lettered, never acked undone.
+#[tokio::test]
+async fn a_raw_commit_in_a_batch_never_acks_its_neighbours_undone() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("CHUNKBATCH", Duration::from_secs(120)).await;
+    const MESSAGES: usize = 4;
+    for i in 0..MESSAGES {
+        let account = if i == 1 { "chunky" } else { "a" };
+        publish(
+            &js,
+            &subject,
+            &deposit(account, i as i64),
+            Some(&format!("cb-{i}")),
+        )
+        .await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(
+            fast(Route::new(&stream, "c"))
+                .batch(MESSAGES)
+                .concurrency(1),
+            chunked_in_batch,
+        ),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert!(
+        stats.failed() >= 1,
+        "the raw COMMIT's handler failed: {stats:?}"
+    );
+    let applied: std::collections::BTreeSet<String> =
+        sqlx::query_scalar("SELECT message_id FROM effects WHERE handler = 'chunked-in-batch'")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    let letters: std::collections::BTreeSet<String> = dead_letters(&js, &stream)
+        .await
+        .iter()
+        .map(|letter| header(letter, "Idem-Message-Id"))
+        .collect();
+    for i in 0..MESSAGES {
+        let id = format!("cb-{i}");
+        assert!(
+            applied.contains(&id) || letters.contains(&id),
+            "{id} was acked without being applied or dead-lettered: applied {applied:?}, dead letters {letters:?}, {stats:?}"
+        );
+    }
+}
