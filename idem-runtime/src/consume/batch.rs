@@ -273,9 +273,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     // Acked at once, not held through the batch (and its
                     // fallback, should it fail): the retention floor counts
                     // a duplicate's claim wait, not a batch's transaction.
-                    let mut at = 0;
                     let mut rest = Vec::with_capacity(ready.len());
-                    for item in ready {
+                    for (at, item) in ready.into_iter().enumerate() {
                         if processed.contains(&at) {
                             self.settle(
                                 &item.message,
@@ -287,7 +286,6 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                         } else {
                             rest.push(item);
                         }
-                        at += 1;
                     }
                     ready = rest;
                     if ready.is_empty() {
