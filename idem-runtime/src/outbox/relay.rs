@@ -125,7 +125,7 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 /// How often the retry lane looks for a failing row that is due.
 const RETRY_CHECK_EVERY: Duration = Duration::from_secs(1);
 
-/// The shortest time between two readings of the [`lag`] by a relay (a
+/// The shortest time between two readings of the outbox's lag by a relay (a
 /// `count(*)` of the outbox), however short its poll interval; the relay
 /// reads whether the NOTIFY trigger is enabled with it.
 const LAG_READ_EVERY: Duration = Duration::from_secs(1);

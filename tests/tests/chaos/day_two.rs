@@ -360,6 +360,17 @@ impl Context {
             .execute(&setup.pool)
             .await
             .expect("the foreign database is created");
+        // The NOTIFY trigger on, as for relays in other processes: the
+        // workers' relays then LISTEN, so that NATS being away checks that
+        // they keep reading their notifications (off, nothing notifies).
+        // The schema first, which the workers would apply.
+        idem_runtime::schema::migrate(&setup.pool)
+            .await
+            .expect("the schema is applied");
+        sqlx::query("ALTER TABLE idem_outbox ENABLE TRIGGER idem_outbox_notify")
+            .execute(&setup.pool)
+            .await
+            .expect("the outbox's NOTIFY trigger is enabled");
         let nats = setup.env.nats().await;
         let max_payload = nats.server_info().max_payload;
         let requester = Arc::new(Requester::new(nats, names.place_subject.clone()));
