@@ -310,7 +310,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             HandlerError::Infrastructure(error) => BatchFailure::Infrastructure(error),
             other => BatchFailure::Handler(other),
         };
-        let mut connection = self.connections.take().await.map_err(before_handler)?;
+        let mut connection = self
+            .connections
+            .take(|waited| self.recorder.connection_waited(waited))
+            .await
+            .map_err(before_handler)?;
         let mut tx = transaction::begin(&mut connection, &self.begin, None)
             .await
             .map_err(before_handler)?;

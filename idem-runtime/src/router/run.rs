@@ -13,6 +13,7 @@ use super::Router;
 use super::start_up::SetUp;
 use crate::consume::pipeline::RouteContext;
 use crate::consume::start::Source;
+use crate::store::connections::Connections;
 use crate::tasks::{self, Signal, Trigger};
 
 /// What a router runs once started: its routes' tasks, the purge, the
@@ -48,10 +49,9 @@ impl<S: Send + Sync + 'static> Router<S> {
         let purging = self.spawn_purge(pool);
         let bound: Vec<_> = self.routes.into_iter().zip(consumers).collect();
         let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
-        // Each route may keep at most its share of the pool's connections
-        // between messages (see `store/connections.rs`).
-        let routes = bound.len() + serving.len();
-        let share = (pool.options().get_max_connections() as usize / routes.max(1)).max(1);
+        // One set of connections for every route, handed out in the order
+        // messages ask for them (see `store/connections.rs`).
+        let connections = Connections::start(pool.clone());
         // The consumers' and the outbox's gauges, polled beside the routes;
         // the task ends by itself at shutdown.
         let polled = bound
@@ -65,8 +65,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         let context = |handler_id| RouteContext {
             handler_id,
             nats: nats.clone(),
-            pool: pool.clone(),
-            keep_connections: share,
+            connections: connections.clone(),
             session,
             shutdown: self.signal.clone(),
             grace: self.grace,

@@ -5,11 +5,13 @@
 //! - `postgres`: restarts, outages and a missing dedup table.
 //! - `connections`: dead kept connections and lost prepared statements.
 //! - `locks`: statements stuck on a lock.
+//! - `pool`: a pool smaller than the routes' concurrency.
 //! - `nats`: the route's consumer deleted under it.
 
 mod connections;
 mod locks;
 mod nats;
+mod pool;
 mod postgres;
 
 /// The highest delivery count among `handler`'s applied effects: 1 when
