@@ -47,11 +47,15 @@ impl<S: Send + Sync + 'static> Router<S> {
             requests,
         } = set_up;
         let purging = self.spawn_purge(pool);
+        // One set of connections for every route, handed out in the order
+        // messages ask for them (see `store/connections.rs`): as many as
+        // the pool has, less what the relay and the metrics poll use, so
+        // that messages that keep the pool busy never starve those.
+        let reserved = self.relay_connections() + super::poll::CONNECTIONS;
+        let pool_size = pool.options().get_max_connections() as usize;
+        let connections = Connections::start(pool.clone(), pool_size.saturating_sub(reserved));
         let bound: Vec<_> = self.routes.into_iter().zip(consumers).collect();
         let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
-        // One set of connections for every route, handed out in the order
-        // messages ask for them (see `store/connections.rs`).
-        let connections = Connections::start(pool.clone());
         // The consumers' and the outbox's gauges, polled beside the routes;
         // the task ends by itself at shutdown.
         let polled = bound

@@ -101,9 +101,17 @@ impl<S: Send + Sync + 'static> Router<S> {
         Ok(())
     }
 
+    /// The pool connections the router's relay may hold: its LISTEN
+    /// connection and one per cycle in each of its two lanes (fresh rows,
+    /// failing rows due again).
+    pub(super) fn relay_connections(&self) -> usize {
+        if self.relay.is_some() { 3 } else { 0 }
+    }
+
     /// Warns when the pool has fewer connections than the routes can use at
-    /// once: each message (or batch) in flight holds one, and the relay
-    /// three.
+    /// once: each message (or batch) in flight holds one, the relay three
+    /// and the metrics poll one (the messages are left the rest: see
+    /// `store/connections.rs`).
     pub(super) fn warn_if_the_pool_is_small(&self, pool: &PgPool) {
         let in_flight: usize = self
             .routes
@@ -111,16 +119,16 @@ impl<S: Send + Sync + 'static> Router<S> {
             .map(|bound| bound.route().concurrency)
             .chain(self.replies.iter().map(|reply| reply.route().concurrency))
             .sum();
-        // A relay holds its LISTEN connection and takes one per cycle in
-        // each of its two lanes (fresh rows, failing rows due again).
-        let relay_connections = if self.relay.is_some() { 3 } else { 0 };
+        let relay_connections = self.relay_connections();
+        let poll_connections = super::poll::CONNECTIONS;
         let pool_size = pool.options().get_max_connections() as usize;
-        if pool_size < in_flight + relay_connections {
+        if pool_size < in_flight + relay_connections + poll_connections {
             tracing::warn!(
                 pool_size,
                 in_flight,
                 relay_connections,
-                "the pool has fewer connections than the routes' messages (or batches) in flight plus the outbox relay's; messages wait for connections, and a wait past the pool's acquire timeout holds them as if the database were away"
+                poll_connections,
+                "the pool has fewer connections than the routes' messages (or batches) in flight plus the outbox relay's and the metrics poll's; messages wait for connections (served in the order they ask, across routes), and a wait past the pool's acquire timeout holds them as if the database were away"
             );
         }
     }

@@ -7,8 +7,11 @@
 //! One [`Connections`] serves every route of a router. A message takes a
 //! *turn* before it takes a connection, from a fair semaphore
 //! ([`tokio::sync::Semaphore`] hands out permits in the order they were
-//! asked for) with one permit per connection of the pool. It holds the
-//! turn as long as it holds the connection, and gives both up together. So
+//! asked for) with one permit per connection of the pool, less those the
+//! router's relay and metrics poll use (so that messages that keep the
+//! pool busy never starve them: with every connection taken by messages,
+//! the poll waited out a whole 30 s run for one). It holds the turn as
+//! long as it holds the connection, and gives both up together. So
 //! when the routes want more connections than the pool has, the waiting
 //! messages are served first come, first served, across routes: a route
 //! cannot keep the connections it has for its own next messages while
@@ -18,9 +21,9 @@
 //!
 //! A turn waits at most the pool's `acquire_timeout`, and then fails as the
 //! pool would (`PoolTimedOut`: the message is held as if the database were
-//! away). A message that waits longer than [`WARN_AFTER`] is warned about,
-//! naming the pool's size and how many messages wait, and every wait is
-//! recorded (`idem_connection_wait_seconds`,
+//! away). A message that waits longer than [`WARN_AFTER`] is warned about
+//! (at most every [`WARN_EVERY`]), naming the connections the messages may
+//! use and how many messages wait, and every wait is recorded (`idem_connection_wait_seconds`,
 //! [`Stats::longest_connection_wait`](crate::Stats::longest_connection_wait)).
 //!
 //! # Reuse
@@ -32,9 +35,9 @@
 //! whatever its route, for as long as it was used in the last 250 ms; a
 //! sweeper gives back what falls idle longer. A turn is given up only after
 //! its connection is in the list, and a kept connection holds no turn, so
-//! the turns in use plus the idle connections never exceed the pool's size:
-//! a message with a turn finds a connection in the list or in the pool
-//! (unless something outside the router holds the pool's connections). The
+//! the turns in use plus the idle connections never exceed the turns there
+//! are: a message with a turn finds a connection in the list or in the
+//! pool (unless something outside the router holds the pool's connections). The
 //! session of a kept connection holds idem's prepared statements, the same
 //! for every route of a router (see `transaction::Begin`).
 //!
@@ -70,15 +73,20 @@ const REUSE_WITHIN: Duration = Duration::from_millis(250);
 /// A message that has waited this long for its turn is warned about.
 const WARN_AFTER: Duration = Duration::from_secs(5);
 
+/// At most one such warning per this long; the rest go to `debug`.
+const WARN_EVERY: Duration = Duration::from_secs(30);
+
 type Idle = Vec<(PoolConnection<Postgres>, Instant)>;
 
 pub(crate) struct Connections {
     pool: PgPool,
-    /// One permit per connection of the pool, handed out first come, first
-    /// served.
+    /// One permit per connection the router's messages may use, handed
+    /// out first come, first served.
     turns: Semaphore,
-    /// The pool's size: the turns there are.
+    /// The turns there are.
     size: usize,
+    /// When a long wait was last warned about.
+    warned_at: Mutex<Option<Instant>>,
     /// Messages waiting for a turn now, for the warning.
     waiting: AtomicUsize,
     /// How long a turn may be waited for: the pool's acquire timeout.
@@ -87,15 +95,17 @@ pub(crate) struct Connections {
 }
 
 impl Connections {
-    /// Starts handing out `pool`'s connections to one router's messages;
-    /// the sweeper stops when the router drops its `Arc`.
-    pub(crate) fn start(pool: PgPool) -> Arc<Self> {
-        let size = (pool.options().get_max_connections() as usize).max(1);
+    /// Starts handing out up to `turns` of `pool`'s connections (at least
+    /// one) to one router's messages; the sweeper stops when the router
+    /// drops its `Arc`.
+    pub(crate) fn start(pool: PgPool, turns: usize) -> Arc<Self> {
+        let size = turns.max(1);
         let connections = Arc::new(Self {
             wait_at_most: pool.options().get_acquire_timeout(),
             pool,
             turns: Semaphore::new(size),
             size,
+            warned_at: Mutex::new(None),
             waiting: AtomicUsize::new(0),
             idle: Mutex::new(Vec::new()),
         });
@@ -158,18 +168,46 @@ impl Connections {
                 }
                 Err(_) => {
                     warned = true;
-                    tracing::warn!(
-                        waited_s = WARN_AFTER.as_secs(),
-                        pool_size = self.size,
-                        waiting = waiting.now(),
-                        "a message has waited {}s for a database connection: all {} of the pool's connections are taken by the router's messages, and {} message(s) wait for one, served in the order they asked; it gives up after the pool's acquire timeout ({}s) and is held. A pool smaller than the routes' concurrency makes messages wait: see `idem_connection_wait_seconds`",
-                        WARN_AFTER.as_secs(),
-                        self.size,
-                        waiting.now(),
-                        self.wait_at_most.as_secs()
-                    );
+                    self.warn_of_a_long_wait(waiting.now());
                 }
             }
+        }
+    }
+
+    /// Warns that a message has waited [`WARN_AFTER`] for its turn, at most
+    /// once per [`WARN_EVERY`] (then at `debug`).
+    fn warn_of_a_long_wait(&self, waiting: usize) {
+        let now = Instant::now();
+        let due = {
+            let mut warned_at = self
+                .warned_at
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let due = warned_at.is_none_or(|at| now.duration_since(at) >= WARN_EVERY);
+            if due {
+                *warned_at = Some(now);
+            }
+            due
+        };
+        if due {
+            tracing::warn!(
+                waited_s = WARN_AFTER.as_secs(),
+                connections = self.size,
+                waiting,
+                "a message has waited {}s for a database connection: all {} connections the router's messages may use are taken, and {} message(s) wait for one, served in the order they asked; a message gives up after the pool's acquire timeout ({}s) and is held. The pool is smaller than the routes' concurrency: see `idem_connection_wait_seconds` (this warning at most every {}s)",
+                WARN_AFTER.as_secs(),
+                self.size,
+                waiting,
+                self.wait_at_most.as_secs(),
+                WARN_EVERY.as_secs()
+            );
+        } else {
+            tracing::debug!(
+                connections = self.size,
+                waiting,
+                "a message has waited {}s for a database connection",
+                WARN_AFTER.as_secs()
+            );
         }
     }
 
