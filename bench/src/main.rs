@@ -985,6 +985,7 @@ fn plan(options: &Options, mode: Mode, scenario: &'static str, messages: usize) 
         id_from_header: false,
         hot_rows: false,
         adaptive: options.adaptive,
+        wait_for_consumer: false,
     }
 }
 

@@ -361,6 +361,7 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
         // the bench's own call.
         retention: Some(fixture::FILL_RETENTION),
         time_in_tx: true,
+        wait_for_consumer: true,
         ..base.clone()
     };
     let delay = Duration::from_secs_f64(p.messages as f64 / p.rate / 3.0);
@@ -419,6 +420,7 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
             outside.push(latency);
         }
     }
+    let timeline = timeline(&measured.samples, t0, t1);
     if warming > 0 {
         eprintln!(
             "idem-bench: [purge] {warming} messages published before the router's first ack \
@@ -459,6 +461,14 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
             inside.1, inside.2, inside.0, out.1, out.2, out.0
         );
     }
+    eprintln!(
+        "  e2e p99 by second of publishing (ms; * while the purge ran): {}",
+        timeline
+            .iter()
+            .map(|(p99, during)| format!("{p99:.0}{}", if *during { "*" } else { "" }))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     let stalls = stalls::summarize(
         &disk,
         &looks,
@@ -500,6 +510,8 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
             "claim_during": { "messages": claim_in.0, "p99_ms": round(claim_in.1, 3), "max_ms": round(claim_in.2, 3) },
             "claim_otherwise": { "messages": claim_out.0, "p99_ms": round(claim_out.1, 3), "max_ms": round(claim_out.2, 3) },
             "stalls": stalls,
+            "e2e_p99_ms_by_second": timeline.iter().map(|(p99, _)| round(*p99, 1)).collect::<Vec<_>>(),
+            "purge_seconds": timeline.iter().enumerate().filter(|(_, (_, during))| *during).map(|(i, _)| i).collect::<Vec<_>>(),
         })
     );
     Ok(measured)
@@ -518,6 +530,32 @@ async fn start_probes(
         .transpose()?;
     let waits = stalls::WaitSampler::start(&db.pool.connect_options()).await?;
     Ok((disk, waits))
+}
+
+/// The e2e p99 of the messages published in each second of the run, and
+/// whether the purge (from `t0` to `t1`) ran during that second.
+fn timeline(samples: &[run::Sample], t0: Instant, t1: Instant) -> Vec<(f64, bool)> {
+    let Some(first) = samples.iter().map(|s| s.published).min() else {
+        return Vec::new();
+    };
+    let mut seconds: Vec<Vec<Duration>> = Vec::new();
+    for s in samples {
+        let second = s.published.saturating_duration_since(first).as_secs() as usize;
+        if seconds.len() <= second {
+            seconds.resize_with(second + 1, Vec::new);
+        }
+        seconds[second].push(s.acked.saturating_duration_since(s.published));
+    }
+    seconds
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut latencies)| {
+            latencies.sort_unstable();
+            let from = first + Duration::from_secs(i as u64);
+            let to = from + Duration::from_secs(1);
+            (run::percentile_ms(&latencies, 0.99), from <= t1 && to >= t0)
+        })
+        .collect()
 }
 
 /// How long after its first ack the router counts as started.
