@@ -13,10 +13,10 @@ use idem_runtime::{Route, Router, State, idempotent};
 use serde_json::json;
 use sqlx::AssertSqlSafe;
 
-use crate::BenchError;
 use crate::consumers::Payload;
 use crate::probe::{self, AckObserver};
 use crate::run::{self, Context, Database, Plan, percentile_ms};
+use crate::{BenchError, report};
 
 /// What `fairness` runs.
 #[derive(Debug, Clone)]
@@ -155,6 +155,31 @@ pub async fn fairness(ctx: &Context, base: &Plan, f: &Fairness) -> Result<(), Be
             figures.p50_ms, figures.p99_ms, figures.max_ms, figures.messages
         );
     }
+    let (slower, faster) = if routes[0].p99_ms >= routes[1].p99_ms {
+        (&routes[0], &routes[1])
+    } else {
+        (&routes[1], &routes[0])
+    };
+    let split = slower.p99_ms / faster.p99_ms;
+    eprintln!("targets:");
+    eprintln!(
+        "{}",
+        report::target(
+            "p99, slower route / faster <= 1.5x",
+            Some(split),
+            "x",
+            |v| v <= 1.5
+        )
+    );
+    eprintln!(
+        "{}",
+        report::target(
+            "longest e2e <= 1 s (no message starved)",
+            Some(all.max_ms / 1000.0),
+            " s",
+            |v| v <= 1.0
+        )
+    );
     let as_json = |figures: &RouteFigures| {
         json!({
             "messages": figures.messages,
@@ -176,6 +201,7 @@ pub async fn fairness(ctx: &Context, base: &Plan, f: &Fairness) -> Result<(), Be
             "route_a": as_json(&routes[0]),
             "route_b": as_json(&routes[1]),
             "both": as_json(&all),
+            "p99_split": round(split),
         })
     );
     Ok(())
