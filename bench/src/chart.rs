@@ -243,6 +243,7 @@ pub(crate) mod tests {
                 id_from_header: false,
                 hot_rows: false,
                 adaptive: false,
+                wait_for_consumer: false,
             },
             msgs_per_sec: rate,
             elapsed: Duration::from_secs_f64(20_000.0 / rate),

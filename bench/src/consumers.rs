@@ -352,6 +352,15 @@ impl Consumer {
         }
     }
 
+    /// The durable consumer a router makes at start-up (`None` for a
+    /// hand-written consumer, which has made its own before it starts).
+    pub fn durable(&self) -> Option<&str> {
+        match self {
+            Consumer::HandWritten { .. } => None,
+            Consumer::Framework { durable, .. } => Some(durable),
+        }
+    }
+
     /// Whether the consumer stopped by itself (an error: it should run until
     /// told to stop).
     pub fn ended(&self) -> bool {

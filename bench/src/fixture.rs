@@ -42,6 +42,9 @@ pub const FILL_RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// this was written on has two cores).
 const LOAD_PARALLELISM: usize = 2;
 
+/// About what a claim takes, heap and index (`idem-bench storage`).
+const BYTES_PER_CLAIM: u64 = 113;
+
 /// Rows per COPY message.
 const CHUNK_ROWS: usize = 32_768;
 
@@ -57,6 +60,9 @@ pub struct Layout {
     /// is expired by the purge once [`arm_expiry`] dates its seal past the
     /// retention.
     pub expiring: Vec<u64>,
+    /// Pieces per generation; `None`: as many as the purge's rotation
+    /// would give it after a predecessor of its size.
+    pub pieces: Option<u32>,
 }
 
 impl Layout {
@@ -85,6 +91,13 @@ impl Layout {
             out.push((number, rows, role));
         }
         out
+    }
+
+    /// The pieces of a generation of `rows` claims.
+    pub fn pieces_of(&self, rows: u64) -> u32 {
+        self.pieces.unwrap_or_else(|| {
+            expiry::pieces_for(rows * BYTES_PER_CLAIM, expiry::DEFAULT_PIECE_BYTES)
+        })
     }
 
     pub fn total_rows(&self) -> u64 {
@@ -159,7 +172,8 @@ pub async fn load(
             let loaded = loaded.clone();
             async move {
                 let opened = opened_at(now, length, current - number);
-                load_generation(pool, number, rows, handler, opened).await?;
+                let pieces = layout.pieces_of(rows);
+                load_generation(pool, number, rows, pieces, handler, opened).await?;
                 let mut done = loaded.lock().await;
                 *done += rows;
                 say(&format!(
@@ -238,12 +252,14 @@ fn unix_seconds(at: SystemTime) -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Creates `idem_claims_g<number>` as a table of its own, COPYs `rows`
-/// random claims into it, and builds its primary key.
+/// Creates `idem_claims_g<number>` as a table of its own (in `pieces`
+/// hash partitions if more than one), COPYs `rows` random claims into it,
+/// and builds its primary key.
 async fn load_generation(
     pool: &PgPool,
     number: i32,
     rows: u64,
+    pieces: u32,
     handler: i32,
     claimed_at: SystemTime,
 ) -> Result<(), BenchError> {
@@ -258,17 +274,32 @@ async fn load_generation(
         .await
         .map_err(sql("settings"))?;
     let mut tx = conn.begin().await.map_err(sql("begin"))?;
-    sqlx::raw_sql(AssertSqlSafe(format!(
+    let mut create = format!(
         "CREATE TABLE idem_claims_g{number} (LIKE idem_claims INCLUDING DEFAULTS,
                                             CHECK (gen = {number}))"
-    )))
-    .execute(&mut *tx)
-    .await
-    .map_err(sql("create"))?;
+    );
+    if pieces > 1 {
+        // As the purge's rotation makes a large generation (see the
+        // runtime's `expiry` module, *Pieces*).
+        create.push_str(" PARTITION BY HASH (key);");
+        for piece in 0..pieces {
+            create.push_str(&format!(
+                "CREATE TABLE idem_claims_g{number}_p{piece} PARTITION OF idem_claims_g{number}
+                   FOR VALUES WITH (MODULUS {pieces}, REMAINDER {piece});"
+            ));
+        }
+    }
+    sqlx::raw_sql(AssertSqlSafe(create))
+        .execute(&mut *tx)
+        .await
+        .map_err(sql("create"))?;
+    // FREEZE is refused on a partitioned table: its pieces are frozen by a
+    // VACUUM after the load instead.
+    let freeze = if pieces > 1 { "" } else { ", FREEZE" };
     let mut copy = tx
         .copy_in_raw(&format!(
             "COPY idem_claims_g{number} (key, gen, handler_id, claimed_at, result) \
-             FROM STDIN (FORMAT binary, FREEZE)"
+             FROM STDIN (FORMAT binary{freeze})"
         ))
         .await
         .map_err(sql("COPY"))?;
@@ -319,6 +350,14 @@ async fn load_generation(
     .execute(&mut conn)
     .await
     .map_err(sql("build the primary key"))?;
+    if pieces > 1 {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "VACUUM (FREEZE, ANALYZE) idem_claims_g{number}"
+        )))
+        .execute(&mut conn)
+        .await
+        .map_err(sql("freeze the pieces"))?;
+    }
     let _ = conn.close().await;
     Ok(())
 }
@@ -401,6 +440,7 @@ mod tests {
             rows: 10,
             live: 3,
             expiring: vec![4, 5],
+            pieces: None,
         };
         let gens = layout.generations();
         let numbers: Vec<i32> = gens.iter().map(|g| g.0).collect();

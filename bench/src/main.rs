@@ -11,6 +11,7 @@
 
 mod chart;
 mod consumers;
+mod fairness;
 mod fixture;
 mod outbox;
 mod probe;
@@ -19,6 +20,7 @@ mod retention;
 mod run;
 mod scale;
 mod servers;
+mod stalls;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -123,6 +125,9 @@ enum Command {
     Purge(PurgeArgs),
     /// Bytes per claim, heap and indexes: the claims table vs version 1's
     Storage(StorageArgs),
+    /// Two routes on a small pool at a fixed rate: each route's p50/p99 publish to ack
+    #[command(after_help = FAIRNESS)]
+    Fairness(FairnessArgs),
     /// The outbox Relay vs raw publishes; COMMIT -> stored p50/p99, outbox vs publish-after-commit
     #[command(after_help = OUTBOX)]
     Outbox(OutboxArgs),
@@ -177,6 +182,16 @@ handler that publishes after its COMMIT; then both over a backlog of the
 same size. Latency is from the wall clock taken right before the COMMIT is
 sent (carried in the output message) to the output message's delivery to a
 JetStream consumer, which follows its storage (and PubAck).";
+
+const FAIRNESS: &str = "\
+Two streams, each with a per-message route of --concurrency messages in
+flight, on one router whose pool has --pool connections (fewer than the
+routes' sum): --messages are published to each at --rate msgs/s while they
+are consumed, and the handler holds its transaction for --hold-ms, as one
+with some work in it does (sleeping: the load is on the pool, not the
+CPU; the defaults keep about 90 % of the pool busy). It prints each route's
+publish -> ack p50, p99 and max, and both together, and checks effects =
+inputs.";
 
 const CONCURRENCY_WITH_BATCHES: &str = "Messages in flight (idem-batch: batches in flight)";
 
@@ -397,10 +412,33 @@ struct PurgeArgs {
     /// Offered load, messages per second
     #[arg(long, value_name = "R", default_value_t = DEFAULT_RATE, value_parser = positive::<u64>)]
     rate: u64,
+    /// Pieces of the expiring generation [default: as many as the purge's
+    /// rotation would make it, by `expiry::pieces_for`; 1: one table, as
+    /// before pieces]
+    #[arg(long, value_name = "N", value_parser = positive::<u32>)]
+    pieces: Option<u32>,
     #[command(flatten)]
     load: Load,
     #[command(flatten)]
     pools: Pools,
+}
+
+#[derive(Debug, Args)]
+struct FairnessArgs {
+    /// Messages per route, published at --rate while consuming
+    #[arg(long, value_name = "N", default_value_t = 6_000, value_parser = positive::<usize>)]
+    messages: usize,
+    /// Offered load per route, messages per second
+    #[arg(long, value_name = "R", default_value_t = 100, value_parser = positive::<u64>)]
+    rate: u64,
+    /// The pool's connections
+    #[arg(long, value_name = "P", default_value_t = 10, value_parser = positive::<u32>)]
+    pool: u32,
+    /// How long the handler holds its transaction open, in milliseconds
+    #[arg(long, value_name = "MS", default_value_t = 40, value_parser = whole::<u64>)]
+    hold_ms: u64,
+    #[command(flatten)]
+    load: Load,
 }
 
 #[derive(Debug, Args)]
@@ -529,6 +567,7 @@ enum Job {
     Steady,
     Purge,
     Storage,
+    Fairness,
     Outbox,
     Scale,
     Smoke,
@@ -569,6 +608,12 @@ struct Options {
     nats_sync: servers::NatsSync,
     /// `scale`'s options.
     scale: Option<scale::ScaleArgs>,
+    /// `fairness`: the pool's connections, and how long the handler holds
+    /// its transaction.
+    pool: u32,
+    hold: Duration,
+    /// `purge --pieces`.
+    pieces: Option<u32>,
 }
 
 impl Options {
@@ -594,6 +639,9 @@ impl Options {
             nats_sync: servers::NatsSync::Always,
             pg_settings: Vec::new(),
             scale: None,
+            pool: 0,
+            hold: Duration::ZERO,
+            pieces: None,
         }
     }
 
@@ -698,6 +746,7 @@ impl From<Command> for Options {
             Command::Purge(a) => Options {
                 rows: a.rows,
                 rate: a.rate as f64,
+                pieces: a.pieces,
                 ping: a.pools.ping(),
                 ..Options::new(Job::Purge, a.messages, a.load)
             },
@@ -711,6 +760,12 @@ impl From<Command> for Options {
                         duplicates: 0,
                     },
                 )
+            },
+            Command::Fairness(a) => Options {
+                rate: a.rate as f64,
+                pool: a.pool,
+                hold: Duration::from_millis(a.hold_ms),
+                ..Options::new(Job::Fairness, a.messages, a.load)
             },
             Command::Outbox(a) => Options {
                 latency_messages: a.latency_messages,
@@ -875,11 +930,19 @@ async fn bench(options: &Options, servers: &Servers) -> Result<(), BenchError> {
                 id_from_header: true,
                 ..plan(options, Mode::Idem, "purge", messages)
             };
-            retention::purge(&ctx, &base, &purge_of(options)).await?;
+            let purge = retention::Purge {
+                probe_dir: servers.dir(),
+                ..purge_of(options)
+            };
+            retention::purge(&ctx, &base, &purge).await?;
         }
         Job::Storage => {
             let base = plan(options, Mode::Naive, "storage", 1);
             retention::storage(&ctx, &base, options.rows).await?;
+        }
+        Job::Fairness => {
+            let base = plan(options, Mode::Idem, "fairness", messages);
+            fairness::fairness(&ctx, &base, &fairness_of(options)).await?;
         }
         Job::Outbox => {
             let scenario = outbox::Scenario {
@@ -924,6 +987,7 @@ fn plan(options: &Options, mode: Mode, scenario: &'static str, messages: usize) 
         id_from_header: false,
         hot_rows: false,
         adaptive: options.adaptive,
+        wait_for_consumer: false,
     }
 }
 
@@ -938,11 +1002,23 @@ fn steady_of(options: &Options) -> retention::Steady {
     }
 }
 
+fn fairness_of(options: &Options) -> fairness::Fairness {
+    fairness::Fairness {
+        messages: options.messages,
+        rate: options.rate,
+        pool: options.pool,
+        concurrency: options.concurrency,
+        hold: options.hold,
+    }
+}
+
 fn purge_of(options: &Options) -> retention::Purge {
     retention::Purge {
         rows: options.rows,
         messages: options.messages,
         rate: options.rate,
+        probe_dir: None,
+        pieces: options.pieces,
     }
 }
 
@@ -1201,8 +1277,24 @@ async fn smoke(ctx: &Context, servers: &Servers, options: &Options) -> Result<()
         rows: SMOKE_ROWS,
         messages: n.min(250),
         rate: options.rate,
+        probe_dir: servers.dir(),
+        pieces: Some(4),
     };
     runs.push(retention::purge(ctx, &base, &purge).await?);
+    // Two routes on a small pool: checks effects = inputs on both.
+    let fair = fairness::Fairness {
+        messages: n.min(250),
+        rate: options.rate / 2.0,
+        pool: 4,
+        concurrency: 4,
+        hold: Duration::from_millis(5),
+    };
+    fairness::fairness(
+        ctx,
+        &plan(retention_options, Mode::Idem, "fairness", n),
+        &fair,
+    )
+    .await?;
     retention::storage(
         ctx,
         &plan(retention_options, Mode::Naive, "storage", 1),

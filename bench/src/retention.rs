@@ -6,6 +6,7 @@
 //! Each compares with a baseline measured in the same run, on the same
 //! servers: the machine is shared, and only ratios travel.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use idem_runtime::retention::expiry;
@@ -17,6 +18,7 @@ use crate::consumers::Mode;
 use crate::fixture::{self, Layout};
 use crate::report;
 use crate::run::{self, Context, Database, Measurement, Plan};
+use crate::stalls;
 use crate::{BenchError, run_and_print};
 
 /// How often the steady state runs `expiry::purge` beside the router's
@@ -67,6 +69,7 @@ pub async fn steady(
                     rows,
                     live: s.live,
                     expiring: vec![rows / EXPIRING_SHARE; 2],
+                    pieces: None,
                 },
             )
         });
@@ -328,6 +331,12 @@ pub struct Purge {
     /// way in.
     pub messages: usize,
     pub rate: f64,
+    /// Where the servers keep their files, for the disk probe (`None`: the
+    /// servers are not the bench's, and the disk is not probed).
+    pub probe_dir: Option<PathBuf>,
+    /// The expiring generation's pieces; `None`: as many as the runtime's
+    /// rotation would give it (`expiry::pieces_for`).
+    pub pieces: Option<u32>,
 }
 
 /// Purge speed: one sealed generation of `rows` claims is expired by
@@ -339,6 +348,7 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
         rows: 0,
         live: 1,
         expiring: vec![p.rows],
+        pieces: p.pieces,
     };
     let db = fill(ctx, base, "purge", "expiring", &layout).await?;
     let plan = Plan {
@@ -351,13 +361,26 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
         // the bench's own call.
         retention: Some(fixture::FILL_RETENTION),
         time_in_tx: true,
+        wait_for_consumer: true,
         ..base.clone()
     };
     let delay = Duration::from_secs_f64(p.messages as f64 / p.rate / 3.0);
+    let probes = start_probes(p, &db).await;
+    let probes = match probes {
+        Ok(probes) => probes,
+        Err(e) => {
+            db.drop().await;
+            return Err(e);
+        }
+    };
     let (measured, purged) = tokio::join!(run_and_print(ctx, plan, Some(&db)), async {
         tokio::time::sleep(delay).await;
         timed_purge(&db.pool).await
     });
+    let (disk, looks) = (
+        probes.0.map(stalls::DiskProbe::finish).unwrap_or_default(),
+        probes.1.finish().await,
+    );
     let after = fixture::generations(&db.pool).await;
     db.drop().await;
     let measured = measured?;
@@ -375,15 +398,34 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
         unix_micros(purged.started_at),
         unix_micros(purged.started_at + purged.elapsed),
     );
+    // The messages published before the router took its first one waited
+    // for its start-up (a second or more on a loaded machine): neither
+    // window counts them.
+    let ready = measured
+        .samples
+        .iter()
+        .map(|s| s.acked)
+        .min()
+        .map(|first| first + WARM_UP);
     let mut during = Vec::new();
     let mut outside = Vec::new();
+    let mut warming = 0;
     for s in &measured.samples {
         let latency = s.acked.saturating_duration_since(s.published);
-        if s.published <= t1 && s.acked >= t0 {
+        if ready.is_some_and(|ready| s.published < ready) {
+            warming += 1;
+        } else if s.published <= t1 && s.acked >= t0 {
             during.push(latency);
         } else {
             outside.push(latency);
         }
+    }
+    let timeline = timeline(&measured.samples, t0, t1);
+    if warming > 0 {
+        eprintln!(
+            "idem-bench: [purge] {warming} messages published before the router's first ack \
+             (plus {WARM_UP:?}) are left out of both windows"
+        );
     }
     let mut claim_during = Vec::new();
     let mut claim_outside = Vec::new();
@@ -406,9 +448,11 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
     let (e2e_in, e2e_out) = (stats(during), stats(outside));
     let (claim_in, claim_out) = (stats(claim_during), stats(claim_outside));
     eprintln!(
-        "\npurge: expired {} claims ({:.2} GiB freed) in {seconds:.3} s (detach concurrently, drop)",
+        "\npurge: expired {} claims ({:.2} GiB freed) in {seconds:.3} s (detach concurrently, \
+         then drop: {} pieces, one at a time, then the partition)",
         p.rows,
-        gib(purged.report.freed_bytes as i64)
+        gib(purged.report.freed_bytes as i64),
+        purged.report.pieces_dropped
     );
     for (name, inside, out) in [("e2e", e2e_in, e2e_out), ("claim", claim_in, claim_out)] {
         eprintln!(
@@ -417,6 +461,20 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
             inside.1, inside.2, inside.0, out.1, out.2, out.0
         );
     }
+    eprintln!(
+        "  e2e p99 by second of publishing (ms; * while the purge ran): {}",
+        timeline
+            .iter()
+            .map(|(p99, during)| format!("{p99:.0}{}", if *during { "*" } else { "" }))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let stalls = stalls::summarize(
+        &disk,
+        &looks,
+        purged.started,
+        purged.started + purged.elapsed,
+    );
     eprintln!("targets:");
     eprintln!(
         "{}",
@@ -443,16 +501,65 @@ pub async fn purge(ctx: &Context, base: &Plan, p: &Purge) -> Result<Measurement,
             "rows": p.rows,
             "purge_s": round(seconds, 3),
             "freed_bytes": purged.report.freed_bytes,
+            "pieces_dropped": purged.report.pieces_dropped,
+            "warm_up_messages_left_out": warming,
             "expired": purged.report.expired,
             "purge_runs_skipped": purged.skipped,
             "e2e_during": { "messages": e2e_in.0, "p99_ms": round(e2e_in.1, 3), "max_ms": round(e2e_in.2, 3) },
             "e2e_otherwise": { "messages": e2e_out.0, "p99_ms": round(e2e_out.1, 3), "max_ms": round(e2e_out.2, 3) },
             "claim_during": { "messages": claim_in.0, "p99_ms": round(claim_in.1, 3), "max_ms": round(claim_in.2, 3) },
             "claim_otherwise": { "messages": claim_out.0, "p99_ms": round(claim_out.1, 3), "max_ms": round(claim_out.2, 3) },
+            "stalls": stalls,
+            "e2e_p99_ms_by_second": timeline.iter().map(|(p99, _)| round(*p99, 1)).collect::<Vec<_>>(),
+            "purge_seconds": timeline.iter().enumerate().filter(|(_, (_, during))| *during).map(|(i, _)| i).collect::<Vec<_>>(),
         })
     );
     Ok(measured)
 }
+
+/// The disk probe (where the servers' files are known) and the wait
+/// sampler, started before the run.
+async fn start_probes(
+    p: &Purge,
+    db: &Database,
+) -> Result<(Option<stalls::DiskProbe>, stalls::WaitSampler), BenchError> {
+    let disk = p
+        .probe_dir
+        .as_deref()
+        .map(stalls::DiskProbe::start)
+        .transpose()?;
+    let waits = stalls::WaitSampler::start(&db.pool.connect_options()).await?;
+    Ok((disk, waits))
+}
+
+/// The e2e p99 of the messages published in each second of the run, and
+/// whether the purge (from `t0` to `t1`) ran during that second.
+fn timeline(samples: &[run::Sample], t0: Instant, t1: Instant) -> Vec<(f64, bool)> {
+    let Some(first) = samples.iter().map(|s| s.published).min() else {
+        return Vec::new();
+    };
+    let mut seconds: Vec<Vec<Duration>> = Vec::new();
+    for s in samples {
+        let second = s.published.saturating_duration_since(first).as_secs() as usize;
+        if seconds.len() <= second {
+            seconds.resize_with(second + 1, Vec::new);
+        }
+        seconds[second].push(s.acked.saturating_duration_since(s.published));
+    }
+    seconds
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut latencies)| {
+            latencies.sort_unstable();
+            let from = first + Duration::from_secs(i as u64);
+            let to = from + Duration::from_secs(1);
+            (run::percentile_ms(&latencies, 0.99), from <= t1 && to >= t0)
+        })
+        .collect()
+}
+
+/// How long after its first ack the router counts as started.
+const WARM_UP: Duration = Duration::from_millis(500);
 
 struct TimedPurge {
     report: expiry::PurgeReport,

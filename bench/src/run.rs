@@ -54,6 +54,10 @@ pub struct Plan {
     pub hot_rows: bool,
     /// The batching modes size their batches adaptively, up to `batch`.
     pub adaptive: bool,
+    /// A run at a fixed rate starts publishing only once the router has
+    /// made its durable consumer, so that its start-up (a second or more on
+    /// a loaded machine) does not show in the latencies.
+    pub wait_for_consumer: bool,
 }
 
 /// The rows the contention scenario's messages update.
@@ -278,6 +282,9 @@ async fn measure(
             let cpu_at_start = cpu_now();
             let started = Instant::now();
             let consumer = start_consumer().await?;
+            if plan.wait_for_consumer {
+                wait_for_consumer(ctx, stream, &consumer).await?;
+            }
             progress(
                 plan,
                 &format!("publishing {n} messages at {rate} msgs/s while consuming"),
@@ -356,6 +363,35 @@ async fn measure(
         samples,
         tx_samples,
     })
+}
+
+/// Waits until the router behind `consumer` has made its durable consumer
+/// on `stream` (a hand-written consumer makes it before it starts).
+async fn wait_for_consumer(
+    ctx: &Context,
+    stream: &str,
+    consumer: &Consumer,
+) -> Result<(), BenchError> {
+    let Some(durable) = consumer.durable() else {
+        return Ok(());
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let stream = ctx
+            .publisher
+            .get_stream(stream)
+            .await
+            .map_err(|e| BenchError::failed(format!("get stream {stream}: {e}")))?;
+        if stream.consumer_info(durable).await.is_ok() {
+            return Ok(());
+        }
+        if consumer.ended() || Instant::now() > deadline {
+            return Err(BenchError::failed(format!(
+                "the router made no consumer {durable} within a minute"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Publishes `keys` a second time, with the same `Nats-Msg-Id` as their

@@ -348,6 +348,7 @@ async fn run_once(
         id_from_header: false,
         hot_rows: false,
         adaptive: false,
+        wait_for_consumer: false,
     };
     let outcome = match Database::create(ctx, &tag, &plan).await {
         Ok(db) => {
@@ -767,6 +768,7 @@ async fn run_worker(args: WorkerArgs) -> Result<(), BenchError> {
         id_from_header: false,
         hot_rows: false,
         adaptive: false,
+        wait_for_consumer: false,
     };
     let source = Source {
         stream: &args.stream,

@@ -61,6 +61,12 @@ pub(crate) struct OwnedProcess {
 }
 
 impl Servers {
+    /// The dir the bench's own servers keep their files in, if it started
+    /// any.
+    pub fn dir(&self) -> Option<std::path::PathBuf> {
+        self._dir.as_ref().map(|dir| dir.path().to_owned())
+    }
+
     /// Uses `NATS_URL` / `DATABASE_URL`, or starts what is missing.
     /// `data_dir`: where the servers' temp dir goes (default: `TMPDIR`);
     /// `pg_settings`: `name=value`s for our PostgreSQL, after (and so

@@ -37,6 +37,7 @@ pub async fn purge(pool: &PgPool) -> Result<Report, CliError> {
         "expired": report.expired,
         "kept": report.kept,
         "freed_bytes": report.freed_bytes,
+        "pieces_dropped": report.pieces_dropped,
         "transition": report.transition.as_ref().map(|t| json!({
             "generation": t.generation,
             "seconds": t.waited.as_secs_f64(),
@@ -80,6 +81,12 @@ pub async fn purge(pool: &PgPool) -> Result<Report, CliError> {
         ));
         lines.push(format!("claims kept forever     {}", report.kept));
         lines.push(format!("bytes freed             {}", report.freed_bytes));
+        if report.pieces_dropped > 0 {
+            lines.push(format!(
+                "pieces dropped          {} (one at a time)",
+                report.pieces_dropped
+            ));
+        }
         if let Some(transition) = &report.transition {
             lines.extend(crate::status::transition_lines(transition));
         }

@@ -490,7 +490,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 at: None,
             },
         };
-        let mut connection = self.connections.take().await.map_err(before_handler)?;
+        let mut connection = self
+            .connections
+            .take(|waited| self.recorder.connection_waited(waited))
+            .await
+            .map_err(before_handler)?;
         let lock_wait = self.sizer.bounds_lock_waits().then_some(BATCH_LOCK_WAIT);
         let mut tx = transaction::begin_batch(&mut connection, &self.begin, lock_wait)
             .await

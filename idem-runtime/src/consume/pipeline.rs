@@ -80,10 +80,9 @@ pub(crate) struct RouteContext {
     /// The handler's id in `idem_handlers`.
     pub(crate) handler_id: i32,
     pub(crate) nats: async_nats::Client,
-    pub(crate) pool: sqlx::PgPool,
-    /// How many connections the route may keep between messages: its share
-    /// of the pool (see `store/connections.rs`).
-    pub(crate) keep_connections: usize,
+    /// The router's connections, shared by all its routes and handed out
+    /// in the order messages ask for them (see `store/connections.rs`).
+    pub(crate) connections: Arc<Connections>,
     pub(crate) session: crate::store::transaction::Session,
     pub(crate) shutdown: Signal,
     /// How long shutdown waits for messages in flight.
@@ -117,7 +116,7 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
                 BatchSizer::fixed(route.batch)
             }),
             heartbeats: Heartbeats::start(context.nats.clone(), heartbeat),
-            connections: Connections::start(context.pool.clone(), context.keep_connections),
+            connections: context.connections.clone(),
             route,
             handler,
             state,
@@ -126,7 +125,7 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
             health: Health::new(),
             shutdown: context.shutdown.clone(),
             mode,
-            outbox_bell: crate::outbox::Bell::of(&context.pool),
+            outbox_bell: crate::outbox::Bell::of(context.connections.pool()),
             #[cfg(feature = "fault-injection")]
             faults: context.faults.clone(),
         }
@@ -393,7 +392,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     async fn claimed_elsewhere(&self, delivery: &Delivery) -> Result<bool, sqlx::Error> {
-        let mut connection = self.connections.take().await?;
+        let mut connection = self
+            .connections
+            .take(|waited| self.recorder.connection_waited(waited))
+            .await?;
         let key = self.claim_key(delivery);
         let claim = self.claim(&key, delivery);
         let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
@@ -516,7 +518,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// Runs the handler in its own transaction: BEGIN, the claim, the
     /// handler, COMMIT (see [`transaction`]).
     async fn transact(&self, payload: H::Payload, delivery: &Delivery) -> Verdict {
-        let mut connection = match self.connections.take().await {
+        let mut connection = match self
+            .connections
+            .take(|waited| self.recorder.connection_waited(waited))
+            .await
+        {
             Ok(connection) => connection,
             Err(error) => return self.before_handler(error),
         };

@@ -30,6 +30,7 @@
 //! | `idem_batch_size` | histogram | `route` | messages per committed batch (batch mode) |
 //! | `idem_handler_duration_seconds` | histogram | `route` | one handler call (a batch handler's call covers its batch), failed calls included |
 //! | `idem_end_to_end_duration_seconds` | histogram | `route` | from the message's JetStream timestamp (when it was stored) to its ack as processed, retries included |
+//! | `idem_connection_wait_seconds` | histogram | `route` | how long a message (or batch) waited for its turn at the router's connections, which are handed out in the order asked for, across routes; long waits: the pool is smaller than the routes' concurrency |
 //! | `idem_messages_in_flight` | gauge | `route` | messages taken and not yet settled (a batch's, until its last one settles) |
 //! | `idem_pull_requests_refused_total` | counter | `route`, `reason` | pull requests the server turned away or ended early: `no_responders` (the consumer has no leader, or is gone), `max_waiting` (its wait list is full), `leadership_change` (asked again of the new leader), `max_request_batch` (capped, asked again), `request_limits`, `consumer_gone`, `lost` (past its expiry without a word, and not filled), `other`; a route whose requests are refused for 10 s in a row also logs a warning naming the cause |
 //! | `idem_pull_request_capped` | gauge | `route` | 1 while the route's pull requests are capped by the consumer's `max_batch` below `concurrency x batch` (fewer messages are fetched ahead), else 0; `idem status` shows it too |
@@ -113,6 +114,8 @@ pub const BATCH_SIZE: &str = "idem_batch_size";
 pub const HANDLER_DURATION: &str = "idem_handler_duration_seconds";
 /// From a message's storage in JetStream to its ack as processed.
 pub const END_TO_END_DURATION: &str = "idem_end_to_end_duration_seconds";
+/// A message's (or batch's) wait for its turn at the router's connections.
+pub const CONNECTION_WAIT: &str = "idem_connection_wait_seconds";
 /// Messages taken and not yet settled.
 pub const IN_FLIGHT: &str = "idem_messages_in_flight";
 /// Pull requests the server turned away or ended early, by `reason`.
@@ -174,9 +177,10 @@ pub const BATCH_SIZE_BUCKETS: &[f64] = &[
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
 ];
 /// Each histogram idem records, with the buckets suggested for it.
-pub const HISTOGRAM_BUCKETS: [(&str, &[f64]); 3] = [
+pub const HISTOGRAM_BUCKETS: [(&str, &[f64]); 4] = [
     (HANDLER_DURATION, LATENCY_BUCKETS),
     (END_TO_END_DURATION, LATENCY_BUCKETS),
+    (CONNECTION_WAIT, LATENCY_BUCKETS),
     (BATCH_SIZE, BATCH_SIZE_BUCKETS),
 ];
 
@@ -263,6 +267,11 @@ pub fn describe() {
         END_TO_END_DURATION,
         Unit::Seconds,
         "From the message's JetStream timestamp (stored) to its ack as processed, retries included."
+    );
+    describe_histogram!(
+        CONNECTION_WAIT,
+        Unit::Seconds,
+        "How long a message (or batch) waited for its turn at the router's database connections, handed out in the order asked for across routes; long waits mean the pool is smaller than the routes' concurrency."
     );
     describe_gauge!(
         IN_FLIGHT,
@@ -400,6 +409,7 @@ pub(super) struct RouteMetrics {
     batch_size: Histogram,
     handler_duration: Histogram,
     end_to_end: Histogram,
+    connection_wait: Histogram,
     in_flight: Gauge,
 }
 
@@ -429,6 +439,7 @@ impl RouteMetrics {
             batch_size: histogram!(BATCH_SIZE, labels.iter()),
             handler_duration: histogram!(HANDLER_DURATION, labels.iter()),
             end_to_end: histogram!(END_TO_END_DURATION, labels.iter()),
+            connection_wait: histogram!(CONNECTION_WAIT, labels.iter()),
             in_flight: gauge!(IN_FLIGHT, labels.iter()),
         }
     }
@@ -496,6 +507,12 @@ impl RouteMetrics {
 
     pub(super) fn batch_committed(&self, size: usize) {
         self.batch_size.record(size as f64);
+    }
+
+    /// A message (or batch) waited `waited` for its turn at the router's
+    /// connections.
+    pub(super) fn connection_waited(&self, waited: Duration) {
+        self.connection_wait.record(waited);
     }
 
     /// Times one handler call, until the returned guard drops.
@@ -860,6 +877,7 @@ mod tests {
         for name in [
             HANDLER_DURATION,
             END_TO_END_DURATION,
+            CONNECTION_WAIT,
             OUTBOX_OLDEST_AGE,
             PURGE_LAST_SUCCESS,
             EXPIRY_OVERDUE,

@@ -124,6 +124,13 @@ impl Recorder {
         }
     }
 
+    /// A message (or batch) waited `waited` for its turn at the router's
+    /// connections (`store/connections.rs`).
+    pub(crate) fn connection_waited(&self, waited: std::time::Duration) {
+        self.stats.record_connection_wait(waited);
+        self.metrics.connection_waited(waited);
+    }
+
     /// A batch of `size` messages committed in one transaction.
     pub(crate) fn batch_committed(&self, size: usize) {
         self.stats.record_batch(size);

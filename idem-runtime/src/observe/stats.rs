@@ -31,6 +31,8 @@ pub struct Stats {
     pub(super) infrastructure_errors: AtomicU64,
     pub(super) abandoned_transactions: AtomicU64,
     pub(super) replays_skipped: AtomicU64,
+    /// Microseconds.
+    pub(super) longest_connection_wait: AtomicU64,
 }
 
 impl Stats {
@@ -42,6 +44,13 @@ impl Stats {
     pub(super) fn record_batch(&self, size: usize) {
         Stats::bump(&self.batches);
         self.largest_batch.fetch_max(size as u64, Ordering::Relaxed);
+    }
+
+    /// Records a wait for a turn at the router's connections.
+    pub(super) fn record_connection_wait(&self, waited: std::time::Duration) {
+        let micros = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+        self.longest_connection_wait
+            .fetch_max(micros, Ordering::Relaxed);
     }
 
     /// Messages taken from the consumer.
@@ -115,6 +124,19 @@ impl Stats {
     /// `Idem-Replay-For` names it): acked without running this handler.
     pub fn replays_skipped(&self) -> u64 {
         self.replays_skipped.load(Ordering::Relaxed)
+    }
+    /// The longest a message (or batch) of the route waited for its turn at
+    /// the router's connections, which are handed out in the order asked
+    /// for, whichever route asks (see
+    /// [Sizing the pool](crate::guide::writing_handlers#sizing-the-pool)).
+    /// Near zero unless the pool is smaller than the routes' concurrency.
+    ///
+    /// ```
+    /// let stats = idem_runtime::Stats::default();
+    /// assert_eq!(stats.longest_connection_wait(), std::time::Duration::ZERO);
+    /// ```
+    pub fn longest_connection_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.longest_connection_wait.load(Ordering::Relaxed))
     }
     /// Messages a fault-injection hook dropped after commit without acking.
     pub fn dropped_by_fault(&self) -> u64 {

@@ -7,6 +7,9 @@ use sqlx::PgPool;
 use crate::observe::metrics::{CONSUMER_ACK_PENDING, CONSUMER_PENDING, POLL_INTERVAL, ROUTE_LABEL};
 use crate::tasks::Signal;
 
+/// The pool connections the poll uses at once: one, for the outbox's lag.
+pub(super) const CONNECTIONS: usize = 1;
+
 /// Reads each route's consumer info and the outbox's lag every
 /// [`POLL_INTERVAL`] until shutdown, into the gauges. A read that fails
 /// leaves its gauges as they were (and is logged at debug): the next poll

@@ -11,6 +11,7 @@ use crate::outbox::{Relay, RelayError};
 use super::Router;
 use super::start_up::SetUp;
 use crate::consume::pipeline::RouteContext;
+use crate::store::connections::Connections;
 use crate::tasks::{self, Signal, Trigger};
 
 /// What a router runs once started: its routes' tasks, the purge, the
@@ -38,12 +39,15 @@ impl<S: Send + Sync + 'static> Router<S> {
             requests,
         } = set_up;
         let purging = self.spawn_purge(pool);
+        // One set of connections for every route, handed out in the order
+        // messages ask for them (see `store/connections.rs`): as many as
+        // the pool has, less what the relay and the metrics poll use, so
+        // that messages that keep the pool busy never starve those.
+        let reserved = self.relay_connections() + super::poll::CONNECTIONS;
+        let pool_size = pool.options().get_max_connections() as usize;
+        let connections = Connections::start(pool.clone(), pool_size.saturating_sub(reserved));
         let bound: Vec<_> = self.routes.into_iter().zip(sources).collect();
         let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
-        // Each route may keep at most its share of the pool's connections
-        // between messages (see `store/connections.rs`).
-        let routes = bound.len() + serving.len();
-        let share = (pool.options().get_max_connections() as usize / routes.max(1)).max(1);
         // The consumers' and the outbox's gauges, polled beside the routes;
         // the task ends by itself at shutdown.
         let polled = bound
@@ -57,8 +61,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         let context = |handler_id| RouteContext {
             handler_id,
             nats: nats.clone(),
-            pool: pool.clone(),
-            keep_connections: share,
+            connections: connections.clone(),
             session,
             shutdown: self.signal.clone(),
             grace: self.grace,

@@ -101,9 +101,17 @@ impl<S: Send + Sync + 'static> Router<S> {
         Ok(())
     }
 
+    /// The pool connections the router's relay may hold: its fresh lane
+    /// two while its cycles overlap, its retry lane one per cycle, and its
+    /// LISTEN connection one while the NOTIFY trigger is enabled.
+    pub(super) fn relay_connections(&self) -> usize {
+        if self.relay.is_some() { 4 } else { 0 }
+    }
+
     /// Warns when the pool has fewer connections than the routes can use at
-    /// once: each message (or batch) in flight holds one, and the relay up
-    /// to four.
+    /// once: each message (or batch) in flight holds one, the relay up to four
+    /// and the metrics poll one (the messages are left the rest: see
+    /// `store/connections.rs`).
     pub(super) fn warn_if_the_pool_is_small(&self, pool: &PgPool) {
         let in_flight: usize = self
             .routes
@@ -111,17 +119,16 @@ impl<S: Send + Sync + 'static> Router<S> {
             .map(|bound| bound.route().concurrency)
             .chain(self.replies.iter().map(|reply| reply.route().concurrency))
             .sum();
-        // A relay's fresh lane holds two while its cycles overlap, its retry
-        // lane one per cycle, and its LISTEN connection one while the NOTIFY
-        // trigger is enabled.
-        let relay_connections = if self.relay.is_some() { 4 } else { 0 };
+        let relay_connections = self.relay_connections();
+        let poll_connections = super::poll::CONNECTIONS;
         let pool_size = pool.options().get_max_connections() as usize;
-        if pool_size < in_flight + relay_connections {
+        if pool_size < in_flight + relay_connections + poll_connections {
             tracing::warn!(
                 pool_size,
                 in_flight,
                 relay_connections,
-                "the pool has fewer connections than the routes' messages (or batches) in flight plus the outbox relay's; messages wait for connections, and a wait past the pool's acquire timeout holds them as if the database were away"
+                poll_connections,
+                "the pool has fewer connections than the routes' messages (or batches) in flight plus the outbox relay's and the metrics poll's; messages wait for connections (served in the order they ask, across routes), and a wait past the pool's acquire timeout holds them as if the database were away"
             );
         }
     }

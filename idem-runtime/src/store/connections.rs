@@ -1,20 +1,56 @@
-//! Connections a route keeps between messages, and the guard that makes
-//! every connection safe to cancel.
+//! The connections a router's messages use: handed out in the order the
+//! messages asked for them, whichever route they are on, reused between
+//! messages, and guarded so that every connection is safe to cancel.
+//!
+//! # Turns
+//!
+//! One [`Connections`] serves every route of a router. A message takes a
+//! *turn* before it takes a connection, from a fair semaphore
+//! ([`tokio::sync::Semaphore`] hands out permits in the order they were
+//! asked for) with one permit per connection of the pool, less those the
+//! router's relay and metrics poll use (so that messages that keep the
+//! pool busy never starve them: with every connection taken by messages,
+//! the poll waited out a whole 30 s run for one). It holds the turn as
+//! long as it holds the connection, and gives both up together. So
+//! when the routes want more connections than the pool has, the waiting
+//! messages are served first come, first served, across routes: a route
+//! cannot keep the connections it has for its own next messages while
+//! another route's messages wait (before, two routes at 8 in flight on a
+//! pool of 10 left some messages waiting out the pool's whole 30 s acquire
+//! timeout while hundreds of later ones were served).
+//!
+//! A turn waits at most the pool's `acquire_timeout`, and then fails as the
+//! pool would (`PoolTimedOut`: the message is held as if the database were
+//! away). A message that waits longer than [`WARN_AFTER`] is warned about
+//! (at most every [`WARN_EVERY`]), naming the connections the messages may
+//! use and how many messages wait, and every wait is recorded (`idem_connection_wait_seconds`,
+//! [`Stats::longest_connection_wait`](crate::Stats::longest_connection_wait)).
+//!
+//! # Reuse
 //!
 //! sqlx's pool checks a connection's liveness on every acquire by default
-//! (`test_before_acquire`): one extra round trip per message. A route hands a
-//! connection whose last transaction ended cleanly straight to its next
-//! message instead, for as long as it was used in the last 250 ms. A route
-//! never hoards connections: it keeps at most its fair share of the pool
-//! (the pool's size divided by the router's routes), and a sweeper gives
-//! back what falls idle.
+//! (`test_before_acquire`): one extra round trip per message. A connection
+//! whose last transaction ended cleanly goes, with its turn given up, to a
+//! list of idle connections that the next message to get a turn takes,
+//! whatever its route, for as long as it was used in the last 250 ms; a
+//! sweeper gives back what falls idle longer. A turn is given up only after
+//! its connection is in the list, and a kept connection holds no turn, so
+//! the turns in use plus the idle connections never exceed the turns there
+//! are: a message with a turn finds a connection in the list or in the
+//! pool (unless something outside the router holds the pool's connections). The
+//! session of a kept connection holds idem's prepared statements, the same
+//! for every route of a router (see `transaction::Begin`).
+//!
+//! # Never back to the pool in an unknown state
 //!
 //! A connection in use is a [`Leased`] guard. Only [`Leased::keep`] keeps
 //! it for reuse; dropped any other way (an error, a timeout, a panic, a task
 //! aborted at shutdown), the connection is **closed**, never returned to the
 //! pool in a state nobody knows: it may be inside a transaction, or halfway
 //! through a statement. So the router never needs to close the
-//! application's pool to stay safe.
+//! application's pool to stay safe. Neither the turn nor the connection is
+//! ever awaited around BEGIN or COMMIT: both are taken before the
+//! transaction begins.
 //!
 //! When a kept connection turns out dead (the server restarted, or ended
 //! it), [`Connections::forget_idle`] gives all the others back to the pool,
@@ -22,39 +58,77 @@
 //! one dead kept connection after another.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, Postgres};
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 /// How long a connection may sit unused and still skip the pool's check.
 const REUSE_WITHIN: Duration = Duration::from_millis(250);
+
+/// A message that has waited this long for its turn is warned about.
+const WARN_AFTER: Duration = Duration::from_secs(5);
+
+/// At most one such warning per this long; the rest go to `debug`.
+const WARN_EVERY: Duration = Duration::from_secs(30);
 
 type Idle = Vec<(PoolConnection<Postgres>, Instant)>;
 
 pub(crate) struct Connections {
     pool: PgPool,
-    keep_at_most: usize,
+    /// One permit per connection the router's messages may use, handed
+    /// out first come, first served.
+    turns: Semaphore,
+    /// The turns there are.
+    size: usize,
+    /// When a long wait was last warned about.
+    warned_at: Mutex<Option<Instant>>,
+    /// Messages waiting for a turn now, for the warning.
+    waiting: AtomicUsize,
+    /// How long a turn may be waited for: the pool's acquire timeout.
+    wait_at_most: Duration,
     idle: Mutex<Idle>,
 }
 
 impl Connections {
-    /// Starts keeping connections for one route; the sweeper stops when the
-    /// route drops its `Arc`.
-    pub(crate) fn start(pool: PgPool, keep_at_most: usize) -> Arc<Self> {
+    /// Starts handing out up to `turns` of `pool`'s connections (at least
+    /// one) to one router's messages; the sweeper stops when the router
+    /// drops its `Arc`.
+    pub(crate) fn start(pool: PgPool, turns: usize) -> Arc<Self> {
+        let size = turns.max(1);
         let connections = Arc::new(Self {
+            wait_at_most: pool.options().get_acquire_timeout(),
             pool,
-            keep_at_most,
+            turns: Semaphore::new(size),
+            size,
+            warned_at: Mutex::new(None),
+            waiting: AtomicUsize::new(0),
             idle: Mutex::new(Vec::new()),
         });
         tokio::spawn(sweep(Arc::downgrade(&connections)));
         connections
     }
 
-    /// A connection used cleanly moments ago, or one from the pool.
-    pub(crate) async fn take(&self) -> Result<Leased<'_>, sqlx::Error> {
+    /// The pool the connections come from.
+    pub(crate) fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// A connection for one message (or batch), once its turn comes: one
+    /// used cleanly moments ago, or one from the pool. `waited` is told how
+    /// long the turn took (its route records it).
+    pub(crate) async fn take(
+        &self,
+        waited: impl FnOnce(Duration),
+    ) -> Result<Leased<'_>, sqlx::Error> {
+        let asked = Instant::now();
+        let turn = self.turn(asked).await;
+        waited(asked.elapsed());
+        let turn = turn?;
         let kept = {
             let mut idle = self.lock();
             let stale = drain_stale(&mut idle);
@@ -63,7 +137,7 @@ impl Connections {
             drop(stale);
             kept
         };
-        // A kept connection began a transaction of the route's before, so
+        // A kept connection began a transaction of the router's before, so
         // its session holds the prepared statements (see `transaction`).
         let (connection, prepared) = match kept {
             Some((connection, _)) => (connection, true),
@@ -73,7 +147,73 @@ impl Connections {
             connection: Some(connection),
             home: self,
             prepared,
+            _turn: turn,
         })
+    }
+
+    /// Waits for a turn, first come, first served: warns once the wait
+    /// passes [`WARN_AFTER`], and gives up at the pool's acquire timeout.
+    async fn turn(&self, asked: Instant) -> Result<SemaphorePermit<'_>, sqlx::Error> {
+        let waiting = Waiting::count(&self.waiting);
+        let mut warned = false;
+        let turn = self.turns.acquire();
+        tokio::pin!(turn);
+        loop {
+            let until = if warned {
+                asked + self.wait_at_most
+            } else {
+                asked + WARN_AFTER.min(self.wait_at_most)
+            };
+            match tokio::time::timeout_at(until.into(), &mut turn).await {
+                Ok(Ok(turn)) => return Ok(turn),
+                // Never closed.
+                Ok(Err(_)) => return Err(sqlx::Error::PoolClosed),
+                Err(_) if warned || asked.elapsed() >= self.wait_at_most => {
+                    return Err(sqlx::Error::PoolTimedOut);
+                }
+                Err(_) => {
+                    warned = true;
+                    self.warn_of_a_long_wait(waiting.now());
+                }
+            }
+        }
+    }
+
+    /// Warns that a message has waited [`WARN_AFTER`] for its turn, at most
+    /// once per [`WARN_EVERY`] (then at `debug`).
+    fn warn_of_a_long_wait(&self, waiting: usize) {
+        let now = Instant::now();
+        let due = {
+            let mut warned_at = self
+                .warned_at
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let due = warned_at.is_none_or(|at| now.duration_since(at) >= WARN_EVERY);
+            if due {
+                *warned_at = Some(now);
+            }
+            due
+        };
+        if due {
+            tracing::warn!(
+                waited_s = WARN_AFTER.as_secs(),
+                connections = self.size,
+                waiting,
+                "a message has waited {}s for a database connection: all {} connections the router's messages may use are taken, and {} message(s) wait for one, served in the order they asked; a message gives up after the pool's acquire timeout ({}s) and is held. The pool is smaller than the routes' concurrency: see `idem_connection_wait_seconds` (this warning at most every {}s)",
+                WARN_AFTER.as_secs(),
+                self.size,
+                waiting,
+                self.wait_at_most.as_secs(),
+                WARN_EVERY.as_secs()
+            );
+        } else {
+            tracing::debug!(
+                connections = self.size,
+                waiting,
+                "a message has waited {}s for a database connection",
+                WARN_AFTER.as_secs()
+            );
+        }
     }
 
     /// Gives every kept connection back to the pool, which checks each
@@ -90,12 +230,36 @@ impl Connections {
     }
 }
 
-/// A connection in use. Dropped without [`Leased::keep`], it is closed.
+/// Counts a message among those waiting for a turn while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn count(waiting: &'a AtomicUsize) -> Self {
+        waiting.fetch_add(1, Ordering::Relaxed);
+        Waiting(waiting)
+    }
+
+    fn now(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A connection in use, with its message's turn. Dropped without
+/// [`Leased::keep`], it is closed.
 pub(crate) struct Leased<'a> {
     connection: Option<PoolConnection<Postgres>>,
     home: &'a Connections,
     /// Whether the session holds idem's prepared statements.
     prepared: bool,
+    /// Given up when the guard drops, after the connection is kept or
+    /// closed.
+    _turn: SemaphorePermit<'a>,
 }
 
 impl Leased<'_> {
@@ -105,17 +269,15 @@ impl Leased<'_> {
         std::mem::replace(&mut self.prepared, true)
     }
 
-    /// Keeps the connection for the route's next message: its last
-    /// transaction ended cleanly. Past the route's share it goes back to the
-    /// pool instead.
+    /// Keeps the connection for the next message to get a turn: its last
+    /// transaction ended cleanly.
     pub(crate) fn keep(mut self) {
         let Some(connection) = self.connection.take() else {
             return;
         };
-        let mut idle = self.home.lock();
-        if idle.len() < self.home.keep_at_most {
-            idle.push((connection, Instant::now()));
-        }
+        // Into the list before the turn is given up (when `self` drops), so
+        // that the message the turn goes to finds it there.
+        self.home.lock().push((connection, Instant::now()));
     }
 }
 

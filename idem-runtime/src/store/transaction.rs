@@ -180,7 +180,16 @@ impl Begin {
         let check_client_connection = session.check_client_connection;
         let level = session.commit_level.as_str();
         let mut bounds = String::new();
-        let mut statements = vec![CLAIM, CHECK, DURABLE];
+        // Every route of a router prepares the same statements, whether it
+        // bounds its transactions or not: its connections go to the other
+        // routes' messages too (see `store/connections.rs`), and a kept
+        // connection counts as prepared.
+        let bounds_statement = if check_client_connection {
+            BOUNDS_AND_CLIENT_CHECK
+        } else {
+            BOUNDS
+        };
+        let statements = [CLAIM, CHECK, DURABLE, bounds_statement];
         if let Some(timeout) = handler_timeout {
             let millis = timeout.as_millis().max(1);
             // The idle bound waits a little longer than the handler may take,
@@ -193,11 +202,9 @@ impl Begin {
                 bounds.push_str(&format!(
                     "; EXECUTE {name}('{millis}', '{idle}', '{check}')"
                 ));
-                statements.push(BOUNDS_AND_CLIENT_CHECK);
             } else {
                 let (name, ..) = BOUNDS;
                 bounds.push_str(&format!("; EXECUTE {name}('{millis}', '{idle}')"));
-                statements.push(BOUNDS);
             }
         }
         bounds.push_str(&format!("; EXECUTE {}('{level}')", DURABLE.0));
@@ -536,6 +543,15 @@ mod tests {
                 .commit
                 .starts_with("EXECUTE idem_check_v2('remote_apply')")
         );
+    }
+
+    #[test]
+    fn routes_with_and_without_bounds_prepare_the_same_statements() {
+        for check in [false, true] {
+            let bounded = Begin::new(Some(Duration::from_secs(2)), session(check));
+            let unbounded = Begin::new(None, session(check));
+            assert_eq!(bounded.prepare, unbounded.prepare);
+        }
     }
 
     #[test]

@@ -5,12 +5,14 @@
 //! - `postgres`: restarts, outages and a missing dedup table.
 //! - `connections`: dead kept connections and lost prepared statements.
 //! - `locks`: statements stuck on a lock.
+//! - `pool`: a pool smaller than the routes' concurrency.
 //! - `nats`: the route's consumer deleted under it.
 //! - `pull_requests`: the limits a consumer puts on pull requests.
 
 mod connections;
 mod locks;
 mod nats;
+mod pool;
 mod postgres;
 mod pull_requests;
 

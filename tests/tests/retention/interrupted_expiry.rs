@@ -3,8 +3,9 @@
 //! Each test ends a purge's session between two of its steps (with
 //! `pg_terminate_backend` from another session, through the
 //! `fault-injection` hook, or aimed at the purge's backend while its
-//! `DETACH ... CONCURRENTLY` waits), checks that the catalog was left in the
-//! state that step leaves, and then runs purges beside fresh claims for a
+//! `DETACH ... CONCURRENTLY`, or the `DROP` of a generation's piece, waits
+//! for a lock), checks that the catalog was left in the state that step
+//! leaves, and then runs purges beside fresh claims for a
 //! few seconds: every later run must succeed, the interrupted generation
 //! must be finished, later generations must expire on time, a claim inside
 //! the retention must still be a duplicate, and the claims of a handler
@@ -161,14 +162,24 @@ async fn run_purges_after(setup: &Setup, period: Duration) -> Recovery {
         .await
         .unwrap();
         recovery.overdue = recovery.overdue.max(overdue);
-        if let Some(&(earlier, _)) = made
+        if let Some(&(earlier, at)) = made
             .iter()
             .rev()
             .find(|(_, at)| at.elapsed() >= Duration::from_secs(1))
         {
+            let age = at.elapsed();
+            let fresh = claim_once(pool, setup.expiring, &key(earlier)).await;
             assert!(
-                !claim_once(pool, setup.expiring, &key(earlier)).await,
-                "a claim made a second ago, inside the retention, is still a duplicate"
+                !fresh,
+                "a claim made a second ago, inside the retention, is still a duplicate: \
+                 claim {earlier}, made {age:?} before this check (retention {RETENTION:?}); \
+                 its generations now: {:?}",
+                sqlx::query_as::<_, (i32, Option<f64>)>(
+                    "SELECT gen, extract(epoch FROM now() - sealed_at)::float8 FROM idem_generations ORDER BY gen"
+                )
+                .fetch_all(pool)
+                .await
+                .unwrap()
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -389,6 +400,235 @@ async fn a_purge_ended_after_rotating_is_finished_by_the_next() {
     assert_eq!(recorded, (true, false), "in transition, nothing recorded");
     let recovery = run_purges_after(&setup, Duration::from_secs(7)).await;
     assert_recovered(&setup, &recovery).await;
+}
+
+/// The pieces of generation `generation`'s partition, by name.
+async fn pieces_of(pool: &PgPool, generation: i32) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT inhrelid::regclass::text FROM pg_inherits
+          WHERE inhparent = to_regclass($1) ORDER BY 1",
+    )
+    .bind(format!("idem_claims_g{generation}"))
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// The claims of each handler in generation 2, for the tests of pieces.
+const EXPIRING_KEY_2: u64 = 21;
+const KEPT_KEY_2: u64 = 22;
+
+/// [`setup`], with the database's piece size set to 8 KiB, so that the
+/// first rotation makes generation 2 of several pieces (by generation 1's
+/// size); a claim of each handler in it. Returns its pieces.
+async fn setup_with_pieces() -> (Setup, Vec<String>) {
+    let setup = setup().await;
+    let pool = &setup.pool;
+    // For the sessions that begin from now on: each purge run's.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DO $$BEGIN EXECUTE format('ALTER DATABASE %I SET {} = 8192', current_database()); END$$",
+        expiry::PIECE_BYTES_SETTING
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+    let first_bytes: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('idem_claims_g1')")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(rotate_and_seal(pool).await, 2);
+    let pieces = pieces_of(pool, 2).await;
+    assert_eq!(
+        pieces.len() as u32,
+        expiry::pieces_for(first_bytes.unsigned_abs(), 8192),
+        "generation 2 is made of pieces, by generation 1's size ({first_bytes} bytes): {pieces:?}"
+    );
+    assert!(pieces.len() >= 3, "{pieces:?}");
+    assert!(claim_once(pool, setup.expiring, &key(EXPIRING_KEY_2)).await);
+    assert!(claim_once(pool, setup.kept, &key(KEPT_KEY_2)).await);
+    assert_eq!(generations_of(pool, &key(EXPIRING_KEY_2)).await, vec![2]);
+    (setup, pieces)
+}
+
+/// Runs purges (generation 1, one table, expires on the way) until
+/// generation 2 is due within `margin`.
+async fn purge_until_generation_2_due_within(pool: &PgPool, margin: Duration) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(Instant::now() < deadline, "generation 2 never came due");
+        let due: bool = sqlx::query_scalar(
+            "SELECT coalesce(bool_or(sealed_at <= now() - $1::bigint * interval '1 millisecond'), false)
+               FROM idem_generations WHERE gen = 2",
+        )
+        .bind((RETENTION - margin).as_millis() as i64)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if due {
+            return;
+        }
+        let report = expiry::purge(pool).await.unwrap();
+        assert!(!report.expired.contains(&2), "{report:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The purges after an interruption dropped generation 2's remaining
+/// pieces and forgot it, and kept expiring on time.
+async fn assert_generation_2_recovered(setup: &Setup, recovery: &Recovery) {
+    let pool = &setup.pool;
+    assert_eq!(
+        (recovery.failures, &recovery.last_error),
+        (0, &None),
+        "every purge after the interruption succeeds"
+    );
+    assert_eq!(recovery.overdue, 0, "no generation stays past its expiry");
+    assert!(
+        recovery.expired.len() >= 3 && recovery.expired.contains(&2),
+        "generation 2 and later ones expire: {:?}",
+        recovery.expired
+    );
+    assert_eq!(partition(pool, "idem_claims_g2").await, (false, false));
+    let left_over: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_class WHERE relname LIKE 'idem\\_claims\\_g2\\_%'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(left_over, 0, "no piece of generation 2 is left");
+    assert!(
+        !generation_known(pool, 2).await,
+        "generation 2 is forgotten"
+    );
+    assert!(
+        !claim_once(pool, setup.kept, &key(KEPT_KEY_2)).await,
+        "the claim of the handler without retention is kept"
+    );
+    assert!(
+        claim_once(pool, setup.expiring, &key(EXPIRING_KEY_2)).await,
+        "the expired claim is gone: claimed again"
+    );
+}
+
+/// Cut short between two pieces of an expiring generation: generation 2,
+/// made of pieces, is detached, and its pieces are dropped one at a time;
+/// the purge's session ends after the first. The next runs drop the rest
+/// and forget it.
+#[tokio::test]
+async fn a_purge_ended_between_the_pieces_of_a_generation_is_finished_by_the_next() {
+    let (setup, pieces) = setup_with_pieces().await;
+    let pool = &setup.pool;
+    purge_until_generation_2_due_within(pool, Duration::from_millis(300)).await;
+    let error = loop {
+        match expiry::purge_ending_session_at(pool, Step::PieceDropped).await {
+            Err(error) => break error.to_string(),
+            // Not quite due yet: nothing reached the step.
+            Ok(report) => assert!(!report.expired.contains(&2), "{report:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_session_ended(&error);
+    assert_eq!(
+        partition(pool, "idem_claims_g2").await,
+        (true, false),
+        "detached, not dropped"
+    );
+    let left = pieces_of(pool, 2).await;
+    assert_eq!(
+        left.len(),
+        pieces.len() - 1,
+        "one piece dropped, the others left: {left:?} of {pieces:?}"
+    );
+    assert!(generation_known(pool, 2).await);
+    assert!(
+        !generation_known(pool, 1).await,
+        "generation 1 expired before"
+    );
+    let recovery = run_purges_after(&setup, Duration::from_secs(7)).await;
+    assert_generation_2_recovered(&setup, &recovery).await;
+}
+
+/// Cut short inside the `DROP` of a piece: the purge's backend is
+/// terminated while its `DROP` of generation 2's last piece waits for a
+/// session that reads that piece, after the pieces before it went. The
+/// piece is left, with the generation detached, and the next runs finish.
+/// (Generation 2 is detached by a purge ended there first.)
+#[tokio::test]
+async fn a_purge_ended_inside_the_drop_of_a_piece_is_finished_by_the_next() {
+    let (setup, pieces) = setup_with_pieces().await;
+    let pool = &setup.pool;
+    purge_until_generation_2_due_within(pool, Duration::from_millis(300)).await;
+    // Ended once generation 2 is detached, before any piece goes: a reader
+    // of its last piece (which no claim can see now) then holds up that
+    // piece's DROP, and nothing before it (the pieces go in name order).
+    let error = loop {
+        match expiry::purge_ending_session_at(pool, Step::Detached).await {
+            Err(error) => break error.to_string(),
+            Ok(report) => assert!(!report.expired.contains(&2), "{report:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_session_ended(&error);
+    assert_eq!(partition(pool, "idem_claims_g2").await, (true, false));
+    assert_eq!(pieces_of(pool, 2).await, pieces);
+    let last = pieces.last().unwrap().clone();
+    let mut reader = PgConnection::connect(setup.env.database_url())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SELECT count(*) FROM {last}"
+    )))
+    .execute(&mut reader)
+    .await
+    .unwrap();
+    let purging = tokio::spawn({
+        let pool = pool.clone();
+        async move { expiry::purge(&pool).await }
+    });
+    let dropping = statement_waiting(pool, &format!("DROP TABLE {last}")).await;
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
+        .bind(dropping)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert!(ended);
+    let error = purging.await.unwrap().expect_err("the purge was cut short");
+    assert_session_ended(&error.to_string());
+    assert_eq!(
+        partition(pool, "idem_claims_g2").await,
+        (true, false),
+        "detached, not dropped"
+    );
+    assert_eq!(
+        pieces_of(pool, 2).await,
+        vec![last],
+        "the pieces before the last went; the last is left"
+    );
+    sqlx::raw_sql("COMMIT").execute(&mut reader).await.unwrap();
+    let recovery = run_purges_after(&setup, Duration::from_secs(7)).await;
+    assert_generation_2_recovered(&setup, &recovery).await;
+}
+
+/// The backend of a purge whose `statement` waits for a lock.
+async fn statement_waiting(pool: &PgPool, statement: &str) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(4);
+    loop {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE query = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(statement)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        if let Some(pid) = pid {
+            return pid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no purge's `{statement}` waits for a lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Runs purges until one rotates, and ends its session at `step`.
