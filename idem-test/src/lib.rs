@@ -66,7 +66,7 @@
 //!
 //! When a handler is not safe, the assertion fails and says which faults
 //! ran, what showed that each one happened, and which messages they
-//! touched. The [guide](guide) walks through it.
+//! touched. The [guide] walks through it.
 //!
 //! # The parts
 //!
@@ -82,7 +82,7 @@
 //! - [`Settled`]: assertions on your tables (effects, duplicates by a key,
 //!   sums) and on idem's side (claims, dead letters, what was published,
 //!   replies).
-//! - [`unit`]: a handler's body without servers of NATS: a transaction on
+//! - [`unit`](mod@unit): a handler's body without NATS: a transaction on
 //!   the test database and the outbox rows the call queued.
 //! - [`harness`]: the servers and proxies underneath, for tests that drive
 //!   them by hand.
