@@ -117,7 +117,7 @@ pub async fn credit(
     Ok(())
 }
 
-/// The service's router: [`credit`] on `ledger.credit`, creating the
+/// The service's router: [`credit()`] on `ledger.credit`, creating the
 /// stream if it is missing.
 pub fn router(fees: Fees) -> Router<Ledger> {
     Router::with_state(Ledger { fees }).route(
