@@ -60,8 +60,8 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps "${locked[@]}"
 
 # The published crates must publish: every dependency has a version, the
 # metadata and the files a crate needs are in it, and crates.io's index
-# resolves them (the three are packaged together, so idem-runtime finds the
-# idem-macros it is packaged with). A dry run: nothing is uploaded. It reads
+# resolves them (they are packaged together, so idem-runtime finds the
+# idem-macros it is packaged with, and idem-test its idem-test-macros). A dry run: nothing is uploaded. It reads
 # crates.io's index over HTTP (about 8 s; the build above needed crates.io
 # anyway). --no-verify: a verification build of the packages compiles every
 # dependency again, under the packaged manifests' profile (minutes on 2
@@ -69,7 +69,8 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps "${locked[@]}"
 # Listed by name: `--workspace` would also take the members marked
 # `publish = false`.
 step "cargo publish --dry-run (the published crates)"
-cargo publish --dry-run --no-verify -p idem-macros -p idem-runtime -p idem-cli --allow-dirty "${locked[@]}"
+cargo publish --dry-run --no-verify -p idem-macros -p idem-runtime -p idem-cli \
+    -p idem-test-macros -p idem-test --allow-dirty "${locked[@]}"
 
 # nextest and the doctests build with the same (test) profile and features,
 # so the second step reuses the first step's dependencies.

@@ -1,9 +1,18 @@
 //! Fault injection for tests (feature `fault-injection`). Never enable it in
 //! production: its hooks make the runtime misbehave on purpose.
+//!
+//! The hooks see a message at three points of its path: when a delivery of
+//! it is prepared ([`FaultHooks::on_delivery`]), when a handler call
+//! returns, before the transaction ends ([`FaultHooks::after_handler`]),
+//! and after a successful COMMIT, before the ack
+//! ([`FaultHooks::after_commit`]). `idem-test` builds its faults on them.
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
+use crate::error::ErrorClass;
 use crate::handler::delivery::Delivery;
 
 /// What the runtime does after a commit, as decided by a test hook.
@@ -14,6 +23,52 @@ pub enum AfterCommit {
     /// Act as if the process died between COMMIT and ack: never ack, NAK or
     /// TERM the message, so JetStream redelivers it after ack_wait.
     DropWithoutAck,
+}
+
+/// What becomes of a handler call that returned, before its transaction
+/// ends, as decided by a test hook ([`FaultHooks::after_handler`]).
+pub enum AfterHandler {
+    /// Go on with what the handler returned.
+    Return,
+    /// Fail the call although the handler returned `Ok`: its transaction
+    /// rolls back, and the failure takes the path of `class` (retried,
+    /// NAKed with backoff, or dead-lettered). Whatever the body did outside
+    /// its transaction stays done, as after a real failure.
+    Fail {
+        /// The class the failure is handled by.
+        class: ErrorClass,
+        /// The failure's text, in logs and dead letters.
+        reason: String,
+    },
+    /// Wait for this future before the call returns, as under a slow
+    /// handler: the transaction and its claim stay open meanwhile (without
+    /// the route's heartbeats, ack_wait can expire and the message be
+    /// redelivered). The handler timeout does not cover the wait.
+    Wait(Pin<Box<dyn Future<Output = ()> + Send>>),
+}
+
+impl fmt::Debug for AfterHandler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AfterHandler::Return => f.write_str("Return"),
+            AfterHandler::Fail { class, reason } => f
+                .debug_struct("Fail")
+                .field("class", class)
+                .field("reason", reason)
+                .finish(),
+            AfterHandler::Wait(_) => f.write_str("Wait(..)"),
+        }
+    }
+}
+
+/// The failure an [`AfterHandler::Fail`] hook injects.
+#[derive(Debug, thiserror::Error)]
+#[error("injected by a fault hook: {reason}")]
+pub struct InjectedFailure {
+    /// The class it is handled by.
+    pub class: ErrorClass,
+    /// Why, as the hook said.
+    pub reason: String,
 }
 
 /// What an outbox relay does after a cycle's PubAcks, as decided by a test
@@ -28,11 +83,16 @@ pub enum AfterPubAcks {
 }
 
 type AfterCommitHook = dyn Fn(&Delivery) -> AfterCommit + Send + Sync;
+type AfterHandlerHook = dyn Fn(&Delivery) -> AfterHandler + Send + Sync;
+type OnDeliveryHook = dyn Fn(&Delivery) + Send + Sync;
 
-/// Hooks that inject faults into a router's message pipeline.
+/// Hooks that inject faults into a router's message pipeline. Install them
+/// with `Router::fault_hooks`.
 #[derive(Clone, Default)]
 pub struct FaultHooks {
     pub(crate) after_commit: Option<Arc<AfterCommitHook>>,
+    pub(crate) after_handler: Option<Arc<AfterHandlerHook>>,
+    pub(crate) on_delivery: Option<Arc<OnDeliveryHook>>,
 }
 
 impl FaultHooks {
@@ -45,10 +105,65 @@ impl FaultHooks {
         self
     }
 
+    /// Calls `hook` when a handler call for a message returns, before its
+    /// transaction ends (per message, for each message of a batch, and for
+    /// each message of a batch handler's call).
+    pub fn after_handler(
+        mut self,
+        hook: impl Fn(&Delivery) -> AfterHandler + Send + Sync + 'static,
+    ) -> Self {
+        self.after_handler = Some(Arc::new(hook));
+        self
+    }
+
+    /// Calls `hook` for every delivery once its message id is resolved,
+    /// before anything is claimed: what a test watches to see a
+    /// redelivery arrive.
+    pub fn on_delivery(mut self, hook: impl Fn(&Delivery) + Send + Sync + 'static) -> Self {
+        self.on_delivery = Some(Arc::new(hook));
+        self
+    }
+
     pub(crate) fn decide_after_commit(&self, delivery: &Delivery) -> AfterCommit {
         self.after_commit
             .as_ref()
             .map_or(AfterCommit::Ack, |hook| hook(delivery))
+    }
+
+    pub(crate) fn saw_delivery(&self, delivery: &Delivery) {
+        if let Some(hook) = &self.on_delivery {
+            hook(delivery);
+        }
+    }
+
+    /// Applies the after-handler hook to a call's outcome, for each of
+    /// `deliveries` (more than one for a batch handler's call).
+    pub(crate) async fn apply_after_handler<T>(
+        &self,
+        deliveries: &[Delivery],
+        outcome: Result<T, crate::error::HandlerError>,
+    ) -> Result<T, crate::error::HandlerError> {
+        let Some(hook) = &self.after_handler else {
+            return outcome;
+        };
+        let mut failure = None;
+        for delivery in deliveries {
+            match hook(delivery) {
+                AfterHandler::Return => {}
+                AfterHandler::Wait(wait) => wait.await,
+                AfterHandler::Fail { class, reason } => {
+                    failure.get_or_insert(InjectedFailure { class, reason });
+                }
+            }
+        }
+        match (outcome, failure) {
+            (Ok(_), Some(failure)) => {
+                tracing::warn!(%failure, "fault injection: failing a handler call that returned Ok");
+                let class = failure.class;
+                Err(crate::error::HandlerError::classified(failure, Some(class)))
+            }
+            (outcome, _) => outcome,
+        }
     }
 }
 
@@ -56,6 +171,8 @@ impl fmt::Debug for FaultHooks {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FaultHooks")
             .field("after_commit", &self.after_commit.is_some())
+            .field("after_handler", &self.after_handler.is_some())
+            .field("on_delivery", &self.on_delivery.is_some())
             .finish()
     }
 }

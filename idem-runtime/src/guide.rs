@@ -24,6 +24,10 @@
 //!    dashboard and tracing across services.
 //! 10. [Performance](performance): what idem costs against hand-written
 //!     consumers, and the benchmark results.
+//!
+//! *Testing your handlers*, how to prove your own handlers exactly-once
+//! under the faults that break them, is the guide of the `idem-test` crate,
+//! the kit it describes (a dev-dependency).
 
 #[doc = include_str!("../docs/guide/writing-handlers.md")]
 pub mod writing_handlers {}

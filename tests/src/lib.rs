@@ -1,6 +1,11 @@
 //! Test harness for idem's integration tests: a real `nats-server` with
 //! JetStream and a real PostgreSQL for every test.
 //!
+//! The servers, the cluster and the COMMIT-cutting proxy are `idem-test`'s
+//! ([`idem_test::harness`], what users' tests run on too), re-exported here
+//! under the paths idem's tests have always used; this crate adds the
+//! fixtures only idem's own suite needs.
+//!
 //! Each test gets servers of its own, on loopback, with random ports and
 //! temp dirs, so tests run in parallel under both `cargo nextest run` (a
 //! process per test) and `cargo test` (a thread per test). Servers are
@@ -62,30 +67,21 @@
 
 pub mod ack_events;
 pub mod claims;
-mod cluster;
 pub mod fault_proxy;
 mod logs;
-mod nats;
-pub mod pg_proxy;
-mod postgres;
-mod process;
-pub use process::die_with_test;
 pub mod scenario;
 pub mod seeded;
-
-use std::future::Future;
-use std::panic::Location;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use async_nats::jetstream;
 use tokio::sync::OnceCell;
 
-pub use crate::cluster::{ClusterEnv, NatsCluster, create_idem_streams_r3};
 pub use crate::fault_proxy::FaultProxy;
 pub use crate::logs::{Logs, capture_logs};
-pub use crate::nats::NatsServer;
-pub use crate::postgres::Postgres;
+pub use idem_test::harness::pg_proxy;
+pub use idem_test::harness::{
+    ClusterEnv, NatsCluster, NatsServer, Postgres, create_idem_streams_r3, die_with_test,
+    eventually, init_tracing, unique_name,
+};
 
 /// A NATS server and a PostgreSQL database for one test.
 ///
@@ -249,51 +245,6 @@ pub async fn consumer_info(
         .unwrap_or_else(|e| panic!("cannot get info of consumer {consumer} on {stream}: {e}"))
 }
 
-/// Polls `condition` every 20 ms until it returns `true`; `what` says what
-/// is awaited, for the message if it never comes.
-///
-/// Accepts async closures (`async || ...`) and closures returning a future
-/// (`|| async { ... }`).
-///
-/// # Panics
-///
-/// If `condition` is still `false` after `timeout`. The message names the
-/// caller's file and line, and `what`.
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
-/// use std::sync::atomic::{AtomicU32, Ordering};
-/// use std::time::Duration;
-///
-/// let polls = AtomicU32::new(0);
-/// idem_tests::eventually("the third poll", Duration::from_secs(1), async || {
-///     polls.fetch_add(1, Ordering::SeqCst) >= 2
-/// })
-/// .await;
-/// assert_eq!(polls.load(Ordering::SeqCst), 3);
-/// # }
-/// ```
-#[track_caller]
-pub fn eventually<F>(what: &str, timeout: Duration, mut condition: F) -> impl Future<Output = ()>
-where
-    F: AsyncFnMut() -> bool,
-{
-    // An `async fn` cannot be #[track_caller] on stable; take the location
-    // here, before the future exists.
-    let caller = Location::caller();
-    async move {
-        let deadline = tokio::time::Instant::now() + timeout;
-        while !condition().await {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "eventually at {caller}: condition still false after {timeout:?}, waiting for: {what}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
 /// How a test's route batches: each exactly-once scenario runs in all three
 /// (see [`in_every_mode!`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -371,16 +322,6 @@ macro_rules! in_every_mode {
     };
 }
 
-/// A name no other test uses: `prefix` plus a process-unique counter and a
-/// random suffix, e.g. `orders_3_5f2c9a1b`. Only letters, digits and `_`
-/// (given such a prefix), so it is valid as a stream, consumer, subject
-/// token, or SQL identifier. Useful against a shared `NATS_URL` server.
-pub fn unique_name(prefix: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{prefix}_{n}_{:08x}", process::random_u64() as u32)
-}
-
 /// Panics, saying why, if `NATS_URL` or `DATABASE_URL` is set: the calling
 /// test crashes or restarts its servers, which it can only do to servers the
 /// harness runs itself. Call it first in such a test, and mark the test
@@ -416,18 +357,6 @@ pub fn require_own_servers() {
          built as ignored when these variables are set at build time; under CI they must run.)",
         set.join(" and ")
     );
-}
-
-/// Installs a `tracing` subscriber that writes through the test harness's
-/// output capture, filtered by `RUST_LOG` (default `warn`). Safe to call
-/// many times; only the first call in a process has an effect.
-pub fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_test_writer()
-        .try_init();
 }
 
 /// Types the expansion snapshots (`tests/expand/`) and the README's example

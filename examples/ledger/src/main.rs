@@ -4,117 +4,19 @@
 //! It publishes a run of credits, including the two kinds of duplicate the
 //! guide describes (a publisher retry inside JetStream's duplicate window,
 //! which JetStream drops, and one after it, which JetStream stores again),
-//! processes them with an `#[idempotent]` handler, and checks every balance
-//! against the sum of the unique credits, less their fees.
-//!
-//! The handler takes the fee schedule from the service's state
-//! ([`Router::with_state`], [`State`]): loaded from the database once at
-//! start-up and shared by every delivery, rather than kept in a `static`.
+//! processes them with the service's `#[idempotent]` handler (in
+//! `src/lib.rs`), and checks every balance against the sum of the unique
+//! credits, less their fees.
 //!
 //! Run it with `scripts/demo.sh`, which starts nats-server and PostgreSQL on
 //! loopback unless `NATS_URL` and `DATABASE_URL` are set.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream;
 use clap::Parser;
-use idem_runtime::error::{Classify, ErrorClass};
-use idem_runtime::{FromRef, Route, Router, State, idempotent};
-use serde::{Deserialize, Serialize};
-
-const STREAM: &str = "LEDGER";
-const SUBJECT: &str = "ledger.credit";
-/// Short, so the demo can wait past it to show a retry JetStream cannot catch.
-const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
-
-/// A credit to one account, identified by its transfer.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Credit {
-    transfer_id: String,
-    account: i64,
-    amount: i64,
-}
-
-/// Why a credit failed.
-#[derive(Debug, thiserror::Error)]
-enum LedgerError {
-    #[error("account {0} does not exist")]
-    UnknownAccount(i64),
-    #[error(transparent)]
-    Database(#[from] sqlx::Error),
-}
-
-/// An unknown account will not appear on a retry, so that error is
-/// permanent: the credit is dead-lettered at once instead of retried.
-impl Classify for LedgerError {
-    fn class(&self) -> ErrorClass {
-        match self {
-            LedgerError::UnknownAccount(_) => ErrorClass::Permanent,
-            LedgerError::Database(error) => ErrorClass::of_sqlx(error),
-        }
-    }
-}
-
-/// The service's state: what its handlers need besides the message, made
-/// once at start-up and shared by every delivery. A handler takes a part of
-/// it with `State<T>`; more parts (a client of another service, settings)
-/// would be more fields.
-#[derive(Clone, FromRef)]
-struct Ledger {
-    fees: Fees,
-}
-
-/// The fee schedule: the percentage of each credit that an account pays as
-/// a fee, by account. Read from the `fee_schedule` table at start-up, so a
-/// change takes effect on the next start.
-#[derive(Debug, Clone)]
-struct Fees(Arc<BTreeMap<i64, i64>>);
-
-impl Fees {
-    async fn load(pool: &sqlx::PgPool) -> Result<Fees, sqlx::Error> {
-        let rates = sqlx::query_as::<_, (i64, i64)>("SELECT account, percent FROM fee_schedule")
-            .fetch_all(pool)
-            .await?;
-        Ok(Fees(Arc::new(rates.into_iter().collect())))
-    }
-
-    /// The fee on a credit of `amount` to `account`, in whole units rounded
-    /// down: none for an account without a rate.
-    fn on(&self, account: i64, amount: i64) -> i64 {
-        amount * self.0.get(&account).copied().unwrap_or(0) / 100
-    }
-}
-
-/// Credits an account, less its fee. The dedup key is the transfer id, so a
-/// credit republished under any `Nats-Msg-Id` is still applied once.
-#[idempotent(name = "ledger.credit.v1", key = cmd.transfer_id)]
-async fn credit(
-    tx: &mut sqlx::PgTransaction<'_>,
-    State(fees): State<Fees>,
-    cmd: Credit,
-) -> Result<(), LedgerError> {
-    let fee = fees.on(cmd.account, cmd.amount);
-    let updated = sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
-        .bind(cmd.amount - fee)
-        .bind(cmd.account)
-        .execute(&mut **tx)
-        .await?;
-    if updated.rows_affected() == 0 {
-        return Err(LedgerError::UnknownAccount(cmd.account));
-    }
-    sqlx::query(
-        "INSERT INTO ledger_entries (transfer_id, account, amount, fee) VALUES ($1, $2, $3, $4)",
-    )
-    .bind(&cmd.transfer_id)
-    .bind(cmd.account)
-    .bind(cmd.amount)
-    .bind(fee)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
+use ledger_example::{Credit, DUPLICATE_WINDOW, Fees, STREAM, SUBJECT, credits, prepare_ledger};
 
 /// Runs the ledger service against real servers, publishes credits with
 /// duplicates among them, and checks that each was applied exactly once.
@@ -179,13 +81,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let js = jetstream::new(nats.clone());
 
     // Credits: unique transfers spread over the accounts.
-    let credits: Vec<Credit> = (0..options.credits)
-        .map(|i| Credit {
-            transfer_id: format!("transfer-{i:06}"),
-            account: 1 + (i as i64 % options.accounts),
-            amount: 1 + (i as i64 * 7) % 100,
-        })
-        .collect();
+    let credits: Vec<Credit> = credits(options.credits, options.accounts);
     // What each account must hold, and the fees charged, if every unique
     // credit is applied once.
     let mut expected: BTreeMap<i64, i64> = BTreeMap::new();
@@ -198,18 +94,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     expected.retain(|_, balance| *balance != 0);
 
     // Start the service first, as in production: it creates the stream.
-    let router = Router::with_state(Ledger { fees }).route(
-        Route::new(STREAM, "ledger-credit")
-            .filter_subject(SUBJECT)
-            .create_stream(stream::Config {
-                name: STREAM.into(),
-                subjects: vec!["ledger.>".into()],
-                duplicate_window: DUPLICATE_WINDOW,
-                ..Default::default()
-            })
-            .concurrency(8),
-        credit,
-    );
+    let router = ledger_example::router(fees);
     let handle = router.handle();
     let service = tokio::spawn(router.run(nats.clone(), pool.clone()));
     wait_for_stream(&js).await?;
@@ -333,33 +218,5 @@ async fn wait_for_stream(js: &jetstream::Context) -> Result<(), Box<dyn std::err
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(())
-}
-
-/// A fresh ledger: zeroed accounts and no entries, so each run proves
-/// itself, and a fee schedule in which accounts pay 0, 5 or 10 % by turns.
-async fn prepare_ledger(pool: &sqlx::PgPool, accounts: i64) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql(
-        "DROP TABLE IF EXISTS ledger_entries, fee_schedule, accounts;
-         CREATE TABLE accounts (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
-         CREATE TABLE fee_schedule (
-             account bigint PRIMARY KEY REFERENCES accounts,
-             percent bigint NOT NULL CHECK (percent BETWEEN 0 AND 99));
-         CREATE TABLE ledger_entries (
-             transfer_id text NOT NULL, account bigint NOT NULL,
-             amount bigint NOT NULL, fee bigint NOT NULL);
-         DELETE FROM idem_claims WHERE handler_id IN (SELECT id FROM idem_handlers WHERE name = 'ledger.credit.v1');",
-    )
-    .execute(pool)
-    .await?;
-    sqlx::query("INSERT INTO accounts (id) SELECT generate_series(1, $1)")
-        .bind(accounts)
-        .execute(pool)
-        .await?;
-    sqlx::query(
-        "INSERT INTO fee_schedule (account, percent) SELECT id, 5 * (id % 3) FROM accounts",
-    )
-    .execute(pool)
-    .await?;
     Ok(())
 }

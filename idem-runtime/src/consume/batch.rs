@@ -536,15 +536,20 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 batch.push(payload.take().expect("each payload is used once"));
                 batch_deliveries.push(delivery.clone());
             }
-            self.run_handler(self.handler.handle_batch(
-                &mut tx,
-                batch,
-                &batch_deliveries,
-                &self.state,
-            ))
-            .await
-            .map(|()| keys.len())
-            .map_err(|error| (None, error))
+            let called = self
+                .run_handler(self.handler.handle_batch(
+                    &mut tx,
+                    batch,
+                    &batch_deliveries,
+                    &self.state,
+                ))
+                .await;
+            #[cfg(feature = "fault-injection")]
+            let called = self
+                .faults
+                .apply_after_handler(&batch_deliveries, called)
+                .await;
+            called.map(|()| keys.len()).map_err(|error| (None, error))
         } else {
             self.handle_each(&mut tx, &keys, deliveries, payloads, &fresh)
                 .await
@@ -661,10 +666,13 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // In its message's trace, so that what it queues carries that on.
             #[cfg(feature = "otel")]
             let call = call.instrument(self.span(delivery));
+            let result = self.run_handler_until(deadline, call).await;
+            #[cfg(feature = "fault-injection")]
             let result = self
-                .run_handler_until(deadline, call)
-                .await
-                .map_err(|error| (Some(at), error))?;
+                .faults
+                .apply_after_handler(std::slice::from_ref(delivery), result)
+                .await;
+            let result = result.map_err(|error| (Some(at), error))?;
             if let Some(result) = result {
                 stored_keys.push(key.as_str());
                 results.push(result);

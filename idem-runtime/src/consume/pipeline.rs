@@ -316,6 +316,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         delivery.set_message_id(resolved);
         delivery.set_handler(self.handler.name());
         tracing::Span::current().record("message_id", delivery.message_id().as_str());
+        #[cfg(feature = "fault-injection")]
+        self.faults.saw_delivery(delivery);
         Ok(payload)
     }
 
@@ -567,6 +569,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 self.handler
                     .handle_and_encode(&mut tx, payload, delivery, &self.state),
             )
+            .await;
+        #[cfg(feature = "fault-injection")]
+        let outcome = self
+            .faults
+            .apply_after_handler(std::slice::from_ref(delivery), outcome)
             .await;
         // A value goes into the claim's row before COMMIT; `()` costs nothing.
         // A reply too large to send is refused first (see `consume/reply.rs`).

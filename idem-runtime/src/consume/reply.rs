@@ -345,6 +345,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         tracing::Span::current().record("message_id", id.as_str());
         delivery.set_message_id(id);
         delivery.set_handler(self.handler.name());
+        #[cfg(feature = "fault-injection")]
+        self.faults.saw_delivery(&delivery);
         Ok((payload, delivery))
     }
 

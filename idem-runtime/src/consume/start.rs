@@ -37,6 +37,8 @@ pub(crate) struct Source {
 /// handlers.
 pub(crate) trait Bind: Send + Sync {
     fn route(&self) -> &Route;
+    #[cfg(feature = "fault-injection")]
+    fn route_mut(&mut self) -> &mut Route;
     fn handler_name(&self) -> &'static str;
     fn start(
         self: Box<Self>,
@@ -55,6 +57,11 @@ pub(crate) struct Bound<H, S> {
 impl<S: Send + Sync + 'static, H: Handler<S>> Bind for Bound<H, S> {
     fn route(&self) -> &Route {
         &self.route
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn route_mut(&mut self) -> &mut Route {
+        &mut self.route
     }
 
     fn handler_name(&self) -> &'static str {

@@ -499,6 +499,16 @@ impl Route {
         &self.durable
     }
 
+    /// The stream the route reads.
+    ///
+    /// ```
+    /// let route = idem_runtime::Route::new("LEDGER", "ledger-credit");
+    /// assert_eq!(route.stream_name(), "LEDGER");
+    /// ```
+    pub fn stream_name(&self) -> &str {
+        &self.stream
+    }
+
     /// The heartbeat interval in force, if any.
     pub fn heartbeat_interval(&self) -> Option<Duration> {
         match self.heartbeat {

@@ -275,6 +275,24 @@ impl<S: Send + Sync + 'static> Router<S> {
         self
     }
 
+    /// Passes every JetStream route bound so far through `tune`, which may
+    /// change its settings (tests only: a test that provokes redeliveries
+    /// shortens ack_wait, say). The durable and stream must stay as they
+    /// are: the route's counters are kept under its durable.
+    #[cfg(feature = "fault-injection")]
+    pub fn tune_routes(mut self, mut tune: impl FnMut(Route) -> Route) -> Self {
+        for bound in &mut self.routes {
+            let route = bound.route_mut();
+            let (durable, stream) = (route.durable.clone(), route.stream.clone());
+            *route = tune(route.clone());
+            assert!(
+                route.durable == durable && route.stream == stream,
+                "tune_routes changed the durable or stream of route `{durable}`"
+            );
+        }
+        self
+    }
+
     /// A handle to read counters and stop the router. Take it after adding
     /// the routes.
     pub fn handle(&self) -> RouterHandle {

@@ -61,9 +61,13 @@ impl ServerProcess {
         let err = out.try_clone().expect("dup log file descriptor");
         cmd.stdin(Stdio::null()).stdout(out).stderr(err);
         die_with_test(&mut cmd);
-        let child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {name} ({cmd:?}): {e}"));
+        let child = cmd.spawn().unwrap_or_else(|e| {
+            let hint = match (e.kind(), name) {
+                (io::ErrorKind::NotFound, "nats-server") => super::nats::INSTALL_NATS,
+                _ => "",
+            };
+            panic!("cannot start {name} ({cmd:?}): {e}. {hint}")
+        });
         ServerProcess {
             child,
             name,
@@ -133,7 +137,7 @@ impl ServerProcess {
 
     fn kill_and_reap(&mut self) {
         eprintln!(
-            "idem-tests: {} (pid {}) did not stop in time; sending SIGKILL",
+            "idem-test: {} (pid {}) did not stop in time; sending SIGKILL",
             self.name,
             self.pid()
         );
@@ -272,8 +276,8 @@ pub(crate) fn postgres_os_user() -> Option<(u32, u32)> {
         lookup_user("postgres").unwrap_or_else(|| {
             panic!(
                 "running as root, but there is no `postgres` OS user to run PostgreSQL as \
-                 (initdb refuses to run as root); run scripts/setup.sh, which installs \
-                 postgresql-15 and with it that user"
+                 (initdb refuses to run as root); install PostgreSQL (Debian's postgresql-15 \
+                 creates that user), or run the tests as another user"
             )
         })
     }))

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use sqlx::{Connection, PgConnection, PgPool};
 use tempfile::TempDir;
 
-use crate::process::{
+use super::process::{
     LOG_TAIL_LINES, POLL, STARTUP_TIMEOUT, ServerProcess, as_postgres_user, chown_to_postgres_user,
     free_port, postgres_os_user, random_u64, scratch_root, temp_dir,
 };
@@ -41,7 +41,7 @@ const TEMPLATE_LAYOUT: u32 = 1;
 ///
 /// ```no_run
 /// # async fn demo() {
-/// let mut pg = idem_tests::Postgres::start().await;
+/// let mut pg = idem_test::harness::Postgres::start().await;
 /// let pool = pg.pool().await;
 /// sqlx::query("CREATE TABLE t (id int PRIMARY KEY)").execute(&pool).await.unwrap();
 /// pg.restart_immediate().await; // crash and recover; committed rows stay
@@ -256,7 +256,7 @@ impl Postgres {
     /// The last lines of the server log, for diagnostics.
     pub fn log_tail(&self) -> String {
         match &self.kind {
-            Kind::Owned { log, .. } => crate::process::log_tail(log, LOG_TAIL_LINES),
+            Kind::Owned { log, .. } => super::process::log_tail(log, LOG_TAIL_LINES),
             Kind::External { .. } => "(PostgreSQL is not run by the harness: DATABASE_URL)".into(),
         }
     }
@@ -412,8 +412,11 @@ fn bin(tool: &str) -> PathBuf {
     let path = Path::new(&dir).join(tool);
     assert!(
         path.exists(),
-        "{} not found: install PostgreSQL 15 (scripts/setup.sh does), or set \
-         IDEM_PG_BINDIR to the dir with initdb and postgres",
+        "{} not found. idem-test runs a PostgreSQL server of its own for each test: install \
+         PostgreSQL (on Debian `apt-get install postgresql-15`; this project's scripts/setup.sh \
+         does), and set IDEM_PG_BINDIR to the dir with `initdb` and `postgres` (for example \
+         `$(pg_config --bindir)`) if they are not in {DEFAULT_BINDIR}; or set DATABASE_URL to use \
+         a server you run (each test then gets a database of its own on it)",
         path.display()
     );
     path
@@ -588,7 +591,7 @@ fn build_template(root: &Path, building: &Path) {
         )
     });
     eprintln!(
-        "idem-tests: made the PostgreSQL template {} in {:.2?}",
+        "idem-test: made the PostgreSQL template {} in {:.2?}",
         root.display(),
         started.elapsed()
     );
