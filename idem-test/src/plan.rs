@@ -226,11 +226,19 @@ impl Plan {
             return AfterHandler::Return;
         };
         journal.calls += 1;
-        // A dead-letter-replay message fails every call until it is
-        // dead-lettered, also the call a batch makes again alone after
-        // the failure; its replay (which names its handler) then succeeds.
+        // A dead-letter-replay message fails every call of its first copy
+        // until it is dead-lettered, also the call a batch makes again
+        // alone after the failure; its replay (which names its handler)
+        // then succeeds, and so does a copy stored at another position
+        // (a publisher's retry after the duplicate window, which another
+        // fault may have made): failing it too would dead-letter the
+        // message twice.
         let replay = delivery.headers().get("Idem-Replay-For").is_some();
-        let dead_lettering = journal.fault == Some(Fault::DeadLetterReplay) && !replay;
+        let first_copy = journal.position.as_ref().is_none_or(|(stream, sequence)| {
+            stream == delivery.stream() && *sequence == delivery.stream_sequence()
+        });
+        let dead_lettering =
+            journal.fault == Some(Fault::DeadLetterReplay) && !replay && first_copy;
         if journal.injected && !dead_lettering {
             return AfterHandler::Return;
         }

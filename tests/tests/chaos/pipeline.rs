@@ -145,9 +145,12 @@ const HANDLER_TRANSACTION: &str = "a.backend_xid IS NOT NULL AND EXISTS (
        AND l.relation = 'idem_claims'::regclass)";
 
 /// The condition, on `pg_stat_activity AS a`, that a session is the relay
-/// holding a batch it took and is publishing.
+/// holding a batch it took and is publishing: its last message ran one of
+/// the relay's takes, by the name of its prepared statement (the SQL it
+/// sends is `BEGIN; SET LOCAL ...; EXECUTE idem_relay_take_fresh_v1(..)`,
+/// and only a session's first message holds the statement's text).
 const RELAY_PUBLISHING: &str = "a.state = 'idle in transaction' AND a.backend_xid IS NOT NULL
-    AND a.query LIKE '%SKIP LOCKED%'";
+    AND a.query LIKE '%EXECUTE idem_relay_take_%'";
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Fault {
