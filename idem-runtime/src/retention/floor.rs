@@ -109,6 +109,13 @@
 //! keeps messages forever is refused unless accepted; accepted, the floor is
 //! the redelivery span, 31m 13.2s.
 //!
+//! These are the terms of a route that runs one message per transaction. A
+//! route that batches (the default) counts a batch's claim wait (a handler
+//! timeout) with each later delivery, since a redelivery may wait for the
+//! batch that holds its claim: 12 × (30s + 5m) = 1h 6m, a span of
+//! 1h 31m 13.2s. A default route whose retention fits only the
+//! per-message floor runs per message (and says so at start-up).
+//!
 //! ```
 //! use std::time::Duration;
 //! use idem_runtime::Route;
@@ -119,10 +126,17 @@
 //!     duplicate_window: Duration::from_secs(120),
 //!     ..Default::default()
 //! };
-//! let route = Route::new("LEDGER", "credit").publisher_retry_horizon(Duration::from_secs(60));
+//! let route = Route::new("LEDGER", "credit")
+//!     .per_message()
+//!     .publisher_retry_horizon(Duration::from_secs(60));
 //! let floor = route.retention_floor(&stream);
 //! assert_eq!(floor.value(), Some(Duration::from_secs(7 * 24 * 3600)));
 //! assert!(floor.to_string().ends_with("floor = 0 + max(31m 13.2s, 7d) = 7d"), "{floor}");
+//!
+//! // Batching (the default), each later delivery also counts a batch's claim wait.
+//! let batching = Route::new("LEDGER", "credit").publisher_retry_horizon(Duration::from_secs(60));
+//! let floor = batching.retention_floor(&stream);
+//! assert!(floor.to_string().ends_with("floor = 0 + max(1h 31m 13.2s, 7d) = 7d"), "{floor}");
 //! ```
 //!
 //! # Reply routes
