@@ -25,13 +25,9 @@
 //!   single transaction; if the batch after it fails at its first message
 //!   too (every message fails: a dependency is down), the rest run one per
 //!   transaction, so that the handlers are not run again and again.
-//! - **A conflict** (a deadlock, a serialization failure, or a row lock
-//!   waited for past an adaptive batch's `lock_timeout`, in a handler's
-//!   statement or at COMMIT): the route starts nothing beside a running
-//!   batch for a while (`consume/sizing.rs`), and the batch runs again
-//!   whole, once: the transaction it met has ended or runs alone. If it
-//!   conflicts again (a lock held from outside the route, say), its
-//!   messages run one per transaction.
+//! - **A conflict** (a deadlock or a serialization failure, in a handler's
+//!   statement or at COMMIT): the messages run one per transaction. Tried
+//!   again together, they would meet the same conflict.
 //! - **A batch handler failed, or a COMMIT did not commit** (a handler
 //!   swallowed an error): which message is to blame is not known, so the
 //!   batch is *split*: each half is tried again as a batch, and a half that
@@ -200,29 +196,16 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         if ready.is_empty() {
             return;
         }
-        let Some((failure, mut ready)) = self.commit_batch(ready).await else {
+        let Some((failure, ready)) = self.commit_batch(ready).await else {
             return;
         };
         self.recorder.record(Event::BatchFallback);
-        if !failure.is_conflict() {
+        if failure.is_conflict() {
+            self.sizer.conflicted();
+        } else {
             self.sizer.fell_back();
-            self.fall_back(failure, ready, false).await;
-            return;
         }
-        // A conflict is the moment's, not the messages': the other batch
-        // it met has ended or goes on alone, and the route now starts
-        // nothing beside a running batch. So the batch runs again whole
-        // once; only a second conflict (a lock held from outside the route,
-        // say) runs its messages one per transaction. Running them alone at
-        // once made every conflict cost a batch's worth of transactions in
-        // a row, with nothing else started meanwhile.
-        self.sizer.conflicted();
-        if ready.len() < 2 || !self.decode_again(&mut ready) {
-            self.fall_back(failure, ready, false).await;
-            return;
-        }
-        tracing::info!(%failure, size = ready.len(), "batch conflicted with another transaction; running it again");
-        self.batch_again(ready, false).await;
+        self.fall_back(failure, ready, false).await;
     }
 
     /// Decodes each message, resolves its id and leases it. One that is not
