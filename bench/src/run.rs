@@ -628,7 +628,10 @@ impl Database {
             })?;
         let _ = admin.close().await;
         let url = with_database(&admin_url, &name);
-        let connections = plan.concurrency as u32;
+        // A router leaves one of its pool's connections to its metrics
+        // poll: one more, so that its messages run --concurrency at once,
+        // as the hand-written modes' do.
+        let connections = plan.concurrency as u32 + u32::from(!plan.mode.hand_written());
         let pool = PgPoolOptions::new()
             .max_connections(connections)
             .min_connections(connections)
