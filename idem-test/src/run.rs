@@ -164,13 +164,8 @@ impl<'b> Run<'b> {
         items: impl IntoIterator<Item = T>,
     ) -> Run<'b> {
         for item in items {
-            let id = format!("{subject}#{}", self.next_id);
-            self.next_id += 1;
-            self.messages.push(Message {
-                subject: subject.to_owned(),
-                id,
-                payload: encode(&item),
-            });
+            let message = self.numbered(subject, &item);
+            self.messages.push(message);
         }
         self
     }
@@ -212,15 +207,22 @@ impl<'b> Run<'b> {
         items: impl IntoIterator<Item = T>,
     ) -> Run<'b> {
         for item in items {
-            let id = format!("{subject}#{}", self.next_id);
-            self.next_id += 1;
-            self.requests.push(Message {
-                subject: subject.to_owned(),
-                id,
-                payload: encode(&item),
-            });
+            let request = self.numbered(subject, &item);
+            self.requests.push(request);
         }
         self
+    }
+
+    /// `item` as the run's next message to `subject`, with an id of its
+    /// own (`<subject>#<n>`).
+    fn numbered<T: Serialize>(&mut self, subject: &str, item: &T) -> Message {
+        let id = format!("{subject}#{}", self.next_id);
+        self.next_id += 1;
+        Message {
+            subject: subject.to_owned(),
+            id,
+            payload: encode(item),
+        }
     }
 
     /// Keeps every message published to `subject` (a wildcard may be
