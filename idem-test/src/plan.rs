@@ -16,7 +16,7 @@
 //! | redelivery-during-attempt | after the handler | holds the call until the redelivery arrives |
 //! | crash-before-ack | after COMMIT | drops the message unacked |
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -120,6 +120,11 @@ pub(crate) struct Plan {
     hold_limit: Duration,
     /// Holds still running.
     holding: Mutex<usize>,
+    /// The `Nats-Msg-Id`s of the messages that duplicate-after-window
+    /// publishes again: none of them is given dead-letter-replay, whose
+    /// message would otherwise be applied by its copy (or dead-lettered
+    /// twice) when the copy arrives before the original is dead-lettered.
+    copied_late: HashSet<String>,
 }
 
 impl Plan {
@@ -128,8 +133,10 @@ impl Plan {
         proxy: Arc<PgProxy>,
         pool: sqlx::PgPool,
         hold_limit: Duration,
+        copied_late: HashSet<String>,
     ) -> Arc<Plan> {
         Arc::new(Plan {
+            copied_late,
             faults,
             state: Mutex::new(State::default()),
             proxy,
@@ -160,7 +167,11 @@ impl Plan {
         let request = delivery.stream().is_empty();
         let mut state = self.state.lock().unwrap();
         if !state.messages.contains_key(&key) {
-            let fault = self.assign(&mut state, &key.handler, request);
+            let copied_late = delivery
+                .headers()
+                .get("Nats-Msg-Id")
+                .is_some_and(|id| self.copied_late.contains(id.as_str()));
+            let fault = self.assign(&mut state, &key.handler, request, copied_late);
             state.messages.insert(
                 key.clone(),
                 Journal {
@@ -193,11 +204,18 @@ impl Plan {
     }
 
     /// The next per-message fault that still wants a message of `handler`.
-    fn assign(&self, state: &mut State, handler: &str, request: bool) -> Option<Fault> {
+    fn assign(
+        &self,
+        state: &mut State,
+        handler: &str,
+        request: bool,
+        copied_late: bool,
+    ) -> Option<Fault> {
         let candidates: Vec<Fault> = self
             .faults
             .iter()
             .filter(|fault| fault.per_message() && (!request || fault.fits_requests()))
+            .filter(|fault| !(copied_late && *fault == Fault::DeadLetterReplay))
             .collect();
         if candidates.is_empty() {
             return None;

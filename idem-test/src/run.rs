@@ -280,6 +280,7 @@ impl<'b> Run<'b> {
             proxy.clone(),
             self.bed.pool(),
             self.ack_wait * 3 + Duration::from_secs(10),
+            self.copied_late(),
         );
         let happened = Arc::new(Mutex::new(Happened::default()));
         let connections = Arc::new(Connections::default());
@@ -330,6 +331,20 @@ impl<'b> Run<'b> {
         );
         report.check_every_fault_happened();
         Settled::new(self.bed, report, routes, self.captures)
+    }
+
+    /// The ids of the messages duplicate-after-window publishes again: the
+    /// first of the run's messages, as many as each fault takes
+    /// (`drive.rs`).
+    fn copied_late(&self) -> std::collections::HashSet<String> {
+        if !self.faults.contains(Fault::DuplicateAfterWindow) {
+            return std::collections::HashSet::new();
+        }
+        self.messages
+            .iter()
+            .take(self.faults.each())
+            .map(|message| message.id.clone())
+            .collect()
     }
 
     /// Fails at once on what a run cannot do here.
