@@ -57,6 +57,7 @@
 //! adaptive route's next batches.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_nats::jetstream::Message;
 use tokio::sync::OwnedSemaphorePermit;
@@ -75,7 +76,14 @@ use crate::store::transaction::{self, Ended};
 /// before the batch gives up as in conflict (see
 /// [`transaction::begin_batch`]): far above a row lock held by a
 /// transaction that runs, far below PostgreSQL's `deadlock_timeout`.
-const BATCH_LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+const BATCH_LOCK_WAIT: Duration = Duration::from_millis(200);
+
+/// How long [`Pipeline::committed_by_handler`] asks on a route without a
+/// handler timeout (where only a panic gives the connection up).
+const COMMITTED_BY_HANDLER_BOUND: Duration = Duration::from_secs(10);
+
+/// What [`Pipeline::committed_by_handler`] adds to the handler timeout.
+const COMMITTED_BY_HANDLER_MARGIN: Duration = Duration::from_secs(2);
 
 /// A message ready for the batch: decoded, with its id resolved, leased.
 struct Ready<P> {
@@ -503,7 +511,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             .iter()
             .map(|delivery| self.claim_key(delivery))
             .collect();
-        let mut unclaimed = claim::claim_many(&mut tx, self.handler_id, &keys)
+        let (mut unclaimed, xid) = claim::claim_many(&mut tx, self.handler_id, &keys)
             .await
             .map_err(before_handler)?;
         self.health.resume();
@@ -556,8 +564,17 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         };
         let stopped_at = match handled {
             Ok(stopped_at) => stopped_at,
-            // The connection is closed on drop rather than waited on.
+            // The connection is closed on drop rather than waited on; so
+            // whether a handler committed the claims itself (a raw COMMIT,
+            // as below) is asked on another connection.
             Err((at, error @ (HandlerError::TimedOut(_) | HandlerError::Panicked(_)))) => {
+                drop(tx);
+                drop(connection);
+                if let Some(xid) = xid
+                    && self.committed_by_handler(&xid).await
+                {
+                    return Err(BatchFailure::ClaimLost);
+                }
                 return Err(BatchFailure::Handler { error, at });
             }
             Err((at, error)) => {
@@ -620,6 +637,63 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 Err(BatchFailure::CommitUnknown(error))
             }
         }
+    }
+
+    /// After a handler of the batch timed out or panicked, its connection
+    /// closed: whether the batch's transaction (`xid`) committed all the
+    /// same, because a handler ended it itself with a raw COMMIT before it
+    /// failed. Then every claim of the batch is permanent, the unhandled
+    /// messages' too, and none may be retried (its rerun would be acked as
+    /// processed). Asked until the server has ended the transaction: once
+    /// the connection is gone it can only abort, unless a COMMIT was already
+    /// on its way. When that cannot be told within the transaction's bound,
+    /// the answer is "committed": the batch is dead-lettered, which loses
+    /// nothing, rather than acked undone.
+    async fn committed_by_handler(&self, xid: &str) -> bool {
+        // The server ends the transaction once it sees the client gone: at
+        // once when idle, else when the statement running ends (at the
+        // handler timeout, the statement's bound) or at its next client
+        // check. This stays within the batch's watchdog (three handler
+        // timeouts and more), so that the watchdog never takes it for a
+        // database that does not answer.
+        let bound = self
+            .route
+            .handler_timeout
+            .map_or(COMMITTED_BY_HANDLER_BOUND, |timeout| {
+                timeout + COMMITTED_BY_HANDLER_MARGIN
+            });
+        let started = tokio::time::Instant::now();
+        let mut last_error = None;
+        while started.elapsed() < bound {
+            let asked = match self.connections.take(|_| {}).await {
+                Ok(mut connection) => {
+                    let asked = claim::committed(&mut connection, xid).await;
+                    if asked.is_ok() {
+                        connection.keep();
+                    }
+                    asked
+                }
+                Err(error) => Err(error),
+            };
+            match asked {
+                Ok(Some(committed)) => {
+                    if committed {
+                        tracing::error!(
+                            "a handler of the batch committed the transaction itself (a raw COMMIT) and then failed: every claim of the batch is permanent, so none of its messages is retried; each is dead-lettered"
+                        );
+                    }
+                    return committed;
+                }
+                Ok(None) => {}
+                Err(error) => last_error = Some(error),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tracing::error!(
+            ?last_error,
+            "whether a failed batch's transaction committed could not be told; its messages are dead-lettered rather than risk acking them undone"
+        );
+        true
     }
 
     /// Runs the handler for each fresh message in turn, all of them within

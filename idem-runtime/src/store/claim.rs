@@ -19,6 +19,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
+use sqlx::postgres::PgConnection;
 use sqlx::{PgPool, PgTransaction};
 
 /// Claims key `$2` for the handler with id `$1` (an `integer` and a `uuid`),
@@ -201,17 +202,45 @@ pub(crate) async fn handlers_lock_holders(pool: &PgPool) -> Result<Vec<String>, 
 /// their locks in the same order and do not deadlock, and skips conflicts
 /// (`ON CONFLICT DO NOTHING`), because in PostgreSQL an error aborts the
 /// whole transaction.
+///
+/// Also returns the transaction's id, once a claim assigned it one (`None`
+/// when every key was claimed before): if the connection must be given up
+/// while a handler of the batch runs, that id tells from another
+/// connection whether the handler committed the batch's claims itself (see
+/// [`committed`]).
 pub(crate) async fn claim_many(
     tx: &mut PgTransaction<'_>,
     handler_id: i32,
     keys: &[String],
-) -> Result<HashSet<String>, sqlx::Error> {
-    let fresh: Vec<String> = sqlx::query_scalar("SELECT idem_claim_many($1, $2::uuid[])::text[]")
-        .bind(handler_id)
-        .bind(keys)
-        .fetch_one(&mut **tx)
+) -> Result<(HashSet<String>, Option<String>), sqlx::Error> {
+    let (fresh, xid): (Vec<String>, Option<String>) = sqlx::query_as(
+        "SELECT idem_claim_many($1, $2::uuid[])::text[], pg_current_xact_id_if_assigned()::text",
+    )
+    .bind(handler_id)
+    .bind(keys)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok((fresh.into_iter().collect(), xid))
+}
+
+/// What became of transaction `xid` (from [`claim_many`]), asked on
+/// another connection: `Some(true)` once it committed, `Some(false)` once
+/// it aborted, `None` while it is still in progress.
+pub(crate) async fn committed(
+    connection: &mut PgConnection,
+    xid: &str,
+) -> Result<Option<bool>, sqlx::Error> {
+    let status: Option<String> = sqlx::query_scalar("SELECT pg_xact_status($1::xid8)")
+        .bind(xid)
+        .fetch_one(connection)
         .await?;
-    Ok(fresh.into_iter().collect())
+    Ok(match status.as_deref() {
+        Some("committed") => Some(true),
+        Some("in progress") => None,
+        // "aborted", or too old to tell (NULL): a transaction that claimed
+        // moments ago is never too old, so it did not commit.
+        _ => Some(false),
+    })
 }
 
 /// Takes back the claims this transaction made on `keys` (each key's rows

@@ -249,8 +249,14 @@ async fn chunked_in_batch(
     delivery: &Delivery,
     d: Deposit,
 ) -> Result<(), BoxError> {
-    if d.account == "chunky" {
+    if let Some(failure) = d.account.strip_prefix("chunky-") {
         sqlx::raw_sql("COMMIT; BEGIN").execute(&mut **tx).await?;
+        match failure {
+            "panics" => panic!("panicked after its raw COMMIT"),
+            // Past the route's handler timeout.
+            "hangs" => tokio::time::sleep(Duration::from_secs(3)).await,
+            _ => {}
+        }
         return Err(Transient::new("failed after its raw COMMIT").into());
     }
     record_effect(tx, "chunked-in-batch", &d, delivery).await?;
@@ -263,6 +269,26 @@ async fn chunked_in_batch(
 /// every message is applied or dead-lettered, never acked undone.
 #[tokio::test]
 async fn a_raw_commit_in_a_batch_never_acks_its_neighbours_undone() {
+    a_raw_commit_then("returns an error").await;
+}
+
+/// As above, when the handler panics after its raw COMMIT: the batch's
+/// connection is closed rather than asked, so the runtime asks another
+/// connection whether the batch's transaction committed.
+#[tokio::test]
+async fn a_raw_commit_then_a_panic_in_a_batch_never_acks_its_neighbours_undone() {
+    a_raw_commit_then("panics").await;
+}
+
+/// As above, when the handler outlives its timeout after its raw COMMIT.
+#[tokio::test]
+async fn a_raw_commit_then_a_timeout_in_a_batch_never_acks_its_neighbours_undone() {
+    a_raw_commit_then("hangs").await;
+}
+
+/// The second message of a batch of four ends the transaction with a raw
+/// COMMIT, then fails as `failure` says.
+async fn a_raw_commit_then(failure: &str) {
     let Scenario {
         env: _env,
         pool,
@@ -273,11 +299,15 @@ async fn a_raw_commit_in_a_batch_never_acks_its_neighbours_undone() {
     } = scenario("CHUNKBATCH", Duration::from_secs(120)).await;
     const MESSAGES: usize = 4;
     for i in 0..MESSAGES {
-        let account = if i == 1 { "chunky" } else { "a" };
+        let account = if i == 1 {
+            format!("chunky-{failure}")
+        } else {
+            "a".to_owned()
+        };
         publish(
             &js,
             &subject,
-            &deposit(account, i as i64),
+            &deposit(&account, i as i64),
             Some(&format!("cb-{i}")),
         )
         .await;
@@ -286,7 +316,8 @@ async fn a_raw_commit_in_a_batch_never_acks_its_neighbours_undone() {
         Router::new().route(
             fast(Route::new(&stream, "c"))
                 .batch(MESSAGES)
-                .concurrency(1),
+                .concurrency(1)
+                .handler_timeout(Duration::from_secs(1)),
             chunked_in_batch,
         ),
         nats,
