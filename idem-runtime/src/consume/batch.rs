@@ -64,7 +64,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
 use crate::consume::heartbeat::Lease;
-use crate::consume::pipeline::{Outage, Pipeline, Verdict, no_answer};
+use crate::consume::pipeline::{Held, Outage, Pipeline, Verdict, no_answer};
 use crate::error::HandlerError;
 use crate::handler::Handler;
 use crate::handler::delivery::Delivery;
@@ -360,9 +360,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             let payloads: Vec<Option<H::Payload>> =
                 ready.iter_mut().map(|item| item.payload.take()).collect();
             self.watched(
-                async move {
+                |held| async move {
                     let mut payloads = payloads;
-                    let result = pipeline.transact_batch(&deliveries, &mut payloads).await;
+                    let result = pipeline
+                        .transact_batch(&deliveries, &mut payloads, held)
+                        .await;
                     (Some(payloads), result)
                 },
                 |limit| (None, Err(BatchFailure::CommitUnknown(no_answer(limit)))),
@@ -490,6 +492,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         &self,
         deliveries: &[Delivery],
         payloads: &mut [Option<H::Payload>],
+        mut held: Held,
     ) -> Result<Vec<Outcome>, BatchFailure> {
         let before_handler = |error| match self.classify_before_handler(error) {
             HandlerError::Infrastructure(error) => BatchFailure::Infrastructure(error),
@@ -503,6 +506,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             .take(|waited| self.recorder.connection_waited(waited))
             .await
             .map_err(before_handler)?;
+        held.now();
         let lock_wait = self.sizer.bounds_lock_waits().then_some(BATCH_LOCK_WAIT);
         let mut tx = transaction::begin_batch(&mut connection, &self.begin, lock_wait)
             .await

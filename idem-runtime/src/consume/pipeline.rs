@@ -150,6 +150,19 @@ const WATCHDOG_MARGIN: Duration = Duration::from_secs(5);
 /// before a message was stored is still probed for its claim.
 pub(crate) const CLOCK_SKEW_ALLOWANCE: Duration = Duration::from_secs(5 * 60);
 
+/// Given to the work [`Pipeline::watched`] watches, which calls
+/// [`Held::now`] once it holds its connection: the watch starts then.
+pub(crate) struct Held(Option<tokio::sync::oneshot::Sender<()>>);
+
+impl Held {
+    /// The work holds its connection: the watchdog's time starts.
+    pub(crate) fn now(&mut self) {
+        if let Some(held) = self.0.take() {
+            let _ = held.send(());
+        }
+    }
+}
+
 /// How one delivery ended, before it is settled with JetStream.
 pub(crate) enum Verdict {
     /// Committed: ack. With what the handler returned, encoded (`None`:
@@ -375,7 +388,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 // A claim and its rollback: no longer than a transaction's
                 // bound.
                 self.watched(
-                    async move { pipeline.claimed_elsewhere(&delivery).await },
+                    |held| async move { pipeline.claimed_elsewhere(&delivery, held).await },
                     |limit| Err(no_answer(limit)),
                 )
                 .await
@@ -393,11 +406,16 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         }
     }
 
-    async fn claimed_elsewhere(&self, delivery: &Delivery) -> Result<bool, sqlx::Error> {
+    async fn claimed_elsewhere(
+        &self,
+        delivery: &Delivery,
+        mut held: Held,
+    ) -> Result<bool, sqlx::Error> {
         let mut connection = self
             .connections
             .take(|waited| self.recorder.connection_waited(waited))
             .await?;
+        held.now();
         let key = self.claim_key(delivery);
         let claim = self.claim(&key, delivery);
         let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
@@ -417,8 +435,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         Ok(processed)
     }
 
-    /// Waits for `work` (a whole transaction), but not forever: once it has run longer than any server-side
-    /// bound allows (the network is gone without a word: a partition, a frozen
+    /// Waits for `work` (a whole transaction), but not forever: once it has
+    /// held its connection longer than any server-side bound allows (the network is gone without a word: a partition, a frozen
     /// host, and TCP has not noticed), the runtime stops waiting and settles
     /// the message with `stuck`. The work is *not* cancelled, because a
     /// cancelled BEGIN or COMMIT can leave a connection inside a transaction
@@ -427,15 +445,32 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// the server ends the orphaned transaction
     /// (`idle_in_transaction_session_timeout`), so the message's redelivery is
     /// decided by its claim as usual.
-    pub(crate) async fn watched<T: Send + 'static>(
+    ///
+    /// The watch starts once `work` holds its connection (it says so with
+    /// [`Held::now`]): the wait for a connection is bounded by the pool's
+    /// acquire timeout, and a message that waits its turn behind others is
+    /// not a database that stopped answering.
+    pub(crate) async fn watched<T: Send + 'static, F>(
         &self,
-        work: impl Future<Output = T> + Send + 'static,
+        work: impl FnOnce(Held) -> F,
         stuck: impl FnOnce(Duration) -> T,
-    ) -> T {
+    ) -> T
+    where
+        F: Future<Output = T> + Send + 'static,
+    {
+        let (held, connection_held) = tokio::sync::oneshot::channel();
+        let work = work(Held(Some(held)));
         let Some(limit) = watchdog(self.route.handler_timeout) else {
             return work.await;
         };
         let mut work = Box::pin(work);
+        tokio::select! {
+            biased;
+            done = &mut work => return done,
+            // Held, or the work gave up its `Held` without a connection
+            // (it is about to end).
+            _ = connection_held => {}
+        }
         tokio::select! {
             biased;
             done = &mut work => done,
@@ -485,7 +520,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 let pipeline = Arc::clone(self);
                 let delivery = delivery.clone();
                 self.watched(
-                    async move { pipeline.transact(this_try, &delivery).await },
+                    |held| async move { pipeline.transact(this_try, &delivery, held).await },
                     |limit| Verdict::CommitUnknown(no_answer(limit)),
                 )
                 .await
@@ -519,7 +554,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
 
     /// Runs the handler in its own transaction: BEGIN, the claim, the
     /// handler, COMMIT (see [`transaction`]).
-    async fn transact(&self, payload: H::Payload, delivery: &Delivery) -> Verdict {
+    async fn transact(&self, payload: H::Payload, delivery: &Delivery, mut held: Held) -> Verdict {
         let mut connection = match self
             .connections
             .take(|waited| self.recorder.connection_waited(waited))
@@ -528,6 +563,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             Ok(connection) => connection,
             Err(error) => return self.before_handler(error),
         };
+        held.now();
         let key = self.claim_key(delivery);
         let claim = self.claim(&key, delivery);
         let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;

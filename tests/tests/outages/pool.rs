@@ -1,6 +1,7 @@
 //! A pool smaller than the routes' concurrency: messages that wait for a
 //! connection get one in the order they asked, whichever route they are on,
-//! and none waits while later ones are served.
+//! and none waits while later ones are served, nor is its wait taken for a
+//! database that stopped answering.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -168,4 +169,78 @@ async fn messages_waiting_for_a_connection_are_served_in_arrival_order_across_ro
             "{durable}: messages waited for connections, never longer than {AT_MOST:?}: {waited:?}"
         );
     }
+}
+
+#[idempotent(name = "queued")]
+async fn queued(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    record_effect(tx, "queued", &d, delivery).await?;
+    tokio::time::sleep(QUEUED_HOLD).await;
+    Ok(())
+}
+
+/// How long each `queued` handler holds the one connection its messages
+/// share: well inside its 1 s timeout.
+const QUEUED_HOLD: Duration = Duration::from_millis(600);
+
+/// The watchdog gives a transaction three handler timeouts and 5 s (8 s at
+/// a 1 s timeout) before it takes the database for gone and settles the
+/// message as of unknown outcome. Waiting for a connection is not part of
+/// the transaction: 16 messages in flight on one connection, each holding
+/// it 0.6 s, make the last wait about 9 s for its turn, and none may be
+/// abandoned, failed or retried for it.
+#[tokio::test]
+async fn a_message_that_waits_its_turn_for_a_connection_is_not_taken_for_a_silent_database() {
+    const MESSAGES: i64 = 16;
+    let handler_timeout = Duration::from_secs(1);
+    let watchdog = handler_timeout * 3 + Duration::from_secs(5);
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("QUEUED", Duration::from_secs(120)).await;
+    for i in 0..MESSAGES {
+        publish(&js, &subject, &deposit("a", i), Some(&format!("q-{i}"))).await;
+    }
+    // Two connections: one for the router's metrics poll, one turn for
+    // messages.
+    let small = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect(env.database_url())
+        .await
+        .unwrap();
+    let route = fast(Route::new(&stream, "c"))
+        .per_message()
+        .concurrency(MESSAGES as usize)
+        .handler_timeout(handler_timeout)
+        .ack_wait(Duration::from_secs(60));
+    let (handle, task) = spawn(Router::new().route(route, queued), nats, small);
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+
+    let stats = handle.stats("c").unwrap();
+    let waited = stats.longest_connection_wait();
+    assert!(
+        waited > watchdog,
+        "a message waited longer than the watchdog for its connection ({waited:?}, watchdog {watchdog:?}); else this test shows nothing"
+    );
+    assert_eq!(
+        (
+            stats.abandoned_transactions(),
+            stats.failed(),
+            stats.commit_failed(),
+            stats.infrastructure_errors()
+        ),
+        (0, 0, 0, 0),
+        "no transaction abandoned, no message failed: {stats:?}"
+    );
+    assert_eq!(ledger(&pool, "queued").await, Ledger::once_each(MESSAGES));
+    assert_eq!(stats.processed(), MESSAGES as u64, "{stats:?}");
 }
