@@ -436,15 +436,18 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     /// Waits for `work` (a whole transaction), but not forever: once it has
-    /// held its connection longer than any server-side bound allows (the network is gone without a word: a partition, a frozen
-    /// host, and TCP has not noticed), the runtime stops waiting and settles
-    /// the message with `stuck`. The work is *not* cancelled, because a
-    /// cancelled BEGIN or COMMIT can leave a connection inside a transaction
-    /// (sqlx#4393): it goes on in a task of its own until the connection
-    /// answers or fails, its connection never returned to the pool. Meanwhile
-    /// the server ends the orphaned transaction
-    /// (`idle_in_transaction_session_timeout`), so the message's redelivery is
-    /// decided by its claim as usual.
+    /// held its connection longer than any server-side bound allows (the
+    /// network is gone without a word: a partition, a frozen host, and TCP
+    /// has not noticed), the runtime stops waiting and settles the message
+    /// with `stuck`. The work is not cancelled then: it goes on in a task of
+    /// its own until the connection answers or fails, or for as long again;
+    /// after that it is dropped, which closes its connection (a
+    /// [`Leased`](crate::store::connections::Leased)
+    /// is never returned to the pool, so the hazard of a cancelled BEGIN or
+    /// COMMIT, a pooled connection left inside a transaction, sqlx#4393,
+    /// cannot arise). Meanwhile the server ends the orphaned transaction
+    /// (`idle_in_transaction_session_timeout`), so the message's redelivery
+    /// is decided by its claim as usual.
     ///
     /// The watch starts once `work` holds its connection (it says so with
     /// [`Held::now`]): the wait for a connection is bounded by the pool's
@@ -477,14 +480,28 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             _ = tokio::time::sleep(limit) => {
                 tracing::error!(
                     ?limit,
-                    "the database has not answered a transaction for longer than its bounds allow; no longer waiting for it (it finishes on its own), and the message is settled as of unknown outcome"
+                    "the database has not answered a transaction for longer than its bounds allow; no longer waiting for it (it finishes on its own, or its connection is closed after as long again), and the message is settled as of unknown outcome"
                 );
                 self.recorder.record(Event::AbandonedTransaction);
-                // If it commits after all, rows it queued go out now rather
-                // than at a relay's next poll.
                 let bell = self.outbox_bell.clone();
                 tokio::spawn(async move {
-                    let _ = work.await;
+                    // Given as long again, then dropped. A connection that
+                    // never answers (a silent partition: no RST, no FIN, and
+                    // sqlx sets no TCP keepalive) would otherwise hold its
+                    // turn and its place in the pool for good, and a few such
+                    // would stop every route. Dropping is safe here, unlike a
+                    // timer around BEGIN or COMMIT on a pooled connection:
+                    // the work's connection is a `Leased`, closed on drop and
+                    // never returned to the pool, and the message is settled
+                    // already; its redelivery is decided by its claim.
+                    if tokio::time::timeout(limit, work).await.is_err() {
+                        tracing::warn!(
+                            after = ?limit * 2,
+                            "an abandoned transaction's connection still has not answered: it is closed, and its place in the pool is given back"
+                        );
+                    }
+                    // If it committed after all, rows it queued go out now
+                    // rather than at a relay's next poll.
                     bell.ring();
                 });
                 stuck(limit)

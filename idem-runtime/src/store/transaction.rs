@@ -1,8 +1,10 @@
 //! A message's transaction: how it begins, and how it commits.
 //!
-//! Per message, the runtime pays as many round trips as a hand-written
-//! at-least-once consumer does (BEGIN, its write, COMMIT): three, plus the
-//! handler's own statements beyond the first.
+//! Per message, the runtime pays four round trips plus the handler's own
+//! statements beyond the first: BEGIN (with the claim), the handler's write,
+//! COMMIT, and the ROLLBACK of the empty transaction COMMIT leaves open
+//! (below). A hand-written at-least-once consumer on a default sqlx pool
+//! pays four too (the pool's liveness ping, BEGIN, its write, COMMIT).
 //!
 //! **BEGIN** goes out in one simple-query message with the route's bounds,
 //! the commit level and the claim:
@@ -53,8 +55,13 @@
 //! transaction-local setting), the division by zero stops the COMMIT
 //! instead. Either way nothing is acked. The trailing `BEGIN` keeps sqlx's
 //! view of the connection true: its transaction is still open, so dropping
-//! it queues a `ROLLBACK`, which ends that empty transaction together with
-//! the connection's next statement, without a round trip of its own.
+//! it queues a `ROLLBACK`. sqlx sends that ROLLBACK ahead of the
+//! connection's next statement and waits for its answer before it sends the
+//! statement: one round trip more, on the next message's time (measured: 1
+//! µs of execution on the server, 2026-12-02). sqlx 0.9 has no way to end its
+//! transaction without sending a statement of its own, and
+//! `Transaction::commit` after the checked COMMIT would cost the same round
+//! trip.
 //!
 //! **Prepared statements.** The claim, the bounds and the check are the
 //! session's prepared statements (`PREPARE`), so that the server parses and

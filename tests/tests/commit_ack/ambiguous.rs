@@ -163,6 +163,89 @@ async fn a_commit_that_is_never_answered_leaves_the_message_leased_forever() {
     assert_eq!(ledger(&pool, "partitioned").await, Ledger::once_each(2));
 }
 
+/// Three silent partitions in a row, each on its own connection (the
+/// proxy swallows a COMMIT and keeps the connection open and mute), on a
+/// pool that leaves the route's messages three connections. Each message
+/// is settled once the watchdog gives up on its transaction, but if its
+/// connection stayed with the task that still waits for an answer, three
+/// such would hold every connection the messages may use, and the route
+/// would stop for good. Each is closed once it has had as long again, so
+/// the route goes on: every message, the three that met a partition and
+/// two after them, is applied once.
+#[tokio::test]
+async fn silent_partitions_do_not_use_up_the_routes_connections() {
+    const PARTITIONED: usize = 3;
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("SILENT", Duration::from_secs(300)).await;
+    let proxy = PgProxy::start(upstream_of(env.database_url())).await;
+    // One connection for the metrics poll, three for messages.
+    let proxied = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&proxy.url_for(env.database_url()))
+        .await
+        .unwrap();
+    let (handle, task) = spawn(
+        Router::new().route(
+            fast(Route::new(&stream, "c"))
+                .handler_timeout(Duration::from_secs(1))
+                .ack_wait(Duration::from_secs(2))
+                .concurrency(1),
+            partitioned,
+        ),
+        nats,
+        proxied,
+    );
+    for i in 0..PARTITIONED {
+        proxy.blackhole_next_commit();
+        publish(
+            &js,
+            &subject,
+            &deposit("a", 1),
+            Some(&format!("silent-{i}")),
+        )
+        .await;
+        eventually(
+            "the COMMIT went into the partition",
+            Duration::from_secs(60),
+            || async { proxy.swallowed() == i + 1 },
+        )
+        .await;
+    }
+    for i in PARTITIONED..PARTITIONED + 2 {
+        publish(
+            &js,
+            &subject,
+            &deposit("a", 1),
+            Some(&format!("silent-{i}")),
+        )
+        .await;
+    }
+    eventually(
+        "every message is applied, the route going on after the partitions",
+        Duration::from_secs(120),
+        || async { ledger(&pool, "partitioned").await.effects == (PARTITIONED + 2) as i64 },
+    )
+    .await;
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(proxy.swallowed(), PARTITIONED, "each partition happened");
+    let stats = handle.stats("c").unwrap();
+    assert!(
+        stats.abandoned_transactions() >= PARTITIONED as u64,
+        "the watchdog gave up on each partitioned transaction: {stats:?}"
+    );
+    assert_eq!(
+        ledger(&pool, "partitioned").await,
+        Ledger::once_each((PARTITIONED + 2) as i64)
+    );
+}
+
 /// The connection drops while COMMIT is in flight: the server committed, the
 /// worker cannot know. It must not ack; the redelivery finds the dedup row
 /// and is skipped, and the pool stays healthy.
