@@ -126,6 +126,33 @@ async fn a_batch_handler_passes_under_the_message_faults(bed: Bed) {
         .assert_no_dead_letters();
 }
 
+/// Duplicate-after-window publishes the first two payments again, and
+/// dead-letter-replay wants two payments too: with four, the two faults
+/// would meet on one payment if the plan let them (its late copy applied
+/// before the original was dead-lettered, or dead-lettered a second time).
+/// The plan gives dead-letter-replay only to payments that are not copied
+/// late, so both faults still happen, each on its own two payments, and
+/// the run passes.
+#[idem_test::test(setup = migrate)]
+async fn a_late_copy_and_a_dead_letter_replay_never_meet_on_one_message(bed: Bed) {
+    let faults = Faults::none()
+        .with(Fault::DuplicateAfterWindow)
+        .with(Fault::DeadLetterReplay)
+        .messages_each(2);
+    let settled = bed
+        .run(Router::new().route(route("charge").batch(8), charge_many))
+        .publish_json("payments.requested", payments(4))
+        .with_faults(faults)
+        .until_settled()
+        .await;
+    println!("{settled}");
+    settled
+        .assert_effects("SELECT count(*) FROM charges", 4)
+        .assert_no_duplicates("SELECT payment FROM charges")
+        .assert_claims("payments.charge-many.v1", 4)
+        .assert_no_dead_letters();
+}
+
 /// Charges, and queues a receipt through the outbox.
 #[idempotent(name = "payments.charge-with-receipt.v1", key = payment.payment)]
 async fn charge_with_receipt(

@@ -78,12 +78,16 @@ use crate::store::transaction::{self, Ended};
 /// transaction that runs, far below PostgreSQL's `deadlock_timeout`.
 const BATCH_LOCK_WAIT: Duration = Duration::from_millis(200);
 
-/// How long [`Pipeline::committed_by_handler`] asks on a route without a
-/// handler timeout (where only a panic gives the connection up).
-const COMMITTED_BY_HANDLER_BOUND: Duration = Duration::from_secs(10);
+/// [`Pipeline::committed_by_handler`]'s first pause between two questions,
+/// doubled after each, up to [`COMMITTED_BY_HANDLER_PAUSE_MAX`].
+const COMMITTED_BY_HANDLER_PAUSE: Duration = Duration::from_millis(20);
 
-/// What [`Pipeline::committed_by_handler`] adds to the handler timeout.
-const COMMITTED_BY_HANDLER_MARGIN: Duration = Duration::from_secs(2);
+/// [`Pipeline::committed_by_handler`]'s longest pause between two questions.
+const COMMITTED_BY_HANDLER_PAUSE_MAX: Duration = Duration::from_secs(1);
+
+/// After this long still "in progress", [`Pipeline::committed_by_handler`]
+/// warns.
+const COMMITTED_BY_HANDLER_WARN: Duration = Duration::from_secs(10);
 
 /// A message ready for the batch: decoded, with its id resolved, leased.
 struct Ready<P> {
@@ -115,6 +119,20 @@ enum BatchFailure {
     /// every claim of the batch, handled or not.
     #[error("{}", HandlerError::ClaimLost)]
     ClaimLost,
+    /// A handler timed out or panicked, and the batch's connection was
+    /// closed without being asked whether its transaction (`xid`) is still
+    /// the batch's: a handler may have ended it with a raw COMMIT first.
+    /// Resolved by [`Pipeline::committed_by_handler`] into [`ClaimLost`]
+    /// or [`Handler`], outside the watchdog.
+    ///
+    /// [`ClaimLost`]: BatchFailure::ClaimLost
+    /// [`Handler`]: BatchFailure::Handler
+    #[error("a handler failed: {error}")]
+    Unresolved {
+        error: HandlerError,
+        at: Option<usize>,
+        xid: String,
+    },
     /// Not a failure: the claim found these messages (their indexes) claimed
     /// by transactions that committed. The batch rolled back before any
     /// handler ran, so that they are acked at once and the rest run
@@ -145,6 +163,7 @@ impl BatchFailure {
             BatchFailure::Infrastructure(_)
             | BatchFailure::CommitUnknown(_)
             | BatchFailure::ClaimLost
+            | BatchFailure::Unresolved { .. }
             | BatchFailure::ProcessedBefore(_) => false,
         }
     }
@@ -161,6 +180,7 @@ impl BatchFailure {
             BatchFailure::Infrastructure(_)
             | BatchFailure::CommitUnknown(_)
             | BatchFailure::ClaimLost
+            | BatchFailure::Unresolved { .. }
             | BatchFailure::ProcessedBefore(_) => Retry::Alone,
         }
     }
@@ -380,7 +400,18 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 item.payload = payload;
             }
         }
-        result
+        match result {
+            // Asked here, not under the watchdog: it may wait for a
+            // connection, or for the database to come back.
+            Err(BatchFailure::Unresolved { error, at, xid }) => {
+                if self.committed_by_handler(&xid).await {
+                    Err(BatchFailure::ClaimLost)
+                } else {
+                    Err(BatchFailure::Handler { error, at })
+                }
+            }
+            other => other,
+        }
     }
 
     /// After a batch failed (`failure`) and was rolled back: its messages
@@ -572,14 +603,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // whether a handler committed the claims itself (a raw COMMIT,
             // as below) is asked on another connection.
             Err((at, error @ (HandlerError::TimedOut(_) | HandlerError::Panicked(_)))) => {
-                drop(tx);
-                drop(connection);
-                if let Some(xid) = xid
-                    && self.committed_by_handler(&xid).await
-                {
-                    return Err(BatchFailure::ClaimLost);
-                }
-                return Err(BatchFailure::Handler { error, at });
+                return Err(match xid {
+                    Some(xid) => BatchFailure::Unresolved { error, at, xid },
+                    None => BatchFailure::Handler { error, at },
+                });
             }
             Err((at, error)) => {
                 // A handler that ended the transaction itself (a raw COMMIT)
@@ -648,54 +675,75 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// same, because a handler ended it itself with a raw COMMIT before it
     /// failed. Then every claim of the batch is permanent, the unhandled
     /// messages' too, and none may be retried (its rerun would be acked as
-    /// processed). Asked until the server has ended the transaction: once
-    /// the connection is gone it can only abort, unless a COMMIT was already
-    /// on its way. When that cannot be told within the transaction's bound,
-    /// the answer is "committed": the batch is dead-lettered, which loses
-    /// nothing, rather than acked undone.
+    /// processed): the batch is dead-lettered.
+    ///
+    /// Asked on one connection until the server has ended the transaction:
+    /// once its connection is gone it can only abort, unless a COMMIT was
+    /// already on its way, and it ends when the server sees the client gone
+    /// (at once when idle, else when the statement running ends: at the
+    /// handler timeout, or at the next client check). While the database
+    /// cannot be used, the batch is held, as any message is. Only at
+    /// shutdown, with the answer still unknown, is the answer "committed":
+    /// dead-lettered, the messages are kept rather than risk acking them
+    /// undone.
     async fn committed_by_handler(&self, xid: &str) -> bool {
-        // The server ends the transaction once it sees the client gone: at
-        // once when idle, else when the statement running ends (at the
-        // handler timeout, the statement's bound) or at its next client
-        // check. This stays within the batch's watchdog (three handler
-        // timeouts and more), so that the watchdog never takes it for a
-        // database that does not answer.
-        let bound = self
-            .route
-            .handler_timeout
-            .map_or(COMMITTED_BY_HANDLER_BOUND, |timeout| {
-                timeout + COMMITTED_BY_HANDLER_MARGIN
-            });
-        let started = tokio::time::Instant::now();
-        let mut last_error = None;
-        while started.elapsed() < bound {
-            let asked = match self.connections.take(|_| {}).await {
-                Ok(mut connection) => {
-                    let asked = claim::committed(&mut connection, xid).await;
-                    if asked.is_ok() {
-                        connection.keep();
+        let mut outage = Outage::default();
+        let mut pause = COMMITTED_BY_HANDLER_PAUSE;
+        let asked = tokio::time::Instant::now();
+        let mut warned = false;
+        'connect: loop {
+            let mut connection = match self
+                .connections
+                .take(|waited| self.recorder.connection_waited(waited))
+                .await
+            {
+                Ok(connection) => connection,
+                Err(error) => {
+                    let error = HandlerError::Infrastructure(error);
+                    if self.hold_for_database(&error, &mut outage).await {
+                        continue 'connect;
                     }
-                    asked
+                    break 'connect;
                 }
-                Err(error) => Err(error),
             };
-            match asked {
-                Ok(Some(committed)) => {
-                    if committed {
-                        tracing::error!(
-                            "a handler of the batch committed the transaction itself (a raw COMMIT) and then failed: every claim of the batch is permanent, so none of its messages is retried; each is dead-lettered"
-                        );
+            loop {
+                match claim::committed(&mut connection, xid).await {
+                    Ok(Some(committed)) => {
+                        self.health.resume();
+                        connection.keep();
+                        if committed {
+                            tracing::error!(
+                                "a handler of the batch committed the transaction itself (a raw COMMIT) and then failed: every claim of the batch is permanent, so none of its messages is retried; each is dead-lettered"
+                            );
+                        }
+                        return committed;
                     }
-                    return committed;
+                    Ok(None) => {
+                        if !warned && asked.elapsed() >= COMMITTED_BY_HANDLER_WARN {
+                            warned = true;
+                            tracing::warn!(
+                                waited = ?asked.elapsed(),
+                                "a failed batch's transaction is still running on the server (its handler timed out or panicked while a statement ran): its messages wait until the server ends it"
+                            );
+                        }
+                        if !self.wait_or_shutdown(pause).await {
+                            break 'connect;
+                        }
+                        pause = (pause * 2).min(COMMITTED_BY_HANDLER_PAUSE_MAX);
+                    }
+                    Err(error) => {
+                        drop(connection);
+                        let error = HandlerError::Infrastructure(error);
+                        if self.hold_for_database(&error, &mut outage).await {
+                            continue 'connect;
+                        }
+                        break 'connect;
+                    }
                 }
-                Ok(None) => {}
-                Err(error) => last_error = Some(error),
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         tracing::error!(
-            ?last_error,
-            "whether a failed batch's transaction committed could not be told; its messages are dead-lettered rather than risk acking them undone"
+            "shutting down before it could be told whether a failed batch's transaction committed: its messages are dead-lettered rather than risk acking them undone"
         );
         true
     }

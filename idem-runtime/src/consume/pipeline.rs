@@ -806,7 +806,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     }
 
     /// Waits `delay`; `false` if the router starts shutting down first.
-    async fn wait_or_shutdown(&self, delay: Duration) -> bool {
+    pub(crate) async fn wait_or_shutdown(&self, delay: Duration) -> bool {
         let mut shutdown = self.shutdown.clone();
         tokio::select! {
             biased;

@@ -112,12 +112,20 @@ impl Level {
 }
 
 /// The SQL expression of the level a transaction commits with, given the
-/// level idem asks for as `$1` (`on` or `remote_apply`): `$1`, unless the
-/// transaction already has the stronger `remote_apply`.
+/// level idem asks for as parameter `$1` (or the one named: `at_least!("$3")`;
+/// `on` or `remote_apply`): that level, unless the transaction already has
+/// the stronger `remote_apply`.
 macro_rules! at_least {
     () => {
-        "CASE WHEN current_setting('synchronous_commit') = 'remote_apply' \
-         THEN 'remote_apply' ELSE $1 END"
+        $crate::store::durability::at_least!("$1")
+    };
+    ($parameter:literal) => {
+        concat!(
+            "CASE WHEN current_setting('synchronous_commit') = 'remote_apply' \
+             THEN 'remote_apply' ELSE ",
+            $parameter,
+            " END"
+        )
     };
 }
 pub(crate) use at_least;

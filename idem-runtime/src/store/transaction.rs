@@ -11,8 +11,7 @@
 //!
 //! ```sql
 //! BEGIN;
-//! EXECUTE idem_bounds_v1('300000', '301000');
-//! EXECUTE idem_durable_v1('on');  -- synchronous_commit, at least on
+//! EXECUTE idem_bounds_v2('300000', '301000', 'on');  -- and synchronous_commit, at least on
 //! EXECUTE idem_claim_v4(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3')  -- handler id, claim key
 //! ```
 //!
@@ -128,18 +127,31 @@ const DURABLE: (&str, &str, &str) = (
         ", true)"
     ),
 );
+/// The bounds and the commit level in one statement (one statement fewer
+/// per message than the bounds and [`DURABLE`] apart: each costs the server
+/// a parse, a portal and an executor start-up).
 const BOUNDS: (&str, &str, &str) = (
-    "idem_bounds_v1",
-    "(text, text)",
-    "SELECT set_config('statement_timeout', $1, true), \
-     set_config('idle_in_transaction_session_timeout', $2, true)",
+    "idem_bounds_v2",
+    "(text, text, text)",
+    concat!(
+        "SELECT set_config('statement_timeout', $1, true), \
+         set_config('idle_in_transaction_session_timeout', $2, true), \
+         set_config('synchronous_commit', ",
+        at_least!("$3"),
+        ", true)"
+    ),
 );
 const BOUNDS_AND_CLIENT_CHECK: (&str, &str, &str) = (
-    "idem_bounds_client_check_v1",
-    "(text, text, text)",
-    "SELECT set_config('statement_timeout', $1, true), \
-     set_config('idle_in_transaction_session_timeout', $2, true), \
-     set_config('client_connection_check_interval', $3, true)",
+    "idem_bounds_client_check_v2",
+    "(text, text, text, text)",
+    concat!(
+        "SELECT set_config('statement_timeout', $1, true), \
+         set_config('idle_in_transaction_session_timeout', $2, true), \
+         set_config('client_connection_check_interval', $3, true), \
+         set_config('synchronous_commit', ",
+        at_least!("$4"),
+        ", true)"
+    ),
 );
 
 /// What the router found out about the pool's sessions at start-up, which
@@ -207,14 +219,17 @@ impl Begin {
                 let check = CLIENT_CHECK.as_millis();
                 let (name, ..) = BOUNDS_AND_CLIENT_CHECK;
                 bounds.push_str(&format!(
-                    "; EXECUTE {name}('{millis}', '{idle}', '{check}')"
+                    "; EXECUTE {name}('{millis}', '{idle}', '{check}', '{level}')"
                 ));
             } else {
                 let (name, ..) = BOUNDS;
-                bounds.push_str(&format!("; EXECUTE {name}('{millis}', '{idle}')"));
+                bounds.push_str(&format!(
+                    "; EXECUTE {name}('{millis}', '{idle}', '{level}')"
+                ));
             }
+        } else {
+            bounds.push_str(&format!("; EXECUTE {}('{level}')", DURABLE.0));
         }
-        bounds.push_str(&format!("; EXECUTE {}('{level}')", DURABLE.0));
         let commit = format!("EXECUTE {}('{level}'); COMMIT; BEGIN", CHECK.0);
         let prepare = statements
             .iter()
@@ -528,13 +543,13 @@ mod tests {
         assert_eq!(
             begin.statement(claim, true),
             format!(
-                "BEGIN; EXECUTE idem_bounds_v1('2000', '3000'); EXECUTE idem_durable_v1('on'); EXECUTE idem_claim_v4(3, '{KEY}', NULL)"
+                "BEGIN; EXECUTE idem_bounds_v2('2000', '3000', 'on'); EXECUTE idem_claim_v4(3, '{KEY}', NULL)"
             )
         );
         assert_eq!(begin.commit, "EXECUTE idem_check_v2('on'); COMMIT; BEGIN");
         assert_eq!(
             Begin::new(Some(Duration::from_secs(2)), session(true)).statement(None, true),
-            "BEGIN; EXECUTE idem_bounds_client_check_v1('2000', '3000', '1000'); EXECUTE idem_durable_v1('on')"
+            "BEGIN; EXECUTE idem_bounds_client_check_v2('2000', '3000', '1000', 'on')"
         );
         let stronger = Session {
             check_client_connection: false,
@@ -571,7 +586,7 @@ mod tests {
         };
         let statement = begin.statement(Some(claim), false);
         let (prefix, rest) = statement
-            .split_once("; EXECUTE idem_bounds_v1")
+            .split_once("; EXECUTE idem_bounds_v2")
             .expect("the bounds follow the DO block");
         assert!(
             prefix.starts_with("BEGIN; DO $idem1$BEGIN IF NOT EXISTS"),
@@ -581,7 +596,7 @@ mod tests {
             "idem_claim_v4",
             "idem_check_v2",
             "idem_durable_v1",
-            "idem_bounds_v1",
+            "idem_bounds_v2",
         ] {
             assert!(
                 prefix.contains(&format!(
@@ -590,7 +605,7 @@ mod tests {
                 "{name}: {prefix}"
             );
         }
-        assert!(!prefix.contains("idem_bounds_client_check_v1"), "{prefix}");
+        assert!(!prefix.contains("idem_bounds_client_check_v2"), "{prefix}");
         assert!(rest.ends_with(
             "EXECUTE idem_claim_v4(3, '8707f5fa-2bfe-0af8-7913-c57c557603d3', 1764500000)"
         ));
