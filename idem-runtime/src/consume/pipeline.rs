@@ -542,6 +542,18 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 )
                 .await
             };
+            let verdict = match verdict {
+                Verdict::Failed(
+                    error @ (HandlerError::TimedOut(_) | HandlerError::Panicked(_)),
+                ) => {
+                    if self.claim_committed_by_handler(delivery).await {
+                        Verdict::Failed(HandlerError::ClaimLost)
+                    } else {
+                        Verdict::Failed(error)
+                    }
+                }
+                other => other,
+            };
             let Verdict::Failed(error) = &verdict else {
                 return verdict;
             };
@@ -566,6 +578,61 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             tracing::info!(%error, attempt = tries, "retrying at once");
             tokio::time::sleep(policy.in_process_backoff * tries).await;
             tries += 1;
+        }
+    }
+
+    /// After the handler timed out or panicked, its connection closed
+    /// unasked: whether the message's claim committed all the same, which
+    /// only a raw COMMIT in the handler can have done (the claim was fresh
+    /// when it was made, and nothing else commits it). Then the handler's
+    /// work is committed in part, and a retry would be acked as a
+    /// duplicate: the message is failed as [`HandlerError::ClaimLost`]
+    /// (dead-lettered) instead. Asked outside the watchdog; held while the
+    /// database cannot be used; at shutdown, still unknown, the answer is
+    /// "committed", so that the message is kept rather than acked undone.
+    ///
+    /// Another copy of the message (published again after the duplicate
+    /// window) that waited on this claim, and committed its own once this
+    /// transaction ended, looks the same: that message is applied once, and
+    /// this copy is dead-lettered needlessly.
+    async fn claim_committed_by_handler(&self, delivery: &Delivery) -> bool {
+        let key = self.claim_key(delivery);
+        let mut outage = Outage::default();
+        loop {
+            let asked = match self
+                .connections
+                .take(|waited| self.recorder.connection_waited(waited))
+                .await
+            {
+                Ok(mut connection) => {
+                    let asked = crate::store::claim::committed_claim(&mut connection, &key).await;
+                    if asked.is_ok() {
+                        connection.keep();
+                    }
+                    asked
+                }
+                Err(error) => Err(error),
+            };
+            match asked {
+                Ok(committed) => {
+                    self.health.resume();
+                    if committed {
+                        tracing::error!(
+                            "the handler committed its transaction itself (a raw COMMIT) and then failed: its claim is permanent, so the message is not retried; it is dead-lettered"
+                        );
+                    }
+                    return committed;
+                }
+                Err(error) => {
+                    let error = HandlerError::Infrastructure(error);
+                    if !self.hold_for_database(&error, &mut outage).await {
+                        tracing::error!(
+                            "shutting down before it could be told whether a failed handler committed its transaction itself: the message is dead-lettered rather than risk acking it undone"
+                        );
+                        return true;
+                    }
+                }
+            }
         }
     }
 

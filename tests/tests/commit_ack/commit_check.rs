@@ -194,20 +194,46 @@ async fn chunked(
     record_effect(tx, "chunked-1", &d, delivery).await?;
     sqlx::raw_sql("COMMIT; BEGIN").execute(&mut **tx).await?;
     if delivery.delivered() == 1 {
+        match d.account.as_str() {
+            "panics" => panic!("the second chunk panicked"),
+            // Past the route's handler timeout.
+            "hangs" => tokio::time::sleep(Duration::from_secs(3)).await,
+            _ => {}
+        }
         return Err(Transient::new("the second chunk failed").into());
     }
     record_effect(tx, "chunked-2", &d, delivery).await?;
     Ok(())
 }
 
-/// `HandlerError::ClaimLost` promises that a handler that ends the
-/// transaction itself ("a raw COMMIT or ROLLBACK") is caught at COMMIT. The
-/// check only counts the claim row, which a raw COMMIT has made permanent,
-/// so it never fires for a raw COMMIT; and when the handler then fails, the
-/// redelivery finds the claim and is acked as a duplicate: the second half
-/// of the work is never done, and nothing is dead-lettered.
+/// A handler that ends the transaction itself (a raw COMMIT) has committed
+/// its claim with half its work. When it then fails, its redelivery would
+/// find the claim and be acked as a duplicate: the second half never done,
+/// nothing dead-lettered. The runtime must catch it (`HandlerError::ClaimLost`,
+/// a dead letter), whether the handler returns an error, panics or outlives
+/// its timeout: the message is completed or dead-lettered, never acked half
+/// done.
 #[tokio::test]
 async fn a_handler_that_commits_by_itself_is_not_acked_half_done() {
+    a_handler_commits_by_itself_then("returns an error").await;
+}
+
+/// As above, when the handler panics after its raw COMMIT: its connection
+/// is closed unasked, so the runtime looks for the claim on another.
+#[tokio::test]
+async fn a_handler_that_commits_by_itself_then_panics_is_not_acked_half_done() {
+    a_handler_commits_by_itself_then("panics").await;
+}
+
+/// As above, when the handler outlives its timeout after its raw COMMIT.
+#[tokio::test]
+async fn a_handler_that_commits_by_itself_then_hangs_is_not_acked_half_done() {
+    a_handler_commits_by_itself_then("hangs").await;
+}
+
+/// A handler commits its first chunk by itself, then fails as `failure`
+/// says on its first delivery.
+async fn a_handler_commits_by_itself_then(failure: &str) {
     let Scenario {
         env: _env,
         pool,
@@ -216,9 +242,12 @@ async fn a_handler_that_commits_by_itself_is_not_acked_half_done() {
         stream,
         subject,
     } = scenario("CHUNKED", Duration::from_secs(120)).await;
-    publish(&js, &subject, &deposit("a", 1), Some("chunk-1")).await;
+    publish(&js, &subject, &deposit(failure, 1), Some("chunk-1")).await;
     let (handle, task) = spawn(
-        Router::new().route(fast(Route::new(&stream, "c")), chunked),
+        Router::new().route(
+            fast(Route::new(&stream, "c")).handler_timeout(Duration::from_secs(1)),
+            chunked,
+        ),
         nats,
         pool.clone(),
     );
