@@ -677,7 +677,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// messages' too, and none may be retried (its rerun would be acked as
     /// processed): the batch is dead-lettered.
     ///
-    /// Asked on one connection until the server has ended the transaction:
+    /// Asked until the server has ended the transaction:
     /// once its connection is gone it can only abort, unless a COMMIT was
     /// already on its way, and it ends when the server sees the client gone
     /// (at once when idle, else when the statement running ends: at the
@@ -686,58 +686,62 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// shutdown, with the answer still unknown, is the answer "committed":
     /// dead-lettered, the messages are kept rather than risk acking them
     /// undone.
-    async fn committed_by_handler(&self, xid: &str) -> bool {
+    async fn committed_by_handler(self: &Arc<Self>, xid: &str) -> bool {
         let mut outage = Outage::default();
         let mut pause = COMMITTED_BY_HANDLER_PAUSE;
         let asked = tokio::time::Instant::now();
         let mut warned = false;
-        'connect: loop {
-            let mut connection = match self
-                .connections
-                .take(|waited| self.recorder.connection_waited(waited))
+        loop {
+            // Each question under the watchdog, so that a connection that
+            // stops answering (a silent partition) does not hold the batch
+            // until TCP gives up.
+            let answer = {
+                let pipeline = Arc::clone(self);
+                let xid = xid.to_owned();
+                self.watched(
+                    |mut held| async move {
+                        let mut connection = pipeline
+                            .connections
+                            .take(|waited| pipeline.recorder.connection_waited(waited))
+                            .await?;
+                        held.now();
+                        let answer = claim::committed(&mut connection, &xid).await;
+                        if answer.is_ok() {
+                            connection.keep();
+                        }
+                        answer
+                    },
+                    |limit| Err(no_answer(limit)),
+                )
                 .await
-            {
-                Ok(connection) => connection,
+            };
+            match answer {
+                Ok(Some(committed)) => {
+                    self.health.resume();
+                    if committed {
+                        tracing::error!(
+                            "a handler of the batch committed the transaction itself (a raw COMMIT) and then failed: every claim of the batch is permanent, so none of its messages is retried; each is dead-lettered"
+                        );
+                    }
+                    return committed;
+                }
+                Ok(None) => {
+                    if !warned && asked.elapsed() >= COMMITTED_BY_HANDLER_WARN {
+                        warned = true;
+                        tracing::warn!(
+                            waited = ?asked.elapsed(),
+                            "a failed batch's transaction is still running on the server (its handler timed out or panicked while a statement ran): its messages wait until the server ends it"
+                        );
+                    }
+                    if !self.wait_or_shutdown(pause).await {
+                        break;
+                    }
+                    pause = (pause * 2).min(COMMITTED_BY_HANDLER_PAUSE_MAX);
+                }
                 Err(error) => {
                     let error = HandlerError::Infrastructure(error);
-                    if self.hold_for_database(&error, &mut outage).await {
-                        continue 'connect;
-                    }
-                    break 'connect;
-                }
-            };
-            loop {
-                match claim::committed(&mut connection, xid).await {
-                    Ok(Some(committed)) => {
-                        self.health.resume();
-                        connection.keep();
-                        if committed {
-                            tracing::error!(
-                                "a handler of the batch committed the transaction itself (a raw COMMIT) and then failed: every claim of the batch is permanent, so none of its messages is retried; each is dead-lettered"
-                            );
-                        }
-                        return committed;
-                    }
-                    Ok(None) => {
-                        if !warned && asked.elapsed() >= COMMITTED_BY_HANDLER_WARN {
-                            warned = true;
-                            tracing::warn!(
-                                waited = ?asked.elapsed(),
-                                "a failed batch's transaction is still running on the server (its handler timed out or panicked while a statement ran): its messages wait until the server ends it"
-                            );
-                        }
-                        if !self.wait_or_shutdown(pause).await {
-                            break 'connect;
-                        }
-                        pause = (pause * 2).min(COMMITTED_BY_HANDLER_PAUSE_MAX);
-                    }
-                    Err(error) => {
-                        drop(connection);
-                        let error = HandlerError::Infrastructure(error);
-                        if self.hold_for_database(&error, &mut outage).await {
-                            continue 'connect;
-                        }
-                        break 'connect;
+                    if !self.hold_for_database(&error, &mut outage).await {
+                        break;
                     }
                 }
             }

@@ -380,6 +380,22 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// else dead-letter it. The check claims the message and rolls the claim
     /// back, so it waits for an attempt that is still running.
     async fn past_limit(self: &Arc<Self>, delivery: &Delivery) -> Verdict {
+        match self.claim_committed(delivery, true).await {
+            Some(true) => Verdict::Duplicate,
+            Some(false) => Verdict::Exhausted,
+            None => Verdict::Interrupted,
+        }
+    }
+
+    /// Whether an attempt at `delivery`'s message committed its claim:
+    /// claims it and rolls the claim back ([`claimed_elsewhere`]), so that
+    /// it waits for an attempt whose transaction has not ended yet, and
+    /// probes the generations the message's claim can be in. Under the
+    /// watchdog. While the database cannot be used, holds if `hold` (else
+    /// gives up); `None` when it gave up or the router is shutting down.
+    ///
+    /// [`claimed_elsewhere`]: Self::claimed_elsewhere
+    async fn claim_committed(self: &Arc<Self>, delivery: &Delivery, hold: bool) -> Option<bool> {
         let mut outage = Outage::default();
         loop {
             let checked = {
@@ -394,12 +410,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 .await
             };
             match checked {
-                Ok(true) => return Verdict::Duplicate,
-                Ok(false) => return Verdict::Exhausted,
+                Ok(committed) => return Some(committed),
                 Err(error) => {
                     let error = HandlerError::Infrastructure(error);
-                    if !self.hold_for_database(&error, &mut outage).await {
-                        return Verdict::Interrupted;
+                    if !hold || !self.hold_for_database(&error, &mut outage).await {
+                        return None;
                     }
                 }
             }
@@ -587,51 +602,37 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// when it was made, and nothing else commits it). Then the handler's
     /// work is committed in part, and a retry would be acked as a
     /// duplicate: the message is failed as [`HandlerError::ClaimLost`]
-    /// (dead-lettered) instead. Asked outside the watchdog; held while the
-    /// database cannot be used; at shutdown, still unknown, the answer is
-    /// "committed", so that the message is kept rather than acked undone.
+    /// (dead-lettered) instead.
+    ///
+    /// Asked with [`claim_committed`](Self::claim_committed), which waits
+    /// for the abandoned transaction to end (a COMMIT of the handler's may
+    /// still be on its way) and probes the generations this message's
+    /// claim can be in. While the database cannot be used, a JetStream
+    /// message is held, and at shutdown, still unknown, the answer is
+    /// "committed": it is kept as a dead letter rather than risk acking it
+    /// undone. A request is answered at once, as on any database failure:
+    /// the answer is "not committed", its failure stands.
     ///
     /// Another copy of the message (published again after the duplicate
     /// window) that waited on this claim, and committed its own once this
     /// transaction ended, looks the same: that message is applied once, and
     /// this copy is dead-lettered needlessly.
-    async fn claim_committed_by_handler(&self, delivery: &Delivery) -> bool {
-        let key = self.claim_key(delivery);
-        let mut outage = Outage::default();
-        loop {
-            let asked = match self
-                .connections
-                .take(|waited| self.recorder.connection_waited(waited))
-                .await
-            {
-                Ok(mut connection) => {
-                    let asked = crate::store::claim::committed_claim(&mut connection, &key).await;
-                    if asked.is_ok() {
-                        connection.keep();
-                    }
-                    asked
-                }
-                Err(error) => Err(error),
-            };
-            match asked {
-                Ok(committed) => {
-                    self.health.resume();
-                    if committed {
-                        tracing::error!(
-                            "the handler committed its transaction itself (a raw COMMIT) and then failed: its claim is permanent, so the message is not retried; it is dead-lettered"
-                        );
-                    }
-                    return committed;
-                }
-                Err(error) => {
-                    let error = HandlerError::Infrastructure(error);
-                    if !self.hold_for_database(&error, &mut outage).await {
-                        tracing::error!(
-                            "shutting down before it could be told whether a failed handler committed its transaction itself: the message is dead-lettered rather than risk acking it undone"
-                        );
-                        return true;
-                    }
-                }
+    async fn claim_committed_by_handler(self: &Arc<Self>, delivery: &Delivery) -> bool {
+        let answers = self.mode.answers().is_some();
+        match self.claim_committed(delivery, !answers).await {
+            Some(true) => {
+                tracing::error!(
+                    "the handler committed its transaction itself (a raw COMMIT) and then failed: its claim is permanent, so the message is not retried; it is dead-lettered"
+                );
+                true
+            }
+            Some(false) => false,
+            None if answers => false,
+            None => {
+                tracing::error!(
+                    "shutting down before it could be told whether a failed handler committed its transaction itself: the message is dead-lettered rather than risk acking it undone"
+                );
+                true
             }
         }
     }

@@ -223,20 +223,6 @@ pub(crate) async fn claim_many(
     Ok((fresh.into_iter().collect(), xid))
 }
 
-/// Whether a committed claim on `key` exists (in any generation), asked on
-/// a connection of its own: for a message whose handler timed out or
-/// panicked, whose own transaction could not be asked (see
-/// `Pipeline::transact_with_retries`).
-pub(crate) async fn committed_claim(
-    connection: &mut PgConnection,
-    key: &str,
-) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT EXISTS (SELECT FROM idem_claims WHERE key = $1::uuid)")
-        .bind(key)
-        .fetch_one(connection)
-        .await
-}
-
 /// What became of transaction `xid` (from [`claim_many`]), asked on
 /// another connection: `Some(true)` once it committed, `Some(false)` once
 /// it aborted, `None` while it is still in progress.
