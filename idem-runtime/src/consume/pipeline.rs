@@ -476,12 +476,11 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     where
         F: Future<Output = T> + Send + 'static,
     {
-        let (held, connection_held) = tokio::sync::oneshot::channel();
-        let work = work(Held(Some(held)));
         let Some(limit) = watchdog(self.route.handler_timeout) else {
-            return work.await;
+            return work(Held(None)).await;
         };
-        let mut work = Box::pin(work);
+        let (held, connection_held) = tokio::sync::oneshot::channel();
+        let mut work = Box::pin(work(Held(Some(held))));
         tokio::select! {
             biased;
             done = &mut work => return done,

@@ -39,11 +39,7 @@ async fn an_orphaned_backend_does_not_block_the_redelivery() {
         subject,
     } = scenario("ORPHAN", Duration::from_secs(120)).await;
     let proxy = PgProxy::start(upstream_of(env.database_url())).await;
-    let proxied = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&proxy.url_for(env.database_url()))
-        .await
-        .unwrap();
+    let proxied = pool_through(&proxy, env.database_url()).await;
     proxy.orphan_next_commit();
     publish(&js, &subject, &deposit("a", 1), Some("orphan-1")).await;
     let (handle, task) = spawn(
@@ -67,6 +63,25 @@ async fn an_orphaned_backend_does_not_block_the_redelivery() {
 // A COMMIT that never gets an answer (network partition): the message is
 // heartbeated forever, and the route's slot with it.
 // ---------------------------------------------------------------------------
+
+/// A pool of 4 connections (one for the router's metrics poll, three for
+/// messages) through `proxy`.
+async fn pool_through(proxy: &PgProxy, database_url: &str) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&proxy.url_for(database_url))
+        .await
+        .expect("pool through the proxy")
+}
+
+/// The route of the partition tests: one message at a time, a 1 s
+/// handler timeout (the watchdog: 8 s), redelivery after 2 s.
+fn partition_route(stream: &str) -> Route {
+    fast(Route::new(stream, "c"))
+        .handler_timeout(Duration::from_secs(1))
+        .ack_wait(Duration::from_secs(2))
+        .concurrency(1)
+}
 
 #[idempotent(name = "partitioned")]
 async fn partitioned(
@@ -98,21 +113,11 @@ async fn a_commit_that_is_never_answered_leaves_the_message_leased_forever() {
     // The proxy swallows the COMMIT and from then on forwards nothing on
     // that connection, keeping both sockets open (`PgProxy`'s blackhole).
     let proxy = PgProxy::start(upstream_of(env.database_url())).await;
-    let proxied = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&proxy.url_for(env.database_url()))
-        .await
-        .unwrap();
+    let proxied = pool_through(&proxy, env.database_url()).await;
     proxy.blackhole_next_commit();
     let acks = AckLog::start(&nats, &stream).await;
     let (handle, task) = spawn(
-        Router::new().route(
-            fast(Route::new(&stream, "c"))
-                .handler_timeout(Duration::from_secs(1))
-                .ack_wait(Duration::from_secs(2))
-                .concurrency(1),
-            partitioned,
-        ),
+        Router::new().route(partition_route(&stream), partitioned),
         nats,
         proxied,
     );
@@ -185,19 +190,9 @@ async fn silent_partitions_do_not_use_up_the_routes_connections() {
     } = scenario("SILENT", Duration::from_secs(300)).await;
     let proxy = PgProxy::start(upstream_of(env.database_url())).await;
     // One connection for the metrics poll, three for messages.
-    let proxied = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&proxy.url_for(env.database_url()))
-        .await
-        .unwrap();
+    let proxied = pool_through(&proxy, env.database_url()).await;
     let (handle, task) = spawn(
-        Router::new().route(
-            fast(Route::new(&stream, "c"))
-                .handler_timeout(Duration::from_secs(1))
-                .ack_wait(Duration::from_secs(2))
-                .concurrency(1),
-            partitioned,
-        ),
+        Router::new().route(partition_route(&stream), partitioned),
         nats,
         proxied,
     );
@@ -260,11 +255,7 @@ async fn ambiguous_commit_is_not_acked_and_the_redelivery_is_skipped() {
         subject,
     } = scenario("AMBIGUOUS", Duration::from_secs(120)).await;
     let proxy = PgProxy::start(upstream_of(env.database_url())).await;
-    let proxied = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&proxy.url_for(env.database_url()))
-        .await
-        .expect("pool through the proxy");
+    let proxied = pool_through(&proxy, env.database_url()).await;
 
     proxy.cut_next_commit();
     publish(&js, &subject, &deposit("a", 1), Some("ambiguous-1")).await;
@@ -388,11 +379,7 @@ async fn batch_ambiguous_commit_is_resolved_per_message_and_applied_once() {
         runs: BatchRuns::default(),
     };
     let proxy = state.cut.proxy.clone();
-    let proxied = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&proxy.url_for(env.database_url()))
-        .await
-        .expect("pool through the proxy");
+    let proxied = pool_through(&proxy, env.database_url()).await;
 
     // Published before the router starts, so that batches are full.
     let mut sequence_of = BTreeMap::new();
