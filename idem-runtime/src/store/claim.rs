@@ -11,8 +11,10 @@
 //!
 //! Either way the claim waits for a concurrent transaction that holds an
 //! uncommitted claim on the same key: if that one commits, this claim finds
-//! the row (a duplicate); if it rolls back, this claim proceeds. Each claim
-//! records its transaction's id (`idem.claim`) for the check before COMMIT.
+//! the row (a duplicate); if it rolls back, this claim proceeds. The
+//! transaction's id (`idem.claim`), for the check before COMMIT, is
+//! recorded by the statement that begins the transaction
+//! ([`transaction`](crate::store::transaction)), and by a batch's claim.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
@@ -52,8 +54,9 @@ use sqlx::{PgPool, PgTransaction};
 /// ended before it began, and so did every transaction that could still
 /// write into a sealed generation.
 ///
-/// It records the transaction's id in `idem.claim` (once per row inserted;
-/// the same value).
+/// It returns nothing: the statement before it, in the same message, records
+/// the transaction's id for the check before COMMIT (see
+/// [`transaction`](crate::store::transaction)).
 pub const CLAIM_SQL: &str = "\
 INSERT INTO idem_claims (key, gen, handler_id) \
 SELECT $2, g.gen, $1 \
@@ -66,8 +69,7 @@ SELECT $2, g.gen, $1 \
                                         FROM idem_generations)) \
                   LIMIT 1) \
                 UNION ALL SELECT s.current_gen - 1 WHERE s.transition \
-                UNION ALL SELECT s.current_gen) AS g(gen) \
-RETURNING set_config('idem.claim', pg_current_xact_id()::xid::text, true)";
+                UNION ALL SELECT s.current_gen) AS g(gen)";
 
 /// The claim key of `message_id` for the handler named `handler`: the first
 /// 16 bytes of SHA-256 over the handler name, a NUL byte and the message id,
