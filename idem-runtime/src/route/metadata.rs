@@ -7,6 +7,12 @@
 use crate::error::retention::{RetentionFloor, encode_duration};
 use crate::route::Route;
 
+/// The prefix of every consumer metadata key a route writes.
+pub(crate) const PREFIX: &str = "idem.";
+
+/// The prefix of the consumer metadata keys the NATS server writes itself.
+pub(crate) const SERVER_PREFIX: &str = "_nats.";
+
 /// The consumer metadata key under which a route records its retention
 /// (`forever`, or seconds: `604800s`), for its dead letters to copy.
 pub(crate) const RETENTION_KEY: &str = "idem.retention";

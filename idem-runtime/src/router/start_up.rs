@@ -372,18 +372,17 @@ async fn bind_consumer(
         .extend(crate::route::metadata::consumer_metadata(
             route, handler, &floor,
         ));
-    if !route.update_consumer
-        && let Ok(existing) = stream.consumer_info(&route.durable).await
-    {
+    if let Ok(existing) = stream.consumer_info(&route.durable).await {
         // `get_or_create_consumer` would silently keep the old settings, and
         // `create_consumer` would silently overwrite another deployment's.
         let differences = consumer_differences(&existing.config, &wanted);
-        if !differences.is_empty() {
+        if !route.update_consumer && !differences.is_empty() {
             return Err(Error::ConsumerConflict {
                 route: route.durable.clone(),
                 differences: differences.join(", "),
             });
         }
+        wanted = keep_operator_settings(&existing.config, wanted);
     }
     // Creates the consumer, or (with `update_consumer`) updates it.
     let consumer = stream
@@ -395,6 +394,37 @@ async fn bind_consumer(
         copy_spread: floor.declared_copy_spread(),
         per_message_for_retention,
     })
+}
+
+/// `wanted` with the settings of the `existing` consumer that the route
+/// leaves to operators: what one pull request may ask for (`max_batch`,
+/// `max_bytes`, `max_expires`), how many may wait (`max_waiting`, which
+/// JetStream does not let an update change), the replicas and storage, the
+/// inactivity threshold, the description, the sampling of acks, and any
+/// metadata of their own (the route writes its `idem.*` keys afresh, and
+/// the server its `_nats.*`).
+/// Creating the consumer with `wanted` as the route builds it would reset
+/// them to JetStream's defaults at every start.
+fn keep_operator_settings(existing: &consumer::Config, mut wanted: pull::Config) -> pull::Config {
+    wanted.description.clone_from(&existing.description);
+    wanted.max_waiting = existing.max_waiting;
+    wanted.max_batch = existing.max_batch;
+    wanted.max_bytes = existing.max_bytes;
+    wanted.max_expires = existing.max_expires;
+    wanted.inactive_threshold = existing.inactive_threshold;
+    wanted.num_replicas = existing.num_replicas;
+    wanted.memory_storage = existing.memory_storage;
+    wanted.sample_frequency = existing.sample_frequency;
+    for (key, value) in &existing.metadata {
+        use crate::route::metadata::{PREFIX, SERVER_PREFIX};
+        if !key.starts_with(PREFIX) && !key.starts_with(SERVER_PREFIX) {
+            wanted
+                .metadata
+                .entry(key.clone())
+                .or_insert_with(|| value.clone());
+        }
+    }
+    wanted
 }
 
 /// The settings the route cares about that differ, as `field: existing -> wanted`.

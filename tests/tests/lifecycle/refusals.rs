@@ -1,6 +1,7 @@
 //! What a router refuses at start-up, before anything runs, saying why: a
 //! missing dedup schema, stream or dead-letter stream, a dead-letter stream
-//! that keeps nothing, a conflicting consumer, unsafe route settings, a
+//! that keeps nothing, a conflicting consumer (and what start-up keeps of
+//! one that does not conflict), unsafe route settings, a
 //! handler timeout PostgreSQL cannot take, and one handler on two routes.
 
 use std::time::Duration;
@@ -140,6 +141,99 @@ async fn conflicting_consumer_is_refused_unless_update_is_asked_for() {
     )
     .await;
     stop(handle, task).await;
+}
+
+/// What an operator tuned on a route's consumer and the route leaves to
+/// them (`max_batch`, `max_expires`, the description, metadata of their own)
+/// survives a restart of the router, and an update it asks for. Before, the
+/// route created its consumer from its own settings alone at every start,
+/// which reset them to JetStream's defaults.
+#[tokio::test]
+async fn a_restart_keeps_what_an_operator_tuned_on_the_routes_consumer() {
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("TUNED", Duration::from_secs(120)).await;
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), plain),
+        nats.clone(),
+        pool.clone(),
+    );
+    publish(&js, &subject, &deposit("a", 1), Some("m-1")).await;
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+
+    // The operator's edit (as `nats consumer edit` makes it): the whole
+    // configuration, with their changes.
+    let mut tuned = env.consumer_info(&stream, "c").await.config;
+    assert_eq!(tuned.max_batch, 0, "JetStream's default before the edit");
+    tuned.max_batch = 7;
+    tuned.max_expires = Duration::from_secs(20);
+    tuned.description = Some("tuned by operations".into());
+    tuned.metadata.insert("team".into(), "payments".into());
+    let tuned = jetstream::consumer::pull::Config {
+        max_batch: tuned.max_batch,
+        max_expires: tuned.max_expires,
+        description: tuned.description,
+        metadata: tuned.metadata,
+        durable_name: tuned.durable_name,
+        deliver_policy: tuned.deliver_policy,
+        ack_policy: tuned.ack_policy,
+        ack_wait: tuned.ack_wait,
+        max_deliver: tuned.max_deliver,
+        max_ack_pending: tuned.max_ack_pending,
+        filter_subject: tuned.filter_subject,
+        filter_subjects: tuned.filter_subjects,
+        ..Default::default()
+    };
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .update_consumer(tuned)
+        .await
+        .unwrap();
+    assert_eq!(env.consumer_info(&stream, "c").await.config.max_batch, 7);
+
+    for (i, what, route) in [
+        (2, "a restart", Route::new(&stream, "c")),
+        (3, "an update", Route::new(&stream, "c").update_consumer()),
+    ] {
+        let (handle, task) = spawn(
+            Router::new().route(route, plain),
+            nats.clone(),
+            pool.clone(),
+        );
+        publish(&js, &subject, &deposit("a", 1), Some(&format!("m-{i}"))).await;
+        wait_all_acked(&js, &stream, "c").await;
+        stop(handle, task).await;
+        let config = env.consumer_info(&stream, "c").await.config;
+        assert_eq!(
+            (
+                config.max_batch,
+                config.max_expires,
+                config.description.as_deref()
+            ),
+            (7, Duration::from_secs(20), Some("tuned by operations")),
+            "after {what}"
+        );
+        assert_eq!(
+            config.metadata.get("team").map(String::as_str),
+            Some("payments"),
+            "after {what}: {:?}",
+            config.metadata
+        );
+        assert_eq!(
+            config.metadata.get("idem.handler").map(String::as_str),
+            Some("plain"),
+            "after {what}: the route's own keys are written: {:?}",
+            config.metadata
+        );
+    }
+    assert_eq!(ledger(&pool, "plain").await, Ledger::once_each(3));
 }
 
 /// A route that names its own dead-letter subject needs a stream that
