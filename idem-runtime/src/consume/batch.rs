@@ -603,10 +603,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // whether a handler committed the claims itself (a raw COMMIT,
             // as below) is asked on another connection.
             Err((at, error @ (HandlerError::TimedOut(_) | HandlerError::Panicked(_)))) => {
-                return Err(match xid {
-                    Some(xid) => BatchFailure::Unresolved { error, at, xid },
-                    None => BatchFailure::Handler { error, at },
-                });
+                return Err(BatchFailure::Unresolved { error, at, xid });
             }
             Err((at, error)) => {
                 // A handler that ended the transaction itself (a raw COMMIT)

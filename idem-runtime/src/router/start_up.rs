@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::{self, PullConsumer, pull};
+use async_nats::jetstream::context::ConsumerInfoErrorKind;
 use sqlx::PgPool;
 
 use crate::consume::start::Source;
@@ -262,12 +263,12 @@ fn database_unreachable(error: &sqlx::Error) -> bool {
 }
 
 /// Whether a JetStream error is a request that got no answer: a timeout,
-/// no responders (JetStream not enabled yet), or a request the client could
-/// not make.
+/// no responders (JetStream not enabled yet), a request the client could
+/// not make, or a consumer that is offline (its leader being elected).
 fn jetstream_unanswered(source: &async_nats::Error) -> bool {
     use async_nats::jetstream::context::{
-        ConsumerInfoError, ConsumerInfoErrorKind, CreateStreamError, CreateStreamErrorKind,
-        GetStreamError, GetStreamErrorKind, RequestError, RequestErrorKind,
+        ConsumerInfoError, CreateStreamError, CreateStreamErrorKind, GetStreamError,
+        GetStreamErrorKind, RequestError, RequestErrorKind,
     };
     use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
     if let Some(error) = source.downcast_ref::<CreateStreamError>() {
@@ -293,6 +294,7 @@ fn jetstream_unanswered(source: &async_nats::Error) -> bool {
             ConsumerInfoErrorKind::TimedOut
                 | ConsumerInfoErrorKind::NoResponders
                 | ConsumerInfoErrorKind::Request
+                | ConsumerInfoErrorKind::Offline
         );
     }
     if let Some(error) = source.downcast_ref::<ConsumerError>() {
@@ -372,19 +374,28 @@ async fn bind_consumer(
         .extend(crate::route::metadata::consumer_metadata(
             route, handler, &floor,
         ));
-    if let Ok(existing) = stream.consumer_info(&route.durable).await {
-        // `get_or_create_consumer` would silently keep the old settings, and
-        // `create_consumer` would silently overwrite another deployment's.
-        let differences = consumer_differences(&existing.config, &wanted);
-        if !route.update_consumer && !differences.is_empty() {
-            return Err(Error::ConsumerConflict {
-                route: route.durable.clone(),
-                differences: differences.join(", "),
-            });
+    match stream.consumer_info(&route.durable).await {
+        Ok(existing) => {
+            // `get_or_create_consumer` would silently keep the old settings,
+            // and creating it from the route's alone would silently
+            // overwrite another deployment's.
+            let differences = consumer_differences(&existing.config, &wanted);
+            if !route.update_consumer && !differences.is_empty() {
+                return Err(Error::ConsumerConflict {
+                    route: route.durable.clone(),
+                    differences: differences.join(", "),
+                });
+            }
+            wanted = keep_operator_settings(&route.durable, &existing.config, wanted);
         }
-        wanted = keep_operator_settings(&existing.config, wanted);
+        Err(error) if error.kind() == ConsumerInfoErrorKind::NotFound => {}
+        // Not an answer about the consumer (a timeout, a leader election):
+        // creating it now could reset what an operator set, or skip the
+        // check above. Start-up tries again (see `is_transient`).
+        Err(error) => return Err(jetstream_error(error.into())),
     }
-    // Creates the consumer, or (with `update_consumer`) updates it.
+    // Creates the consumer, or updates the settings the route manages (and,
+    // with `update_consumer`, those that differed).
     let consumer = stream
         .create_consumer(wanted)
         .await
@@ -399,21 +410,30 @@ async fn bind_consumer(
 /// `wanted` with the settings of the `existing` consumer that the route
 /// leaves to operators: what one pull request may ask for (`max_batch`,
 /// `max_bytes`, `max_expires`), how many may wait (`max_waiting`, which
-/// JetStream does not let an update change), the replicas and storage, the
-/// inactivity threshold, the description, the sampling of acks, and any
-/// metadata of their own (the route writes its `idem.*` keys afresh, and
-/// the server its `_nats.*`).
-/// Creating the consumer with `wanted` as the route builds it would reset
-/// them to JetStream's defaults at every start.
-fn keep_operator_settings(existing: &consumer::Config, mut wanted: pull::Config) -> pull::Config {
+/// JetStream does not let an update change), the description, the sampling
+/// of acks, and any metadata of their own (the route writes its `idem.*`
+/// keys afresh, and the server its `_nats.*`). Creating the consumer with
+/// `wanted` as the route builds it would reset them to JetStream's defaults
+/// at every start. Those kept that differ from the defaults are logged.
+///
+/// Not kept, so that a restart sets them as the route needs them: the
+/// inactivity threshold (a durable that JetStream deletes while every
+/// worker is down would be created again from the start of the stream),
+/// the replicas (0: the stream's, which an explicit count can stop
+/// matching), memory storage (a memory consumer loses its state when the
+/// server restarts; JetStream refuses to change it, so such a consumer is
+/// refused: see [`consumer_differences`]), and the pause, back-off, replay
+/// policy and headers-only delivery.
+fn keep_operator_settings(
+    durable: &str,
+    existing: &consumer::Config,
+    mut wanted: pull::Config,
+) -> pull::Config {
     wanted.description.clone_from(&existing.description);
     wanted.max_waiting = existing.max_waiting;
     wanted.max_batch = existing.max_batch;
     wanted.max_bytes = existing.max_bytes;
     wanted.max_expires = existing.max_expires;
-    wanted.inactive_threshold = existing.inactive_threshold;
-    wanted.num_replicas = existing.num_replicas;
-    wanted.memory_storage = existing.memory_storage;
     wanted.sample_frequency = existing.sample_frequency;
     for (key, value) in &existing.metadata {
         use crate::route::metadata::{PREFIX, SERVER_PREFIX};
@@ -423,6 +443,28 @@ fn keep_operator_settings(existing: &consumer::Config, mut wanted: pull::Config)
                 .entry(key.clone())
                 .or_insert_with(|| value.clone());
         }
+    }
+    let defaults = pull::Config::default();
+    let kept: Vec<String> = [
+        ("max_batch", wanted.max_batch, defaults.max_batch),
+        ("max_bytes", wanted.max_bytes, defaults.max_bytes),
+        // JetStream's own default when none is given.
+        ("max_waiting", wanted.max_waiting, 512),
+    ]
+    .into_iter()
+    .filter(|(_, kept, default)| kept != default && *kept != 0)
+    .map(|(name, kept, _)| format!("{name} {kept}"))
+    .chain(
+        (wanted.max_expires != defaults.max_expires)
+            .then(|| format!("max_expires {:?}", wanted.max_expires)),
+    )
+    .collect();
+    if !kept.is_empty() {
+        tracing::info!(
+            route = durable,
+            "keeping the consumer's own limits: {} (the route's pull requests are capped by them; `idem status` shows a cap)",
+            kept.join(", ")
+        );
     }
     wanted
 }
@@ -454,6 +496,11 @@ fn consumer_differences(existing: &consumer::Config, wanted: &pull::Config) -> V
         "max_ack_pending",
         existing.max_ack_pending.to_string(),
         wanted.max_ack_pending.to_string(),
+    );
+    compare(
+        "memory_storage",
+        existing.memory_storage.to_string(),
+        wanted.memory_storage.to_string(),
     );
     compare(
         "deliver_policy",

@@ -205,18 +205,18 @@ pub(crate) async fn handlers_lock_holders(pool: &PgPool) -> Result<Vec<String>, 
 /// (`ON CONFLICT DO NOTHING`), because in PostgreSQL an error aborts the
 /// whole transaction.
 ///
-/// Also returns the transaction's id, once a claim assigned it one (`None`
-/// when every key was claimed before): if the connection must be given up
-/// while a handler of the batch runs, that id tells from another
-/// connection whether the handler committed the batch's claims itself (see
-/// [`committed`]).
+/// Also returns the transaction's id (assigned already by the statement
+/// after BEGIN, which records it for the check before COMMIT): if the
+/// connection must be given up while a handler of the batch runs, that id
+/// tells from another connection whether the handler committed the batch's
+/// claims itself (see [`committed`]).
 pub(crate) async fn claim_many(
     tx: &mut PgTransaction<'_>,
     handler_id: i32,
     keys: &[String],
-) -> Result<(HashSet<String>, Option<String>), sqlx::Error> {
-    let (fresh, xid): (Vec<String>, Option<String>) = sqlx::query_as(
-        "SELECT idem_claim_many($1, $2::uuid[])::text[], pg_current_xact_id_if_assigned()::text",
+) -> Result<(HashSet<String>, String), sqlx::Error> {
+    let (fresh, xid): (Vec<String>, String) = sqlx::query_as(
+        "SELECT idem_claim_many($1, $2::uuid[])::text[], pg_current_xact_id()::text",
     )
     .bind(handler_id)
     .bind(keys)

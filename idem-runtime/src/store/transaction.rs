@@ -81,7 +81,7 @@
 //! on any other (one straight from the pool), the BEGIN message first runs a
 //! `DO` block that prepares whichever of them the session lacks, in the same
 //! round trip. Should they vanish all the same (`DEALLOCATE ALL` in a
-//! handler, a pooler that moved the session), the claim fails with 26000:
+//! handler, a pooler that moved the session), the first `EXECUTE` fails with 26000:
 //! the connection is closed, and the message is retried at once on another
 //! (see `ErrorClass::of_sqlx`), which prepares them again.
 //!

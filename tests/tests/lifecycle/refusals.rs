@@ -175,7 +175,11 @@ async fn a_restart_keeps_what_an_operator_tuned_on_the_routes_consumer() {
     tuned.max_expires = Duration::from_secs(20);
     tuned.description = Some("tuned by operations".into());
     tuned.metadata.insert("team".into(), "payments".into());
+    // Not kept: JetStream would delete the durable while every worker is
+    // down this long.
+    tuned.inactive_threshold = Duration::from_secs(3600);
     let tuned = jetstream::consumer::pull::Config {
+        inactive_threshold: tuned.inactive_threshold,
         max_batch: tuned.max_batch,
         max_expires: tuned.max_expires,
         description: tuned.description,
@@ -232,8 +236,36 @@ async fn a_restart_keeps_what_an_operator_tuned_on_the_routes_consumer() {
             "after {what}: the route's own keys are written: {:?}",
             config.metadata
         );
+        assert_eq!(
+            config.inactive_threshold,
+            Duration::ZERO,
+            "after {what}: a route's durable is never deleted for inactivity"
+        );
     }
     assert_eq!(ledger(&pool, "plain").await, Ledger::once_each(3));
+
+    // A consumer kept in memory (which loses its state when the server
+    // restarts) is refused, naming the setting.
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("in-memory".into()),
+            memory_storage: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let error = Router::new()
+        .route(Route::new(&stream, "in-memory"), plain)
+        .run_until(nats, pool, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, Error::ConsumerConflict { .. }), "{error}");
+    assert!(
+        error.to_string().contains("memory_storage: true -> false"),
+        "{error}"
+    );
 }
 
 /// A route that names its own dead-letter subject needs a stream that
