@@ -55,8 +55,8 @@ use sqlx::{PgPool, PgTransaction};
 /// write into a sealed generation.
 ///
 /// It returns nothing: the statement before it, in the same message, records
-/// the transaction's id for the check before COMMIT (see
-/// [`transaction`](crate::store::transaction)).
+/// the transaction's id for the check before COMMIT (see the runtime's
+/// `store/transaction.rs`).
 pub const CLAIM_SQL: &str = "\
 INSERT INTO idem_claims (key, gen, handler_id) \
 SELECT $2, g.gen, $1 \
