@@ -186,26 +186,11 @@ pub struct HandlerStatus {
     pub oldest_age: Option<Duration>,
 }
 
-/// A row of [`handlers`]' query: name, retention, claims, and the oldest
-/// claim's time and age (in seconds).
-type HandlerRow = (String, Option<f64>, i64, Option<f64>, Option<f64>);
-
 /// Every handler registered in the dedup schema, by name, with its claims.
 /// Counts every claim (a scan of the claims table), so it takes a while on a
 /// table of many millions.
 pub async fn handlers(pool: &PgPool) -> Result<Vec<HandlerStatus>, sqlx::Error> {
-    let rows: Vec<HandlerRow> = sqlx::query_as(
-        "SELECT h.name,
-                extract(epoch FROM h.retention)::float8,
-                count(p.key),
-                extract(epoch FROM min(p.claimed_at))::float8,
-                extract(epoch FROM now() - min(p.claimed_at))::float8
-           FROM idem_handlers h LEFT JOIN idem_processed p ON p.handler = h.name
-          GROUP BY h.name, h.retention
-          ORDER BY h.name",
-    )
-    .fetch_all(pool)
-    .await?;
+    let rows = crate::store::reads::handlers(pool).await?;
     Ok(rows
         .into_iter()
         .map(|(name, retention, claims, oldest, age)| HandlerStatus {
@@ -242,18 +227,7 @@ pub async fn processed(
     message_id: &str,
 ) -> Result<Option<Processed>, sqlx::Error> {
     let key = crate::store::claim::key(handler, message_id);
-    // A claim made during a generation transition is in two generations:
-    // the first row is the one it was made with.
-    let row: Option<(f64, f64, i32, bool)> = sqlx::query_as(
-        "SELECT extract(epoch FROM claimed_at)::float8,
-                extract(epoch FROM now() - claimed_at)::float8,
-                gen, result IS NOT NULL
-           FROM idem_claims WHERE key = $1::uuid
-          ORDER BY claimed_at, gen LIMIT 1",
-    )
-    .bind(&key)
-    .fetch_optional(pool)
-    .await?;
+    let row = crate::store::reads::claim(pool, &key).await?;
     Ok(
         row.map(|(claimed_at, age, generation, has_result)| Processed {
             claimed_at: timestamp(claimed_at).unwrap_or(OffsetDateTime::UNIX_EPOCH),
@@ -268,9 +242,7 @@ pub async fn processed(
 /// a router has started), sorted: one cheap query, to tell an unknown name
 /// from a message not processed.
 pub async fn handler_names(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
-    sqlx::query_scalar("SELECT name FROM idem_handlers ORDER BY name")
-        .fetch_all(pool)
-        .await
+    crate::store::reads::handler_names(pool).await
 }
 
 /// Whether the outbox's NOTIFY trigger (`idem_outbox_notify`) is enabled:

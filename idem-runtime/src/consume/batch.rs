@@ -806,7 +806,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
         }
         let results: Vec<&[u8]> = results.iter().map(|result| result.as_ref()).collect();
-        crate::handler::results::store_many(tx, &stored_keys, &results)
+        crate::store::results::store_many(tx, &stored_keys, &results)
             .await
             .map_err(|error| (None, error))?;
         Ok(stopped_at)

@@ -666,7 +666,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // Its caller gets what the first attempt stored, read on the
             // same connection: the claim conflicted, so it has committed.
             let read = match ended {
-                Ok(()) => crate::handler::results::read(&mut connection, &key).await,
+                Ok(()) => crate::store::results::read(&mut connection, &key).await,
                 Err(error) => Err(error),
             };
             return match read {
@@ -699,7 +699,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         // A reply too large to send is refused first (see `consume/reply.rs`).
         let outcome = match outcome {
             Ok(Some(result)) => match self.check_reply_size(&result) {
-                Ok(()) => crate::handler::results::store(&mut tx, &key, &result)
+                Ok(()) => crate::store::results::store(&mut tx, &key, &result)
                     .await
                     .map(|()| Some(result)),
                 Err(error) => Err(error),

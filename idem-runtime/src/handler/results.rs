@@ -3,11 +3,8 @@
 //! A handler may return a value (`-> Result<Receipt, E>`). The runtime
 //! encodes it with the handler's codec (JSON unless it chose another) and
 //! stores the bytes in the `result` column of the message's claim, in the
-//! same transaction, after the body and before COMMIT:
-//!
-//! ```sql
-//! UPDATE idem_claims SET result = $2 WHERE key = $1
-//! ```
+//! same transaction, after the body and before COMMIT (the statements are in
+//! `store/results.rs`).
 //!
 //! Every row of that key is this transaction's own claim (during a
 //! generation transition the claim is in two generations; a claim made by
@@ -25,9 +22,7 @@
 //! [`ReplyRoute`](crate::ReplyRoute)), so it never stores one.
 
 use bytes::Bytes;
-use sqlx::{PgConnection, PgPool, PgTransaction};
-
-use crate::error::HandlerError;
+use sqlx::PgPool;
 
 /// The result stored for `message_id` by the handler named `handler`: the
 /// bytes its codec encoded (for JSON, the JSON text). For a reply route,
@@ -58,56 +53,7 @@ pub async fn stored(
 ) -> Result<Option<Bytes>, sqlx::Error> {
     let key = crate::store::claim::key(handler, message_id);
     let mut connection = pool.acquire().await?;
-    Ok(read(&mut connection, &key).await?.flatten())
-}
-
-/// What the committed claim on `key` stored: `None` if there is no claim,
-/// `Some(None)` for a claim without a result.
-pub(crate) async fn read(
-    connection: &mut PgConnection,
-    key: &str,
-) -> Result<Option<Option<Bytes>>, sqlx::Error> {
-    // Both rows of a claim made during a transition hold the same result.
-    let row: Option<Option<Vec<u8>>> =
-        sqlx::query_scalar("SELECT result FROM idem_claims WHERE key = $1::uuid LIMIT 1")
-            .bind(key)
-            .fetch_optional(connection)
-            .await?;
-    Ok(row.map(|result| result.map(Bytes::from)))
-}
-
-/// Stores `result` with the claim on `key`, which `tx` made.
-pub(crate) async fn store(
-    tx: &mut PgTransaction<'_>,
-    key: &str,
-    result: &Bytes,
-) -> Result<(), HandlerError> {
-    sqlx::query("UPDATE idem_claims SET result = $2 WHERE key = $1::uuid")
-        .bind(key)
-        .bind(result.as_ref())
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
-}
-
-/// Stores the results of a batch's messages with their claims, in one
-/// statement.
-pub(crate) async fn store_many(
-    tx: &mut PgTransaction<'_>,
-    keys: &[&str],
-    results: &[&[u8]],
-) -> Result<(), HandlerError> {
-    if keys.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "UPDATE idem_claims SET result = r.result
-           FROM unnest($1::uuid[], $2::bytea[]) AS r(key, result)
-          WHERE idem_claims.key = r.key",
-    )
-    .bind(keys)
-    .bind(results)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
+    Ok(crate::store::results::read(&mut connection, &key)
+        .await?
+        .flatten())
 }

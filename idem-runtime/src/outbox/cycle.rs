@@ -11,7 +11,7 @@
 //!    fits in `max_cycle_bytes` (always the first row): the fresh lane takes
 //!    rows that never failed in id order, the retry lane failing rows that
 //!    are due, the earliest due first. `BEGIN`, the server-side bound and
-//!    the take go in one message (see `session.rs`).
+//!    the take go in one message (see `store/outbox.rs`).
 //! 2. **Publish** them all, in id order, before awaiting the first PubAck
 //!    ([`send_rows`]). A row the client refuses, or would panic on (above
 //!    `max_payload`, an invalid subject, a header it cannot encode), fails
@@ -67,9 +67,9 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use sqlx::PgPool;
 
-use super::session::{Lane, Marks, Row, Session, Take};
 use super::stats::{Cycle, Published, RelayStats};
 use super::{MAX_SUBJECT_LEN, check_subject, message_headers};
+use crate::store::outbox::{Lane, Marks, Row, Session, Take};
 
 /// A failing row's first back-off; it doubles with each failure.
 pub(super) const FIRST_ROW_BACKOFF: Duration = Duration::from_secs(1);

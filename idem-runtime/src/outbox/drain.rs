@@ -53,8 +53,8 @@ use async_nats::jetstream;
 use sqlx::PgPool;
 
 use super::cycle::{Acked, Cycles, LostConnections, Open, RelayError};
-use super::session::{Advanced, Lane, Marks, Session, Take};
 use super::stats::Drain;
+use crate::store::outbox::{Advanced, Lane, Marks, Session, Take};
 
 /// The fresh lane's connections: two while its cycles overlap, taken from
 /// the pool as they are first needed. The lane keeps them between drains

@@ -66,24 +66,11 @@ pub async fn lag(pool: &PgPool) -> Result<Lag, sqlx::Error> {
     Ok(lag_and_notify(pool).await?.0)
 }
 
-/// Whether the outbox's NOTIFY trigger is enabled (migration 7 disables
-/// it): `false` also where there is no trigger or no outbox table.
-const NOTIFY_ENABLED_SQL: &str = "\
-SELECT coalesce(bool_or(tgenabled IN ('O', 'A')), false) FROM pg_trigger
- WHERE tgname = 'idem_outbox_notify' AND tgrelid = to_regclass('idem_outbox')";
-
 /// The [`lag`], and whether the NOTIFY trigger is enabled (see
 /// [`notify_trigger_enabled`]): what a relay reads about once a second, in
 /// one query (two while rows are failing).
 pub(crate) async fn lag_and_notify(pool: &PgPool) -> Result<(Lag, bool), sqlx::Error> {
-    let (pending, oldest, failing, notify): (i64, Option<f64>, i64, bool) =
-        sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8,
-                    count(*) FILTER (WHERE not_before IS NOT NULL), ({NOTIFY_ENABLED_SQL})
-               FROM idem_outbox"
-        )))
-        .fetch_one(pool)
-        .await?;
+    let (pending, oldest, failing, notify) = crate::store::outbox::lag(pool).await?;
     let failures = if failing > 0 {
         failures(pool).await?
     } else {
@@ -101,25 +88,11 @@ pub(crate) async fn lag_and_notify(pool: &PgPool) -> Result<(Lag, bool), sqlx::E
 /// Whether the outbox's NOTIFY trigger is enabled (migration 7 disables
 /// it): `false` also where there is no trigger or no outbox table.
 pub(crate) async fn notify_trigger_enabled(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(NOTIFY_ENABLED_SQL).fetch_one(pool).await
+    crate::store::outbox::notify_trigger_enabled(pool).await
 }
 
-type FailingRow = (String, Option<String>, i64, Option<f64>, i32, Option<f64>);
-
 async fn failures(pool: &PgPool) -> Result<Vec<Failing>, sqlx::Error> {
-    let rows: Vec<FailingRow> = sqlx::query_as(
-        "SELECT subject, last_error, count(*),
-                extract(epoch FROM now() - min(created_at))::float8,
-                max(attempts),
-                extract(epoch FROM min(not_before) - now())::float8
-           FROM idem_outbox WHERE not_before IS NOT NULL
-          GROUP BY subject, last_error
-          ORDER BY count(*) DESC, subject
-          LIMIT $1",
-    )
-    .bind(MOST_FAILURES as i64)
-    .fetch_all(pool)
-    .await?;
+    let rows = crate::store::outbox::failing(pool, MOST_FAILURES).await?;
     Ok(rows
         .into_iter()
         .map(|(subject, error, rows, oldest, attempts, next)| Failing {
@@ -164,14 +137,7 @@ fn seconds(value: Option<f64>) -> Duration {
 /// `max_payload`) fails again; to drop one for good, `DELETE FROM
 /// idem_outbox WHERE msg_id = '...'`: its message is then never sent.
 pub async fn retry_failing(pool: &PgPool, subject: Option<&str>) -> Result<u64, sqlx::Error> {
-    let done = sqlx::query(
-        "UPDATE idem_outbox SET not_before = now(), attempts = 0
-          WHERE not_before IS NOT NULL AND ($1::text IS NULL OR subject = $1)",
-    )
-    .bind(subject)
-    .execute(pool)
-    .await?;
-    Ok(done.rows_affected())
+    crate::store::outbox::retry_failing(pool, subject).await
 }
 
 /// The outbox's lag, into its gauges: from the router's poll, and from each

@@ -101,8 +101,8 @@
 //! The code: `relay.rs` holds the relay's two lanes (fresh rows; failing
 //! rows once due), `cycle.rs` one cycle's steps (take, publish, PubAcks,
 //! blame, finish), `drain.rs` how the fresh lane overlaps its cycles,
-//! `session.rs` the messages a cycle sends PostgreSQL (each step one round
-//! trip), `wake.rs` what wakes the fresh lane (this process's commits,
+//! `store/outbox.rs` the messages a cycle sends PostgreSQL (each step one
+//! round trip), `wake.rs` what wakes the fresh lane (this process's commits,
 //! notifications and the poll, folded into one wake-up), `stats.rs` what
 //! the relay counts, `lag.rs` what an operator reads and retries.
 //!
@@ -118,7 +118,6 @@ mod cycle;
 mod drain;
 mod lag;
 mod relay;
-mod session;
 mod stats;
 mod wake;
 
@@ -144,10 +143,6 @@ pub use wake::{wake_local_relays, wake_relays};
 
 /// The channel the outbox's trigger notifies on each queuing transaction.
 pub const CHANNEL: &str = "idem_outbox";
-
-const INSERT_SQL: &str = "\
-INSERT INTO idem_outbox (msg_id, subject, payload, headers) VALUES ($1, $2, $3, $4::jsonb) \
-ON CONFLICT (msg_id) DO NOTHING";
 
 /// Queues messages in the outbox, in the caller's transaction, encoded with
 /// codec `C` (JSON by default).
@@ -424,13 +419,7 @@ pub async fn enqueue(
     if !valid_id(msg_id) {
         return Err(OutboxError::InvalidId(msg_id.to_owned()));
     }
-    sqlx::query(INSERT_SQL)
-        .bind(msg_id)
-        .bind(subject)
-        .bind(payload)
-        .bind(headers_to_json(headers))
-        .execute(conn)
-        .await?;
+    crate::store::outbox::queue(conn, msg_id, subject, payload, headers_to_json(headers)).await?;
     Ok(())
 }
 

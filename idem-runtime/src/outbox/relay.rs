@@ -2,7 +2,7 @@
 //! JetStream acknowledged, run in two lanes so that no row, and no outage,
 //! stops the others. A cycle's steps are in `cycle.rs`, how the fresh lane
 //! overlaps its cycles in `drain.rs`, the messages they send PostgreSQL in
-//! `session.rs`.
+//! `store/outbox.rs`.
 //!
 //! # The lanes
 //!
@@ -42,16 +42,11 @@ use tokio::sync::watch;
 use super::cycle::{Cycles, FIRST_ROW_BACKOFF, LostConnections, RelayError};
 use super::drain::{Sessions, Signals, drain};
 use super::lag::lag_and_notify;
-use super::session::{Lane, any_fresh};
 #[cfg(feature = "fault-injection")]
 use super::stats::Published;
 use super::stats::{Cycle, Drain, RelayStats};
 use super::wake::{Bell, Poll, Wakeup, Woken};
-
-/// How long until the first failing row is due (negative: it is).
-const NEXT_DUE_SQL: &str = "\
-SELECT extract(epoch FROM min(not_before) - clock_timestamp())::float8
-  FROM idem_outbox WHERE not_before IS NOT NULL";
+use crate::store::outbox::{Lane, any_fresh, next_due};
 
 /// Publishes committed outbox rows to JetStream; see the [module
 /// docs](super).
@@ -673,11 +668,4 @@ impl LaneAway {
             crate::observe::metrics::outbox_nats_unreachable(either);
         }
     }
-}
-
-/// How long until the first failing row is due (zero if one is); `None`
-/// when no row is failing.
-async fn next_due(pool: &PgPool) -> Result<Option<Duration>, sqlx::Error> {
-    let due: Option<f64> = sqlx::query_scalar(NEXT_DUE_SQL).fetch_one(pool).await?;
-    Ok(due.map(|seconds| Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX)))
 }

@@ -510,12 +510,7 @@ pub(crate) async fn warn_of_claims_under_handler_name(
     route: &ReplyRoute,
     handler: &str,
 ) {
-    let registered: Result<Option<String>, sqlx::Error> = sqlx::query_scalar(
-        "SELECT to_char(updated_at, 'YYYY-MM-DD HH24:MI:SS TZ') FROM idem_handlers WHERE name = $1",
-    )
-    .bind(handler)
-    .fetch_optional(pool)
-    .await;
+    let registered = crate::store::reads::registered_at(pool, handler).await;
     match registered {
         Ok(Some(at)) => tracing::warn!(
             subject = route.subject(),

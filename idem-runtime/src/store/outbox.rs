@@ -1,5 +1,9 @@
-//! A relay's connection, and the messages it sends: each step of a cycle
-//! that speaks to PostgreSQL is one round trip.
+//! The outbox's statements: the row a handler queues (in its own
+//! transaction, [`queue`]), what operators read of the rows ([`lag`],
+//! [`failing`], [`retry_failing`]), when the first failing row is due
+//! ([`next_due`]), and a relay's connection and the messages it sends, each
+//! step of a cycle that speaks to PostgreSQL being one round trip (the
+//! cycles themselves are in `outbox/`).
 //!
 //! - **A take** is `BEGIN; SET LOCAL idle_in_transaction_session_timeout
 //!   = '60s'; EXECUTE idem_relay_take_fresh_v1(1024, 8388608)` in one
@@ -42,13 +46,114 @@ use sqlx::{AssertSqlSafe, Either, FromRow, PgPool, Postgres};
 
 use crate::store::transaction::literal;
 
+const INSERT_SQL: &str = "\
+INSERT INTO idem_outbox (msg_id, subject, payload, headers) VALUES ($1, $2, $3, $4::jsonb) \
+ON CONFLICT (msg_id) DO NOTHING";
+
+/// Queues a row, in the transaction `conn` belongs to: a pending row with
+/// the same `msg_id` makes this a no-op. `headers`: a JSON array of
+/// `[name, value]` pairs, or `None`.
+pub(crate) async fn queue(
+    conn: &mut sqlx::PgConnection,
+    msg_id: &str,
+    subject: &str,
+    payload: &[u8],
+    headers: Option<String>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(INSERT_SQL)
+        .bind(msg_id)
+        .bind(subject)
+        .bind(payload)
+        .bind(headers)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Whether the outbox's NOTIFY trigger is enabled (migration 7 disables
+/// it): `false` also where there is no trigger or no outbox table.
+const NOTIFY_ENABLED_SQL: &str = "\
+SELECT coalesce(bool_or(tgenabled IN ('O', 'A')), false) FROM pg_trigger
+ WHERE tgname = 'idem_outbox_notify' AND tgrelid = to_regclass('idem_outbox')";
+
+/// Whether the outbox's NOTIFY trigger is enabled.
+pub(crate) async fn notify_trigger_enabled(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(NOTIFY_ENABLED_SQL).fetch_one(pool).await
+}
+
+/// The outbox's rows in one query: how many are pending, the oldest one's
+/// age (seconds), how many are failing, and whether the NOTIFY trigger is
+/// enabled.
+pub(crate) async fn lag(pool: &PgPool) -> Result<(i64, Option<f64>, i64, bool), sqlx::Error> {
+    sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8,
+                count(*) FILTER (WHERE not_before IS NOT NULL), ({NOTIFY_ENABLED_SQL})
+           FROM idem_outbox"
+    )))
+    .fetch_one(pool)
+    .await
+}
+
+/// Failing rows by subject and error: subject, error, rows, the oldest
+/// one's age (seconds), the most attempts, and the seconds until the next
+/// is due.
+pub(crate) type FailingRow = (String, Option<String>, i64, Option<f64>, i32, Option<f64>);
+
+/// The failing rows grouped by subject and error, the largest groups first,
+/// at most `most` groups.
+pub(crate) async fn failing(pool: &PgPool, most: usize) -> Result<Vec<FailingRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT subject, last_error, count(*),
+                extract(epoch FROM now() - min(created_at))::float8,
+                max(attempts),
+                extract(epoch FROM min(not_before) - now())::float8
+           FROM idem_outbox WHERE not_before IS NOT NULL
+          GROUP BY subject, last_error
+          ORDER BY count(*) DESC, subject
+          LIMIT $1",
+    )
+    .bind(i64::try_from(most).unwrap_or(i64::MAX))
+    .fetch_all(pool)
+    .await
+}
+
+/// Makes the failing rows (of `subject` only, if given) due now, with their
+/// back-off restarted; returns how many.
+pub(crate) async fn retry_failing(
+    pool: &PgPool,
+    subject: Option<&str>,
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE idem_outbox SET not_before = now(), attempts = 0
+          WHERE not_before IS NOT NULL AND ($1::text IS NULL OR subject = $1)",
+    )
+    .bind(subject)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// How long until the first failing row is due (negative: it is).
+const NEXT_DUE_SQL: &str = "\
+SELECT extract(epoch FROM min(not_before) - clock_timestamp())::float8
+  FROM idem_outbox WHERE not_before IS NOT NULL";
+
+/// How long until the first failing row is due (zero if one is); `None`
+/// when no row is failing.
+pub(crate) async fn next_due(pool: &PgPool) -> Result<Option<std::time::Duration>, sqlx::Error> {
+    let due: Option<f64> = sqlx::query_scalar(NEXT_DUE_SQL).fetch_one(pool).await?;
+    Ok(due.map(|seconds| {
+        std::time::Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(std::time::Duration::MAX)
+    }))
+}
+
 /// The rows a take returns: id, msg_id, subject, payload, headers (JSON
 /// text), attempts, and how many rows the take locked.
-pub(super) type Row = (i64, String, String, Vec<u8>, Option<String>, i32, i64);
+pub(crate) type Row = (i64, String, String, Vec<u8>, Option<String>, i32, i64);
 
 /// Which rows a take locks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Lane {
+pub(crate) enum Lane {
     /// Rows that never failed, in id order.
     Fresh,
     /// Failing rows that are due, the earliest due first.
@@ -56,7 +161,7 @@ pub(super) enum Lane {
 }
 
 impl Lane {
-    pub(super) fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Lane::Fresh => "fresh",
             Lane::Retry => "retry",
@@ -67,10 +172,10 @@ impl Lane {
 /// What a take asks for: up to `limit` rows of `lane`, of those the
 /// longest prefix within `bytes` (always the first).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Take {
-    pub(super) lane: Lane,
-    pub(super) limit: usize,
-    pub(super) bytes: usize,
+pub(crate) struct Take {
+    pub(crate) lane: Lane,
+    pub(crate) limit: usize,
+    pub(crate) bytes: usize,
 }
 
 /// A cycle's `idle_in_transaction_session_timeout`: far above a cycle's
@@ -205,32 +310,32 @@ const ANY_FRESH_SQL: &str = "SELECT EXISTS (SELECT FROM idem_outbox WHERE not_be
 
 /// Whether a fresh row is pending (see [`ANY_FRESH_SQL`]), asked of the
 /// pool.
-pub(super) async fn any_fresh(pool: &PgPool) -> Result<bool, sqlx::Error> {
+pub(crate) async fn any_fresh(pool: &PgPool) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(ANY_FRESH_SQL).fetch_one(pool).await
 }
 
 /// The failures to record on their rows at the end of a cycle: each row's
 /// id, error, and its next back-off in seconds.
 #[derive(Debug, Default)]
-pub(super) struct Marks {
-    pub(super) ids: Vec<i64>,
-    pub(super) errors: Vec<String>,
-    pub(super) backoffs: Vec<f64>,
+pub(crate) struct Marks {
+    pub(crate) ids: Vec<i64>,
+    pub(crate) errors: Vec<String>,
+    pub(crate) backoffs: Vec<f64>,
 }
 
 /// What a finish (with a take after it, perhaps) came to.
-pub(super) struct Advanced {
+pub(crate) struct Advanced {
     /// Whether the finished cycle's COMMIT went through (false also when
     /// there was nothing to finish).
-    pub(super) committed: bool,
+    pub(crate) committed: bool,
     /// The rows taken, or why the message failed. Empty when no take was
     /// asked for, or it found nothing (its transaction is then ended).
-    pub(super) taken: Result<Vec<Row>, sqlx::Error>,
+    pub(crate) taken: Result<Vec<Row>, sqlx::Error>,
 }
 
 impl Advanced {
     /// Nothing was asked.
-    pub(super) fn nothing() -> Advanced {
+    pub(crate) fn nothing() -> Advanced {
         Advanced {
             committed: false,
             taken: Ok(Vec::new()),
@@ -240,7 +345,7 @@ impl Advanced {
 
 /// A pooled connection whose transactions the relay begins and ends in the
 /// messages of the module docs.
-pub(super) struct Session {
+pub(crate) struct Session {
     connection: PoolConnection<Postgres>,
     /// It holds the prepared statements (see [`prepare_sql`]): once a take
     /// has run on it.
@@ -263,7 +368,7 @@ impl Drop for Session {
 
 impl Session {
     /// A connection from `pool`, outside any transaction.
-    pub(super) async fn acquire(pool: &PgPool) -> Result<Session, sqlx::Error> {
+    pub(crate) async fn acquire(pool: &PgPool) -> Result<Session, sqlx::Error> {
         Ok(Session {
             connection: pool.acquire().await?,
             prepared: false,
@@ -274,7 +379,7 @@ impl Session {
 
     /// Begins a cycle's transaction and takes its rows: one round trip. A
     /// take that finds nothing ends its transaction (a second one).
-    pub(super) async fn take(&mut self, take: Take) -> Result<Vec<Row>, sqlx::Error> {
+    pub(crate) async fn take(&mut self, take: Take) -> Result<Vec<Row>, sqlx::Error> {
         self.advance(None, Some(take)).await.taken
     }
 
@@ -304,7 +409,7 @@ impl Session {
     /// when there are any), deletes `acknowledged` and commits, then, with
     /// `next`, begins the next transaction and takes its rows in the same
     /// message. With `finish` `None`, only the take.
-    pub(super) async fn advance(
+    pub(crate) async fn advance(
         &mut self,
         finish: Option<(&[i64], &Marks)>,
         next: Option<Take>,
@@ -379,7 +484,7 @@ impl Session {
     }
 
     /// Rolls back the open transaction: its rows are released unpublished.
-    pub(super) async fn rollback(&mut self) -> Result<(), sqlx::Error> {
+    pub(crate) async fn rollback(&mut self) -> Result<(), sqlx::Error> {
         self.open = true;
         sqlx::raw_sql("ROLLBACK")
             .execute(&mut *self.connection)
