@@ -3,8 +3,11 @@
 //! A handler may return a value (`-> Result<Receipt, E>`). The runtime
 //! encodes it with the handler's codec (JSON unless it chose another) and
 //! stores the bytes in the `result` column of the message's claim, in the
-//! same transaction, after the body and before COMMIT (the statements are in
-//! `store/results.rs`).
+//! same transaction, after the body and before COMMIT:
+//!
+//! ```sql
+//! UPDATE idem_claims SET result = $2 WHERE key = $1::uuid
+//! ```
 //!
 //! Every row of that key is this transaction's own claim (during a
 //! generation transition the claim is in two generations; a claim made by

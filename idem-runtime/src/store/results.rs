@@ -3,7 +3,7 @@
 //! in the claim's transaction, after the body and before COMMIT:
 //!
 //! ```sql
-//! UPDATE idem_claims SET result = $2 WHERE key = $1
+//! UPDATE idem_claims SET result = $2 WHERE key = $1::uuid
 //! ```
 //!
 //! [`handler::results`]: crate::handler::results
