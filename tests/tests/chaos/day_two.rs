@@ -533,6 +533,18 @@ impl Watch {
             .map(|&at| at - since)
     }
 
+    /// When `part` last made progress at or before `at`, if it ever did.
+    fn last_at_or_before(&self, part: Part, at: Instant) -> Option<Instant> {
+        let state = self.state.lock().expect("watch lock");
+        state
+            .progress
+            .get(&part)?
+            .iter()
+            .rev()
+            .find(|&&when| when <= at)
+            .copied()
+    }
+
     /// The longest `part` went without progress from `from` to `to`.
     fn longest_gap(&self, part: Part, from: Instant, to: Instant) -> Duration {
         let state = self.state.lock().expect("watch lock");
@@ -1049,7 +1061,19 @@ impl FaultDriver<'_> {
             let gap = watch
                 .first_after(part, r.began)
                 .map(|_| watch.longest_gap(part, r.began, now));
-            if gap.is_none_or(|g| g > knobs.bound(part)) {
+            // No progress yet in the window is a stall only once the part
+            // has gone longer than its bound since its last progress before
+            // the accident: a purge that rotates every two seconds may not
+            // have rotated in the two seconds of a rename's overlap. How
+            // soon it moves after the accident is checked by `after`.
+            let stalled = match gap {
+                Some(g) => g > knobs.bound(part),
+                None => {
+                    let since = watch.last_at_or_before(part, r.began).unwrap_or(r.began);
+                    now - since > knobs.bound(part)
+                }
+            };
+            if stalled {
                 r.broke.push(format!(
                     "liveness: while it stood, {} made no progress for {} (bound {:?})",
                     part.name(),
