@@ -44,7 +44,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Either, FromRow, PgPool, Postgres};
 
-use crate::store::transaction::literal;
+use crate::store::transaction::prepare_missing;
 
 const INSERT_SQL: &str = "\
 INSERT INTO idem_outbox (msg_id, subject, payload, headers) VALUES ($1, $2, $3, $4::jsonb) \
@@ -235,26 +235,10 @@ const DELETE: (&str, &str, &str) = (
 );
 
 /// A `DO` block that prepares, on the session, whichever of the relay's
-/// statements it lacks: sent in the first message of each session, so
-/// that the server parses and plans them once per connection rather than
-/// once per cycle (a simple query cannot bind parameters). A name carries a
-/// version, so that a runtime whose statement changed never executes an
-/// older one a session still holds.
+/// statements it lacks (see [`prepare_missing`]): once per connection
+/// rather than once per cycle.
 fn prepare_sql() -> String {
-    let prepares: Vec<String> = [TAKE_FRESH, TAKE_DUE, DELETE]
-        .iter()
-        .map(|(name, parameters, sql)| {
-            format!(
-                "IF NOT EXISTS (SELECT FROM pg_prepared_statements WHERE name = '{name}') \
-                 THEN EXECUTE {}; END IF;",
-                literal(&format!("PREPARE {name}{parameters} AS {sql}"))
-            )
-        })
-        .collect();
-    format!(
-        "DO {}",
-        literal(&format!("BEGIN {} END", prepares.join(" ")))
-    )
+    prepare_missing(&[TAKE_FRESH, TAKE_DUE, DELETE])
 }
 
 impl Take {

@@ -257,18 +257,7 @@ impl Begin {
             bounds.push_str(&format!("; EXECUTE {}('{level}')", DURABLE.0));
         }
         let commit = format!("EXECUTE {}('{level}'); COMMIT; BEGIN", CHECK.0);
-        let prepare = statements
-            .iter()
-            .map(|(name, parameters, sql)| {
-                format!(
-                    "IF NOT EXISTS (SELECT FROM pg_prepared_statements WHERE name = '{name}') \
-                     THEN EXECUTE {}; END IF;",
-                    literal(&format!("PREPARE {name}{parameters} AS {sql}"))
-                )
-            })
-            .collect::<Vec<_>>()
-            .join(" ");
-        let prepare = format!("DO {}", literal(&format!("BEGIN {prepare} END")));
+        let prepare = prepare_missing(&statements);
         Self {
             bounds,
             prepare,
@@ -302,6 +291,29 @@ impl Begin {
         }
         sql
     }
+}
+
+/// A `DO` block that prepares, on the session, whichever of `statements`
+/// ((name, parameters, SQL)) it lacks: sent in the first message of each
+/// session, so that the server parses and plans them once per connection (a
+/// simple query cannot bind parameters). A name carries a version, so that a
+/// runtime whose statement changed never executes an older one a session
+/// still holds.
+pub(crate) fn prepare_missing(statements: &[(&str, &str, &str)]) -> String {
+    let prepares: Vec<String> = statements
+        .iter()
+        .map(|(name, parameters, sql)| {
+            format!(
+                "IF NOT EXISTS (SELECT FROM pg_prepared_statements WHERE name = '{name}') \
+                 THEN EXECUTE {}; END IF;",
+                literal(&format!("PREPARE {name}{parameters} AS {sql}"))
+            )
+        })
+        .collect();
+    format!(
+        "DO {}",
+        literal(&format!("BEGIN {} END", prepares.join(" ")))
+    )
 }
 
 /// What a message's transaction claims: `key` (see [`claim::key`]) for the
