@@ -601,3 +601,32 @@ pub async fn database_url(tx: &mut sqlx::PgTransaction<'_>) -> String {
             .unwrap();
     format!("postgres://postgres@127.0.0.1:{port}/{database}")
 }
+
+/// Replays dead letter `sequence` until JetStream stores it: refused while
+/// the server still remembers its id (it forgets ids on a timer, which a
+/// loaded machine can run late), as an operator would try again.
+pub async fn replay_until_stored(
+    js: &async_nats::jetstream::Context,
+    sequence: u64,
+) -> async_nats::jetstream::publish::PublishAck {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match idem_runtime::dead_letter::replay(
+            js,
+            idem_runtime::dead_letter::DEFAULT_STREAM,
+            sequence,
+        )
+        .await
+        {
+            Ok(replay) => return replay,
+            Err(idem_runtime::dead_letter::ReplayError::InsideDuplicateWindow) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "JetStream kept refusing the replay of {sequence} as a duplicate"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(error) => panic!("replay failed: {error}"),
+        }
+    }
+}

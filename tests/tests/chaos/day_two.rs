@@ -132,7 +132,7 @@ const CLIENT_RETRY_HORIZON: Duration = Duration::from_secs(2);
 const SIDE_EVERY: Duration = Duration::from_millis(50);
 const SIDE_BURST_EVERY: Duration = Duration::from_millis(2);
 const SAMPLE_EVERY: Duration = Duration::from_millis(100);
-/// The purge's session advisory lock (`PURGE_LOCK` in `expiry.rs`).
+/// The purge's session advisory lock (`PURGE_LOCK` in `store/purge.rs`).
 const PURGE_LOCK: i64 = 0x6964_656d_5f65_7870;
 
 /// An ordinary operational accident.

@@ -145,8 +145,9 @@ async fn a_message_past_max_deliver_is_acked_if_processed_else_dead_lettered_unr
     // message comes back to it (a stop waits up to about 3 s for its last
     // pull request to end, and hands back what that request delivers: a
     // delivery the loop below would then miss); short enough for three
-    // redeliveries.
-    const ACK_WAIT: Duration = Duration::from_secs(5);
+    // redeliveries. Checked below: the consumer had delivered once when the
+    // first router stopped.
+    const ACK_WAIT: Duration = Duration::from_secs(8);
     let Scenario {
         env,
         pool,
@@ -182,6 +183,14 @@ async fn a_message_past_max_deliver_is_acked_if_processed_else_dead_lettered_unr
         (first_stats.received(), first_stats.processed()),
         (1, 1),
         "committed once, and not redelivered to the first router"
+    );
+    assert_eq!(
+        env.consumer_info(&stream, "c")
+            .await
+            .delivered
+            .consumer_sequence,
+        1,
+        "the first router stopped within ack_wait: no redelivery yet, so the raw fetch below sees deliveries 2 and 3"
     );
 
     // 2. A message no attempt ever finished.

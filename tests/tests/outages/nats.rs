@@ -33,9 +33,11 @@ async fn a_restarted_server_is_pulled_from_within_a_second_of_the_reconnect() {
     publish(&js, &subject, &deposit("a", 1), Some("before")).await;
     wait_all_acked(&js, &stream, "c").await;
     let stats = handle.stats("c").unwrap();
-    // When the router's client reconnects, to within 5 ms. If that is
-    // before the message below is published, the figure counts the wait for
-    // it too: it can only be larger than the route's.
+    // When the router's client reconnects, to within 5 ms. The route is
+    // timed from the later of that and the moment the message below is
+    // stored: a reconnect before it was published leaves the route nothing
+    // to take until then (on a loaded machine, the harness's restart and a
+    // new client can take longer than the 1 s under test).
     let statistics = nats.statistics();
     let connected_before = statistics.connects.load(Ordering::Relaxed);
     let reconnect = tokio::spawn(async move {
@@ -51,6 +53,7 @@ async fn a_restarted_server_is_pulled_from_within_a_second_of_the_reconnect() {
     // waits in the stream for the router's pull.
     let publisher = jetstream::new(env.nats().await);
     publish(&publisher, &subject, &deposit("a", 2), Some("after")).await;
+    let stored = Instant::now();
     let reconnected = tokio::time::timeout(Duration::from_secs(30), reconnect)
         .await
         .expect("the router's client reconnects within 30 s")
@@ -61,11 +64,14 @@ async fn a_restarted_server_is_pulled_from_within_a_second_of_the_reconnect() {
         || async { stats.processed() == 2 },
     )
     .await;
-    let taken_after = reconnected.elapsed();
-    eprintln!("from reconnect to the first message processed: {taken_after:?}");
+    let taken_after = reconnected.max(stored).elapsed();
+    eprintln!(
+        "from reconnect ({:?} after the message was stored) to the first message processed: {taken_after:?}",
+        reconnected.saturating_duration_since(stored)
+    );
     assert!(
         taken_after < Duration::from_secs(1),
-        "the route took a message {taken_after:?} after its client reconnected, not within 1 s"
+        "the route took a message {taken_after:?} after its client reconnected and the message was stored, not within 1 s"
     );
     stop(handle, task).await;
     assert_eq!(ledger(&pool, "no-ids").await, Ledger::once_each(2));

@@ -183,19 +183,20 @@ async fn queued(
 }
 
 /// How long each `queued` handler holds the one connection its messages
-/// share: well inside its 1 s timeout.
-const QUEUED_HOLD: Duration = Duration::from_millis(600);
+/// share: half its 2 s timeout, so that a slow BEGIN or INSERT on a loaded
+/// machine does not time it out.
+const QUEUED_HOLD: Duration = Duration::from_secs(1);
 
-/// The watchdog gives a transaction three handler timeouts and 5 s (8 s at
-/// a 1 s timeout) before it takes the database for gone and settles the
+/// The watchdog gives a transaction three handler timeouts and 5 s (11 s at
+/// a 2 s timeout) before it takes the database for gone and settles the
 /// message as of unknown outcome. Waiting for a connection is not part of
 /// the transaction: 16 messages in flight on one connection, each holding
-/// it 0.6 s, make the last wait about 9 s for its turn, and none may be
+/// it 1 s, make the last wait about 15 s for its turn, and none may be
 /// abandoned, failed or retried for it.
 #[tokio::test]
 async fn a_message_that_waits_its_turn_for_a_connection_is_not_taken_for_a_silent_database() {
     const MESSAGES: i64 = 16;
-    let handler_timeout = Duration::from_secs(1);
+    let handler_timeout = Duration::from_secs(2);
     let watchdog = handler_timeout * 3 + Duration::from_secs(5);
     let Scenario {
         env,

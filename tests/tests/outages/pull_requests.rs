@@ -233,9 +233,33 @@ async fn a_full_wait_list_that_drops_the_routes_requests_without_a_word_is_warne
     );
     assert_eq!(warning().len(), 1, "warned once: {:#?}", warning());
 
-    // The other client goes; the route takes messages again.
+    // The other client goes; the route takes messages again. Its requests
+    // stay on the wait list, and the server passes over a request only once
+    // nobody listens on its reply subject: until the server has taken the
+    // other client's unsubscribe, a message could still go to one of them,
+    // and come back only after ack_wait as a redelivery. The server answers
+    // the flush's PING after the UNSUB before it; a request to that subject
+    // getting "no responders" shows it.
+    replies.unsubscribe().await.unwrap();
+    filler.flush().await.unwrap();
     drop(replies);
     drop(filler);
+    eventually(
+        "the server knows that nobody reads the other client's replies",
+        Duration::from_secs(10),
+        || {
+            let nats = nats.clone();
+            let subject = format!("{inbox}.0");
+            async move {
+                let asked = nats.request(subject, Vec::new().into());
+                matches!(
+                    tokio::time::timeout(Duration::from_secs(1), asked).await,
+                    Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders
+                )
+            }
+        },
+    )
+    .await;
     for i in 0..MESSAGES {
         publish(&js, &subject, &deposit("a", i), Some(&format!("m-{i}"))).await;
     }

@@ -158,9 +158,11 @@ async fn a_router_s_relay_is_woken_by_its_handlers_commits_well_before_its_poll(
         latencies[latencies.len() - 1],
     );
     println!("COMMIT -> published, woken in process: p50 {p50:?}, p99 {p99:?}, max {max:?}");
-    // Well below the poll: the ring, not the poll, delivered each.
+    // Well below the poll: the ring, not the poll, delivered each. (The
+    // bound leaves a loaded machine room for a slow cycle; a row the ring
+    // missed would wait for the 30 s poll.)
     assert!(
-        max < Duration::from_secs(1),
+        max < Duration::from_secs(5),
         "slowest COMMIT -> published {max:?} with a {POLL:?} poll"
     );
     eventually(
@@ -216,11 +218,22 @@ async fn a_relay_nothing_wakes_delivers_within_its_poll_ceiling() {
         .await;
     }
     println!("idle relay, queued -> published: {idle:?}");
+    // The typical row within the ceiling and its cycle; every row within
+    // the ceiling and a second for one slow cycle on a loaded machine. A
+    // poll that went on slowing down past its ceiling (640 ms, 1.3 s, 2.6 s
+    // after the 14 empty cycles above) fails one or the other.
+    let mut sorted = idle.clone();
+    sorted.sort();
+    let median = sorted[sorted.len() / 2];
     let slack = Duration::from_millis(300);
+    assert!(
+        median <= CEILING + slack,
+        "the median row waited {median:?}, above the poll ceiling {CEILING:?} (+{slack:?} for its cycle): {idle:?}"
+    );
     for latency in &idle {
         assert!(
-            *latency <= CEILING + slack,
-            "a row waited {latency:?}, above the poll ceiling {CEILING:?} (+{slack:?} for its cycle)"
+            *latency <= CEILING + Duration::from_secs(1),
+            "a row waited {latency:?}, more than a second above the poll ceiling {CEILING:?}"
         );
     }
 

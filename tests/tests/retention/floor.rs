@@ -361,9 +361,7 @@ async fn a_dead_letter_older_than_its_retention_is_replayed_only_when_allowed() 
 
     // Replayed while the bug is in, the first is dead-lettered again: the
     // new dead letter keeps the original's storage time, not the replay's.
-    dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, first.sequence)
-        .await
-        .expect("a fresh dead letter is replayed");
+    replay_until_stored(&js, first.sequence).await;
     let dead = letters(&js, &stream, 3).await;
     let again = &dead[2];
     assert_eq!(
@@ -375,9 +373,7 @@ async fn a_dead_letter_older_than_its_retention_is_replayed_only_when_allowed() 
     // Fixed: the first is applied once, within its retention.
     bug.0.store(false, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(200)).await; // past the duplicate window
-    dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, again.sequence)
-        .await
-        .expect("a dead letter within its retention is replayed");
+    replay_until_stored(&js, again.sequence).await;
     eventually(
         "the first is processed",
         Duration::from_secs(30),
@@ -449,9 +445,7 @@ async fn a_dead_letter_older_than_its_retention_is_replayed_only_when_allowed() 
         .await
         .expect("the older-style dead letter is stored");
     tokio::time::sleep(Duration::from_millis(200)).await; // past the duplicate window
-    dead_letter::replay(&js, dead_letter::DEFAULT_STREAM, older.sequence)
-        .await
-        .expect("a dead letter without Idem-Retention is replayed as before");
+    replay_until_stored(&js, older.sequence).await;
     eventually(
         "the older one is skipped as a duplicate",
         Duration::from_secs(30),

@@ -353,7 +353,9 @@ async fn a_purge_ended_inside_its_detach_is_finished_by_the_next() {
 
 /// The backend of a purge whose `DETACH ... CONCURRENTLY` waits for a lock.
 async fn detach_waiting(pool: &PgPool) -> i32 {
-    let deadline = Instant::now() + Duration::from_secs(4);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // (The purge gets there when a loaded machine lets it; once there, it
+    // waits up to its 5 s lock timeout.)
     loop {
         let pid: Option<i32> = sqlx::query_scalar(
             "SELECT pid FROM pg_stat_activity
@@ -611,7 +613,9 @@ async fn a_purge_ended_inside_the_drop_of_a_piece_is_finished_by_the_next() {
 
 /// The backend of a purge whose `statement` waits for a lock.
 async fn statement_waiting(pool: &PgPool, statement: &str) -> i32 {
-    let deadline = Instant::now() + Duration::from_secs(4);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // (The purge gets there when a loaded machine lets it; once there, it
+    // waits up to its 5 s lock timeout.)
     loop {
         let pid: Option<i32> = sqlx::query_scalar(
             "SELECT pid FROM pg_stat_activity WHERE query = $1 AND wait_event_type = 'Lock'",
