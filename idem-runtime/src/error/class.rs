@@ -424,6 +424,57 @@ pub(crate) fn is_generation_gone(error: &sqlx::Error) -> bool {
             && db.table().is_some_and(|table| table.starts_with(CLAIMS_TABLE)))
 }
 
+/// The SQLSTATE of a database error, if it is the server's answer.
+fn sqlstate(error: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
+    match error {
+        sqlx::Error::Database(db) => db.code(),
+        _ => None,
+    }
+}
+
+/// Whether the server refused a statement because the transaction had
+/// aborted before it (25P02, in_failed_sql_transaction): a statement failed
+/// and the handler ignored the error. The checked COMMIT reads it as
+/// "nothing committed".
+pub(crate) fn is_aborted_transaction(error: &sqlx::Error) -> bool {
+    sqlstate(error).as_deref() == Some("25P02")
+}
+
+/// Whether the check before COMMIT found the claims gone from the
+/// transaction (its division by zero, 22012: the handler ended the claiming
+/// transaction itself; see `store/transaction.rs`).
+pub(crate) fn is_claim_lost(error: &sqlx::Error) -> bool {
+    sqlstate(error).as_deref() == Some("22012")
+}
+
+/// Whether a statement gave up waiting for a lock (55P03,
+/// lock_not_available: `lock_timeout`, or `NOWAIT`).
+pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
+    sqlstate(error).as_deref() == Some("55P03")
+}
+
+/// Whether a prepared statement the session should hold is missing (26000,
+/// invalid_sql_statement_name: `DEALLOCATE ALL` in a handler, a pooler that
+/// moved the session).
+pub(crate) fn is_unprepared(error: &sqlx::Error) -> bool {
+    sqlstate(error).as_deref() == Some("26000")
+}
+
+/// Whether a database error means the server cannot be reached (or is
+/// starting up, or shutting down), rather than an answer to what was asked:
+/// what start-up waits out.
+pub(crate) fn is_unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        // The pool could not connect within its acquire timeout.
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
+        // connection exception; too many connections; shutting down,
+        // crashed, starting up
+        _ => sqlstate(error).is_some_and(|code| {
+            code.starts_with("08") || matches!(&*code, "53300" | "57P01" | "57P02" | "57P03")
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

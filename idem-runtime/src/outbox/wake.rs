@@ -63,15 +63,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use sqlx::PgPool;
-use sqlx::postgres::{PgListener, PgNotification};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::CHANNEL;
 use super::stats::RelayStats;
 use crate::handler::delivery::Delivery;
+use crate::store::outbox::{Heard, Listener};
 
 /// The bell of one database's relays in this process: rung after each
 /// COMMIT that queued outbox rows there. A `watch` remembers a ring for
@@ -226,7 +225,7 @@ const MOST_PER_WAKE_UP: usize = 100_000;
 
 /// The LISTEN connection of one relay, and the waits on it.
 pub(super) struct Wakeup {
-    listener: Option<PgListener>,
+    listener: Option<Listener>,
     /// The bell of the relay's database ([`Bell`]).
     local: watch::Receiver<()>,
     /// Counts notifications read and wake-ups they caused.
@@ -254,12 +253,7 @@ impl Wakeup {
         if self.listener.is_some() {
             return;
         }
-        let listener = async {
-            let mut listener = PgListener::connect_with(pool).await?;
-            listener.listen(CHANNEL).await?;
-            Ok::<_, sqlx::Error>(listener)
-        };
-        match listener.await {
+        match Listener::connect(pool, CHANNEL).await {
             Ok(listener) => self.listener = Some(listener),
             Err(error) => tracing::warn!(%error, "outbox LISTEN failed; polling"),
         }
@@ -288,7 +282,7 @@ impl Wakeup {
             };
             let received = async {
                 match listener.as_mut() {
-                    Some(listener) => listener.try_recv().await,
+                    Some(listener) => listener.next().await,
                     None => std::future::pending().await,
                 }
             };
@@ -299,15 +293,15 @@ impl Wakeup {
                 () = tokio::time::sleep_until(deadline) => return Woken::Poll,
             };
             match received {
-                Ok(Some(_)) => {
+                Ok(Heard::Notification) => {
                     let read = 1 + self.drain();
                     self.stats.notified(read, early);
                     if early {
                         return Woken::Signal;
                     }
                 }
-                // Lost, and reconnected by `try_recv`.
-                Ok(None) => return Woken::Signal,
+                // Lost, and reconnected by the read.
+                Ok(Heard::Reconnected) => return Woken::Signal,
                 Err(error) => {
                     tracing::warn!(%error, "outbox LISTEN connection failed; polling until it is back");
                     self.listener = None;
@@ -326,7 +320,7 @@ impl Wakeup {
     pub(super) async fn during<F: Future>(&mut self, announced: &AtomicBool, work: F) -> F::Output {
         enum Next<T> {
             Done(T),
-            Received(Result<Option<PgNotification>, sqlx::Error>),
+            Received(Result<Heard, sqlx::Error>),
             Rung,
         }
         // Rings from here on are for rows the drain may miss; earlier ones
@@ -339,7 +333,7 @@ impl Wakeup {
             } = self;
             let received = async {
                 match listener.as_mut() {
-                    Some(listener) => listener.try_recv().await,
+                    Some(listener) => listener.next().await,
                     None => std::future::pending().await,
                 }
             };
@@ -354,11 +348,11 @@ impl Wakeup {
             };
             match next {
                 Next::Done(output) => return output,
-                Next::Received(Ok(Some(_))) => {
+                Next::Received(Ok(Heard::Notification)) => {
                     let read = 1 + self.drain();
                     self.stats.notified(read, false);
                 }
-                Next::Received(Ok(None)) | Next::Rung => {}
+                Next::Received(Ok(Heard::Reconnected)) | Next::Rung => {}
                 Next::Received(Err(error)) => {
                     tracing::warn!(%error, "outbox LISTEN connection failed; polling until it is back");
                     self.listener = None;
@@ -379,11 +373,11 @@ impl Wakeup {
             // One poll: a notification already received is decoded at once;
             // nothing more yet is Pending, and dropping the future then
             // loses nothing (see the module docs).
-            match listener.try_recv().now_or_never() {
-                Some(Ok(Some(_))) => read += 1,
+            match listener.next_now() {
+                Some(Ok(Heard::Notification)) => read += 1,
                 // Nothing more yet, or the connection was lost: the cycle
                 // this wake-up runs finds what was announced.
-                None | Some(Ok(None)) => break,
+                None | Some(Ok(Heard::Reconnected)) => break,
                 Some(Err(error)) => {
                     tracing::warn!(%error, "outbox LISTEN connection failed; polling until it is back");
                     self.listener = None;

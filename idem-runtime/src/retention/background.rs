@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use crate::retention::expiry::{PURGE_LOCK, SESSION_IDLE_TIMEOUT, millis, purge, purge_interval};
+use crate::store::purge::{SESSION_IDLE_TIMEOUT, purge, purge_interval};
 
 /// Runs [`purge`] every `interval` until `shutdown` fires, and after each
 /// run reads the expiry's figures into the metrics. A failed run is logged
@@ -51,14 +51,6 @@ async fn warn_if_held_back(pool: &PgPool) {
     if !status.behind() {
         return;
     }
-    /// pid, `application_name`, state, seconds in that state, its query.
-    type Holder = (
-        i32,
-        Option<String>,
-        Option<String>,
-        Option<f64>,
-        Option<String>,
-    );
     // A holder that is working (a long DETACH, a first run after a long
     // downtime expiring many generations) is left alone: only one that
     // sends nothing, or has been in one state for longer than expiry may
@@ -68,21 +60,7 @@ async fn warn_if_held_back(pool: &PgPool) {
         .map_or(Duration::from_secs(1), |retention| {
             2 * purge_interval(retention) + Duration::from_secs(1)
         });
-    let holder: Result<Option<Holder>, _> = sqlx::query_as(
-        "SELECT a.pid, a.application_name, a.state,
-                extract(epoch FROM now() - a.state_change)::float8, left(a.query, 120)
-           FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-          WHERE l.locktype = 'advisory' AND l.granted
-            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND l.objsubid = 1 AND ((l.classid::bigint << 32) | l.objid::bigint) = $1
-            AND (a.state IS DISTINCT FROM 'active'
-                 OR a.state_change < now() - $2::bigint * interval '1 millisecond')
-          LIMIT 1",
-    )
-    .bind(PURGE_LOCK)
-    .bind(millis(slack))
-    .fetch_optional(pool)
-    .await;
+    let holder = crate::store::purge::idle_lock_holder(pool, slack).await;
     let holder = match holder {
         Ok(Some((pid, application, state, age, query))) => format!(
             "pid {pid} ({}, {} for {:.0}s): {}",

@@ -54,8 +54,7 @@ impl ExpiryStatus {
         let Some(retention) = self.retention else {
             return false;
         };
-        let slack =
-            2 * crate::retention::expiry::purge_interval(retention) + Duration::from_secs(1);
+        let slack = 2 * crate::store::purge::purge_interval(retention) + Duration::from_secs(1);
         (self.due > 0 && self.overdue > slack) || self.rotation_overdue() > slack
     }
 
@@ -76,34 +75,15 @@ impl ExpiryStatus {
     }
 }
 
-/// A row of [`expiry_figures`]' query.
-type ExpiryRow = (
-    Option<i64>,
-    i32,
-    bool,
-    Option<i32>,
-    Option<f64>,
-    i64,
-    i64,
-    Option<f64>,
-    Option<f64>,
-    Option<f64>,
-    Option<f64>,
-    i64,
-    Option<String>,
-    Option<f64>,
-);
-
 /// Where expiry stands, with what a transition waits for as the database
 /// shows it now (which reads `pg_locks` and `pg_stat_activity`).
 pub async fn expiry(pool: &PgPool) -> Result<ExpiryStatus, sqlx::Error> {
     let mut status = expiry_figures(pool).await?;
     if let Some(transition) = &mut status.transition {
         let mut conn = pool.acquire().await?;
-        let still = crate::retention::expiry::still_blocking(&mut conn).await?;
+        let still = crate::store::purge::still_blocking(&mut conn).await?;
         transition.waiting_for = still.len();
-        transition.blockers =
-            crate::retention::expiry::describe_blockers(&mut conn, &still).await?;
+        transition.blockers = crate::store::purge::describe_blockers(&mut conn, &still).await?;
     }
     Ok(status)
 }
@@ -111,28 +91,7 @@ pub async fn expiry(pool: &PgPool) -> Result<ExpiryStatus, sqlx::Error> {
 /// [`expiry`] without reading what a transition waits for (its count is
 /// the one the last purge run recorded): one cheap query, for the metrics.
 pub(crate) async fn expiry_figures(pool: &PgPool) -> Result<ExpiryStatus, sqlx::Error> {
-    let row: ExpiryRow = sqlx::query_as(
-        "WITH r AS (SELECT max(retention) AS retention FROM idem_handlers),
-              due AS (SELECT g.sealed_at FROM idem_generations g, r
-                       WHERE g.sealed_at <= now() - r.retention)
-         SELECT (extract(epoch FROM r.retention) * 1000)::bigint,
-                s.current_gen, s.transition, cardinality(s.waiting_for),
-                extract(epoch FROM now() - cur.opened_at)::float8,
-                (SELECT count(*) FROM idem_generations),
-                (SELECT count(*) FROM due),
-                extract(epoch FROM now() - (SELECT min(sealed_at) FROM due))::float8,
-                extract(epoch FROM now() - (SELECT min(sealed_at) FROM due) - r.retention)::float8,
-                extract(epoch FROM e.last_success_at)::float8,
-                extract(epoch FROM now() - e.last_success_at)::float8,
-                e.failures,
-                CASE WHEN e.failures > 0 THEN e.last_error END,
-                extract(epoch FROM now() - e.last_failure_at)::float8
-           FROM r, idem_dedup_state s
-           LEFT JOIN idem_generations cur ON cur.gen = s.current_gen
-           CROSS JOIN idem_expiry_state e",
-    )
-    .fetch_one(pool)
-    .await?;
+    let row = crate::store::purge::figures(pool).await?;
     let (
         retention,
         current_generation,

@@ -100,7 +100,7 @@ impl<S: Send + Sync + 'static> Router<S> {
     }
 
     /// Claims of routes with a retention expire: the purge runs beside the
-    /// router (one at a time across all routers, see `retention/expiry.rs`),
+    /// router (one at a time across all routers, see `store/purge.rs`),
     /// for the longest retention any route asks for.
     fn spawn_purge(&self, pool: &PgPool) -> Option<tasks::Owned<()>> {
         self.routes
@@ -116,7 +116,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                 tasks::Owned(tokio::spawn(
                     crate::retention::background::run_in_background(
                         pool.clone(),
-                        crate::retention::expiry::purge_interval(retention),
+                        crate::store::purge::purge_interval(retention),
                         self.signal.clone(),
                     ),
                 ))

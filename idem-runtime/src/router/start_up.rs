@@ -14,6 +14,7 @@ use sqlx::PgPool;
 use crate::consume::start::Source;
 use crate::consume::undeliverable;
 use crate::error::Error;
+use crate::error::class::{is_lock_timeout, is_unreachable};
 use crate::route::Route;
 use crate::store::schema;
 
@@ -229,11 +230,11 @@ impl Unreachable {
 /// their cause.
 async fn unreachable(error: &Error, js: &jetstream::Context) -> Option<Unreachable> {
     let nats_source = match error {
-        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
+        Error::Database(error) if is_lock_timeout(error) => {
             return Some(Unreachable::HandlersLocked);
         }
         Error::Database(error) => {
-            return database_unreachable(error).then_some(Unreachable::Postgres);
+            return is_unreachable(error).then_some(Unreachable::Postgres);
         }
         Error::JetStream { source, .. }
         | Error::StreamMissing { source, .. }
@@ -245,21 +246,6 @@ async fn unreachable(error: &Error, js: &jetstream::Context) -> Option<Unreachab
         return Some(Unreachable::Nats);
     }
     None
-}
-
-/// Whether a database error means the server cannot be reached (or is
-/// starting up, or shutting down), rather than an answer to what was asked.
-fn database_unreachable(error: &sqlx::Error) -> bool {
-    match error {
-        // The pool could not connect within its acquire timeout.
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            // connection exception; too many connections; shutting down,
-            // crashed, starting up
-            code.starts_with("08") || matches!(&*code, "53300" | "57P01" | "57P02" | "57P03")
-        }),
-        _ => false,
-    }
 }
 
 /// Whether a JetStream error is a request that got no answer: a timeout,

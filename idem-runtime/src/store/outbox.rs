@@ -1,7 +1,8 @@
 //! The outbox's statements: the row a handler queues (in its own
 //! transaction, [`queue`]), what operators read of the rows ([`lag`],
 //! [`failing`], [`retry_failing`]), when the first failing row is due
-//! ([`next_due`]), and a relay's connection and the messages it sends, each
+//! ([`next_due`]), a relay's LISTEN connection ([`Listener`], where the
+//! NOTIFY trigger is enabled), and a relay's connection and the messages it sends, each
 //! step of a cycle that speaks to PostgreSQL being one round trip (the
 //! cycles themselves are in `outbox/`).
 //!
@@ -32,18 +33,19 @@
 //! A transaction never outlives the cycle that began it: a take that finds
 //! nothing ends its transaction at once, so that no session sits idle in a
 //! transaction between cycles (the purge's transitions wait for every
-//! transaction running, see `retention/expiry.rs`). Begun and ended in
+//! transaction running, see `store/purge.rs`). Begun and ended in
 //! these messages, a transaction is not one sqlx knows of, so a [`Session`]
 //! keeps track: dropped while its transaction may be open (a cycle's future
 //! dropped, a statement failed), its connection is closed, not returned to
 //! the pool, and the server rolls the transaction back and releases its
 //! rows at once.
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::PgRow;
+use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{AssertSqlSafe, Either, FromRow, PgPool, Postgres};
 
+use crate::error::class::is_unprepared;
 use crate::store::transaction::prepare_missing;
 
 const INSERT_SQL: &str = "\
@@ -79,6 +81,45 @@ SELECT coalesce(bool_or(tgenabled IN ('O', 'A')), false) FROM pg_trigger
 /// Whether the outbox's NOTIFY trigger is enabled.
 pub(crate) async fn notify_trigger_enabled(pool: &PgPool) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(NOTIFY_ENABLED_SQL).fetch_one(pool).await
+}
+
+/// A relay's LISTEN connection (sqlx's `PgListener`), reduced to what a
+/// relay asks of it: whether a notification came. A lost connection is
+/// reconnected by the next read.
+pub(crate) struct Listener(PgListener);
+
+/// What a read of a [`Listener`] found.
+pub(crate) enum Heard {
+    /// A notification.
+    Notification,
+    /// The connection was lost and is connected again: notifications sent
+    /// meanwhile are lost.
+    Reconnected,
+}
+
+impl Listener {
+    /// A connection of its own (not one of the pool's), LISTENing on
+    /// `channel`.
+    pub(crate) async fn connect(pool: &PgPool, channel: &str) -> Result<Self, sqlx::Error> {
+        let mut listener = PgListener::connect_with(pool).await?;
+        listener.listen(channel).await?;
+        Ok(Self(listener))
+    }
+
+    /// Waits for the next notification. Cancelled, it loses none: one
+    /// already received stays buffered for the next read.
+    pub(crate) async fn next(&mut self) -> Result<Heard, sqlx::Error> {
+        Ok(match self.0.try_recv().await? {
+            Some(_) => Heard::Notification,
+            None => Heard::Reconnected,
+        })
+    }
+
+    /// A notification the connection has already received, without
+    /// waiting: `None` if there is none yet.
+    pub(crate) fn next_now(&mut self) -> Option<Result<Heard, sqlx::Error>> {
+        self.next().now_or_never()
+    }
 }
 
 /// The outbox's rows in one query: how many are pending, the oldest one's
@@ -376,7 +417,7 @@ impl Session {
         self.prepared = true;
         let tried = self.advance(None, Some(take)).await;
         match &tried.taken {
-            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("26000") => {}
+            Err(error) if is_unprepared(error) => {}
             _ => return tried,
         }
         self.prepared = false;

@@ -1,142 +1,13 @@
-//! Expiry of claims: the claims table's generations, their rotation, and
-//! the purge that drops the ones older than the retention.
-//!
-//! Claims live in `idem_claims`, partitioned by generation (see the
-//! migration `0002_claims_by_generation.sql` for the claim's side of it).
-//! [`purge`] runs beside every router that has a route with a retention
-//! (`Route::retention`), and can be run on demand, from a cron job say.
-//! Each run, under a session advisory lock so that concurrent purgers do no
-//! work twice:
-//!
-//! 1. **Finishes an expiry an earlier run began** (see *Resuming* below).
-//! 2. **Ends a transition** once no transaction can still insert a claim
-//!    with a view of the generation state from before the rotation (see
-//!    *What a transition waits for*). Until then claims go into both open
-//!    generations; after it the older one is *sealed*: no claim can still
-//!    be writing into it.
-//! 3. **Rotates** when the current generation is older than the generation
-//!    length (half the retention): a new partition is created and attached
-//!    (`ATTACH PARTITION` takes `SHARE UPDATE EXCLUSIVE` on the parent, which
-//!    claims never wait for), and becomes current, in transition.
-//! 4. **Expires** each generation sealed longer than the retention ago: the
-//!    claims in it of handlers that keep theirs forever are copied into the
-//!    kept partition, then it is detached with `DETACH PARTITION ...
-//!    CONCURRENTLY`, dropped (a large one piece by piece, see *Pieces*),
-//!    and forgotten. No row is deleted one by one, so nothing needs
-//!    vacuuming and no index bloats.
-//!
-//! The retention applied is the longest any registered handler asks for:
-//! retention is a minimum. A claim lives at least that long after it was
-//! made, and at most about one generation length more.
-//!
-//! No step takes a lock a claim waits for: DDL on the parent takes `SHARE
-//! UPDATE EXCLUSIVE` (claims take `ROW EXCLUSIVE` and `ACCESS SHARE`), new
-//! and detached partitions are not in any claim's way, and every statement
-//! runs under a `lock_timeout`, so a purge that meets another's DDL fails
-//! and tries again at its next run rather than queue.
-//!
-//! # Pieces
-//!
-//! A dropped table's files are freed at the `DROP`'s commit, all at once.
-//! Freeing a gigabyte keeps a disk that discards what is freed (ext4
-//! mounted with `discard`, many virtual and cloud volumes) busy for about
-//! half a second, and every `fsync` meanwhile waits: each COMMIT's WAL
-//! flush, and JetStream's. Dropping one 10M-claim generation (1 GB) raised
-//! the end-to-end p99 of the messages around it from 5.4 ms to 76 ms.
-//!
-//! So a large generation is made of *pieces*, which are dropped one at a
-//! time. At rotation the next generation is created as that many hash
-//! partitions of the key (`PARTITION BY HASH (key)`, [`pieces_for`]): as
-//! many as it takes for pieces of [`DEFAULT_PIECE_BYTES`] at the size the
-//! current generation has reached, at most [`MAX_PIECES`]. The database
-//! setting [`PIECE_BYTES_SETTING`] changes the piece size. Once detached,
-//! its pieces are dropped one per statement, with a pause after each of a
-//! hundred times as long as its drop took (at most 10 s, and at most a
-//! quarter of a generation over all the pieces, so that an expiry never
-//! makes the next rotation late), and then the
-//! partition itself, with the generation's record. A small generation (and
-//! the first, which the migration made) is one table, as before.
-//!
-//! A claim probes and inserts into one piece of each generation, but its
-//! plan holds a lock on every piece of every generation: pieces cost every
-//! claim a little server CPU (see the guide's retention chapter for the
-//! figures), which is why they are capped.
-//!
-//! # Resuming
-//!
-//! A run can end between any two statements: the router stops, the process
-//! is killed, `idem purge` gets Ctrl-C, the database fails over. `DETACH
-//! ... CONCURRENTLY` cannot run in a transaction block, so an expiry is
-//! several steps, and each accepts every state an interrupted run can leave.
-//! An expiry reads where its generation stands from the catalog (attached,
-//! detach pending, detached, or gone) and goes on from there: it copies the
-//! kept claims while the partition is readable (again, harmlessly, if a run
-//! was cut short after the copy), detaches or finalizes a pending detach,
-//! and drops the partition and forgets the generation in one transaction.
-//! Its pieces are dropped one by one, each in a statement of its own, so a
-//! run cut short between two leaves the generation detached with fewer
-//! pieces, and the next run drops the rest.
-//! A generation that is sealed but no longer attached is finished at the
-//! start of every run, before anything else and whatever the retention now
-//! is: once detached, its claims are out of every claim's sight already. A
-//! rotation is resumable the same way: a partition attached by a run cut
-//! short is found attached, and a transition whose transactions were not
-//! recorded is recorded by the next run.
-//!
-//! A step that fails (most often on its `lock_timeout`: a `DETACH` waits
-//! for every transaction that holds a lock on the claims table, a
-//! forgotten `BEGIN; SELECT ... FROM idem_processed` included) does not
-//! stop the steps that do not depend on it: the transition still ends and
-//! the table still rotates; only the expiries wait (PostgreSQL allows one
-//! pending detach per table). The run then fails with a [`PurgeFailure`]
-//! naming its step and, for a lock timeout, the transactions older than
-//! the timeout that held locks on the claims table. Every run records its
-//! outcome in `idem_expiry_state`; a router's purge also logs each failure
-//! at `warn` and counts it (see [`metrics`](crate::observe::metrics)). A router
-//! stops its purge between runs at shutdown, and waits for the run in
-//! progress within its grace period; past that it leaves it to finish.
-//!
-//! # What a transition waits for
-//!
-//! The older generation may be sealed only once no transaction can still
-//! insert a claim into it, which a claim does only with a view of the state
-//! from before the rotation (`R`, the rotating transaction, whose id
-//! `idem_expiry_state.rotated_xid` records). Right after `R` commits, the
-//! purge records the transactions of **this database** that are running
-//! (`pg_locks` and `pg_stat_activity` span the whole server, but only a
-//! backend connected to this database can touch its tables); transactions
-//! that begin later see `R`. At each run a recorded transaction still holds
-//! the transition only if
-//!
-//! - it holds a write lock on the claims table or one of its partitions:
-//!   it has claimed (that lock is kept until it ends), or is about to; or
-//! - its backend holds a snapshot that may predate `R`'s commit:
-//!   `backend_xmin` at or before `R` (a snapshot that does not see `R` has
-//!   it among its running transactions, so its xmin is at or before `R`;
-//!   one whose xmin is above `R` sees it). A claim statement reads the
-//!   state with its snapshot, so one running, or a REPEATABLE READ
-//!   transaction that took its snapshot before `R` and claims later, is
-//!   held for. The check is
-//!   conservative: another transaction left open anywhere on the server
-//!   holds every new snapshot's xmin down, so a recorded backend that is
-//!   running any statement is waited for until that statement ends.
-//!
-//! A recorded transaction that meets neither condition is dropped from the
-//! record for good: it has not claimed, and any snapshot it takes from then
-//! on sees `R`. The snapshots are read before the locks, in two statements:
-//! a transaction seen without a snapshot and then without a lock began no
-//! claim before the first read. Prepared transactions (two-phase commit)
-//! that hold a write lock on the claims table are waited for too.
-//!
-//! An idle READ COMMITTED transaction holds no snapshot and is not waited
-//! for, nor is one in another database. An idle REPEATABLE READ
-//! transaction of this database whose snapshot predates `R` (a `pg_dump`,
-//! a report) is waited for: it could claim with that snapshot, and nothing
-//! on the server tells it apart from a worker that will. A transition that
-//! has waited a generation length (at most a minute) is logged at `warn` at
-//! every run, naming each transaction it waits for; [`PurgeReport`] and
-//! [`status::expiry`](crate::status::expiry) show them, and the metrics
-//! count them.
+//! The PostgreSQL store's purge: the claims table's generations as
+//! partitions of `idem_claims`, their rotation and transition, the expiry
+//! of a generation in pieces, and the statements that read where expiry
+//! stands. What it does, and why each step is safe to cut short, is told
+//! for users in [`retention::expiry`](crate::retention::expiry), which
+//! re-exports its public items: the protocol is PostgreSQL's as a whole
+//! (partitions, the transition's wait on running snapshots, `DETACH ...
+//! CONCURRENTLY`), so another database's store brings a purge of its own,
+//! while what holds for any database (the floor, the status's shape) stays
+//! in `retention/`.
 
 use std::time::{Duration, Instant};
 
@@ -144,6 +15,7 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::Error;
+use crate::error::class::is_lock_timeout;
 
 /// The key of the session advisory lock a purge holds.
 pub(crate) const PURGE_LOCK: i64 = 0x6964_656d_5f65_7870; // "idem_exp"
@@ -153,7 +25,7 @@ pub(crate) const PURGE_LOCK: i64 = 0x6964_656d_5f65_7870; // "idem_exp"
 const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The database setting that sets the size of a generation's pieces, in
-/// bytes (see *Pieces* in the module docs):
+/// bytes (see *Pieces* in [`retention::expiry`](crate::retention::expiry)):
 /// `ALTER DATABASE app SET idem.generation_piece_bytes = '16777216'`.
 pub const PIECE_BYTES_SETTING: &str = "idem.generation_piece_bytes";
 
@@ -226,7 +98,7 @@ pub struct Transition {
 }
 
 use crate::error::retention::seconds;
-pub use crate::error::retention::{Blocker, Holds, PurgeFailure};
+use crate::error::retention::{Blocker, Holds, PurgeFailure};
 
 /// How long a generation is current: half the retention, so that a claim
 /// lives between the retention and one and a half times it (and at least a
@@ -251,9 +123,10 @@ pub fn transition_warn_after(retention: Option<Duration>) -> Duration {
 
 /// Runs the expiry once: finishes an expiry an earlier run began, ends a
 /// transition that can end, rotates if the current generation is due, and
-/// expires what is past the retention (see the module docs). Safe to run
-/// from any number of processes at once: all but one skip. Records its
-/// outcome for [`status::expiry`](crate::status::expiry).
+/// expires what is past the retention (see
+/// [`retention::expiry`](crate::retention::expiry)). Safe to run from any
+/// number of processes at once: all but one skip. Records its outcome for
+/// [`status::expiry`](crate::status::expiry).
 pub async fn purge(pool: &PgPool) -> Result<PurgeReport, Error> {
     purge_with(pool, &Stop::default()).await
 }
@@ -505,9 +378,7 @@ impl Purge<'_> {
     /// [`failed`], and for a lock timeout, with the transactions
     /// older than the timeout that hold locks on the claims table.
     async fn failed_waiting(&mut self, step: String, source: sqlx::Error) -> Error {
-        let timed_out = matches!(&source, sqlx::Error::Database(db)
-            if db.code().as_deref() == Some("55P03"));
-        let lock_holders = if timed_out {
+        let lock_holders = if is_lock_timeout(&source) {
             lock_holders(self.conn).await.unwrap_or_default()
         } else {
             Vec::new()
@@ -561,7 +432,8 @@ impl Purge<'_> {
     }
 
     /// Ends the transition if no transaction it waits for can still claim
-    /// into the older generation (see the module docs); records those
+    /// into the older generation (see *What a transition waits for* in
+    /// [`retention::expiry`](crate::retention::expiry)); records those
     /// transactions first if a run cut short left them unrecorded.
     async fn end_transition(&mut self) -> Result<(), Error> {
         let (current, transition, recorded, waited): (i32, bool, bool, Option<f64>) =
@@ -677,7 +549,7 @@ impl Purge<'_> {
             .await
             .map_err(failed(step()))?;
         // The rotating transaction's id: a snapshot newer than it sees the
-        // rotation (see the module docs).
+        // rotation (see *What a transition waits for* in `retention::expiry`).
         sqlx::query(
             "UPDATE idem_expiry_state SET rotated_gen = $1, rotated_xid = pg_current_xact_id()",
         )
@@ -706,8 +578,9 @@ impl Purge<'_> {
     }
 
     /// How many pieces generation `next` gets: enough for pieces of the
-    /// database's piece size (see *Pieces* in the module docs) at the size
-    /// its predecessor, the current generation, has now.
+    /// database's piece size (see *Pieces* in
+    /// [`retention::expiry`](crate::retention::expiry)) at the size its
+    /// predecessor, the current generation, has now.
     async fn pieces_for_next(&mut self, next: i32) -> Result<u32, sqlx::Error> {
         let (bytes, setting): (i64, Option<String>) = sqlx::query_as(
             "SELECT (SELECT coalesce(sum(pg_total_relation_size(relid)), 0)::int8
@@ -855,8 +728,9 @@ impl Purge<'_> {
     }
 
     /// Drops the pieces of generation `generation`'s detached partition, if
-    /// it has any (see *Pieces* in the module docs), one per statement and
-    /// so one unlink at a time, pausing after each but the last
+    /// it has any (see *Pieces* in
+    /// [`retention::expiry`](crate::retention::expiry)), one per statement
+    /// and so one unlink at a time, pausing after each but the last
     /// [`PIECE_PAUSE_FACTOR`] times as long as its drop took; returns the
     /// bytes they held.
     async fn drop_pieces(&mut self, generation: i32) -> Result<u64, Error> {
@@ -1263,6 +1137,91 @@ fn piece_pause(took: Duration, at_most: Duration) -> Duration {
 
 pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A row of [`figures`]: the retention (ms), the current generation, whether
+/// it is in transition and how many transactions that waits for (as the
+/// last run recorded), the current generation's age (s), the generations,
+/// those due and how long ago the oldest of them was sealed and how far
+/// past its expiry it is (s), and the purge runs' record (the last
+/// success's time and age, failures in a row, the last error, its age).
+pub(crate) type Figures = (
+    Option<i64>,
+    i32,
+    bool,
+    Option<i32>,
+    Option<f64>,
+    i64,
+    i64,
+    Option<f64>,
+    Option<f64>,
+    Option<f64>,
+    Option<f64>,
+    i64,
+    Option<String>,
+    Option<f64>,
+);
+
+/// Where expiry stands, in one cheap query (what
+/// [`status::expiry`](crate::status::expiry) shows, and the gauges read).
+pub(crate) async fn figures(pool: &PgPool) -> Result<Figures, sqlx::Error> {
+    sqlx::query_as(
+        "WITH r AS (SELECT max(retention) AS retention FROM idem_handlers),
+              due AS (SELECT g.sealed_at FROM idem_generations g, r
+                       WHERE g.sealed_at <= now() - r.retention)
+         SELECT (extract(epoch FROM r.retention) * 1000)::bigint,
+                s.current_gen, s.transition, cardinality(s.waiting_for),
+                extract(epoch FROM now() - cur.opened_at)::float8,
+                (SELECT count(*) FROM idem_generations),
+                (SELECT count(*) FROM due),
+                extract(epoch FROM now() - (SELECT min(sealed_at) FROM due))::float8,
+                extract(epoch FROM now() - (SELECT min(sealed_at) FROM due) - r.retention)::float8,
+                extract(epoch FROM e.last_success_at)::float8,
+                extract(epoch FROM now() - e.last_success_at)::float8,
+                e.failures,
+                CASE WHEN e.failures > 0 THEN e.last_error END,
+                extract(epoch FROM now() - e.last_failure_at)::float8
+           FROM r, idem_dedup_state s
+           LEFT JOIN idem_generations cur ON cur.gen = s.current_gen
+           CROSS JOIN idem_expiry_state e",
+    )
+    .fetch_one(pool)
+    .await
+}
+
+/// A session holding the purge's lock: pid, `application_name`, state,
+/// seconds in that state, its query.
+pub(crate) type Holder = (
+    i32,
+    Option<String>,
+    Option<String>,
+    Option<f64>,
+    Option<String>,
+);
+
+/// The session holding the purge's lock, if it sends nothing or has been in
+/// one state for longer than `slack`: one that is working (a long DETACH, a
+/// first run after a long downtime expiring many generations) is not
+/// returned.
+pub(crate) async fn idle_lock_holder(
+    pool: &PgPool,
+    slack: Duration,
+) -> Result<Option<Holder>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT a.pid, a.application_name, a.state,
+                extract(epoch FROM now() - a.state_change)::float8, left(a.query, 120)
+           FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+          WHERE l.locktype = 'advisory' AND l.granted
+            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND l.objsubid = 1 AND ((l.classid::bigint << 32) | l.objid::bigint) = $1
+            AND (a.state IS DISTINCT FROM 'active'
+                 OR a.state_change < now() - $2::bigint * interval '1 millisecond')
+          LIMIT 1",
+    )
+    .bind(PURGE_LOCK)
+    .bind(millis(slack))
+    .fetch_optional(pool)
+    .await
 }
 
 #[cfg(test)]

@@ -101,6 +101,7 @@ use sqlx::{AssertSqlSafe, PgTransaction};
 
 use crate::error::HandlerError;
 pub(crate) use crate::error::class::is_duplicate_claim;
+use crate::error::class::{is_aborted_transaction, is_claim_lost};
 use crate::store::claim::CLAIM_SQL;
 use crate::store::connections::Leased;
 use crate::store::durability::{Level, at_least};
@@ -487,12 +488,8 @@ pub(crate) async fn commit(tx: &mut PgTransaction<'_>, begin: &Begin) -> Result<
     let checked_commit = AssertSqlSafe(begin.commit.as_str());
     match sqlx::raw_sql(checked_commit).execute(&mut **tx).await {
         Ok(_) => Ok(()),
-        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25P02") => {
-            Err(CommitError::Aborted)
-        }
-        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("22012") => {
-            Err(CommitError::ClaimLost)
-        }
+        Err(error) if is_aborted_transaction(&error) => Err(CommitError::Aborted),
+        Err(error) if is_claim_lost(&error) => Err(CommitError::ClaimLost),
         // The connection's own end (the server shutting down, say) can come
         // right after the COMMIT went through: as unknown as a lost
         // connection.
