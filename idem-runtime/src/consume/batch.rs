@@ -806,9 +806,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             }
         }
         let results: Vec<&[u8]> = results.iter().map(|result| result.as_ref()).collect();
-        crate::store::results::store_many(tx, &stored_keys, &results)
-            .await
-            .map_err(|error| (None, error))?;
+        // Within the calls' deadline: the handler timeout bounds the calls
+        // and their results together (see `Pipeline::within_deadline`).
+        self.within_deadline(
+            deadline,
+            crate::store::results::store_many(tx, &stored_keys, &results),
+        )
+        .await
+        .map_err(|error| (None, error))?;
         Ok(stopped_at)
     }
 }

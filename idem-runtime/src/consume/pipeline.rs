@@ -684,8 +684,10 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             Err(verdict) => return verdict,
         };
         self.health.resume();
+        let deadline = self.handler_deadline();
         let outcome = self
-            .run_handler(
+            .run_handler_until(
+                deadline,
                 self.handler
                     .handle_and_encode(&mut tx, payload, delivery, &self.state),
             )
@@ -695,11 +697,16 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             .faults
             .apply_after_handler(std::slice::from_ref(delivery), outcome)
             .await;
-        // A value goes into the claim's row before COMMIT; `()` costs nothing.
-        // A reply too large to send is refused first (see `consume/reply.rs`).
+        // A value goes into the claim's row before COMMIT, within the
+        // handler's deadline; `()` costs nothing. A reply too large to send
+        // is refused first (see `consume/reply.rs`).
         let outcome = match outcome {
             Ok(Some(result)) => match self.check_reply_size(&result) {
-                Ok(()) => crate::store::results::store(&mut tx, &key, &result)
+                Ok(()) => self
+                    .within_deadline(
+                        deadline,
+                        crate::store::results::store(&mut tx, &key, &result),
+                    )
                     .await
                     .map(|()| Some(result)),
                 Err(error) => Err(error),
@@ -844,6 +851,31 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             None => guarded.await,
         };
         caught.unwrap_or_else(|panic| Err(HandlerError::Panicked(panic_text(&*panic))))
+    }
+
+    /// Runs `step`, a statement of idem's own that follows the handler in
+    /// its transaction (storing what it returned), within the handler's
+    /// `deadline`: the handler timeout bounds the handler and its result
+    /// together, so that a claiming transaction runs at most the claim's
+    /// wait, one handler timeout and COMMIT
+    /// ([`transaction::longest`]), as the retention floor and the watchdog
+    /// count. Past the deadline it fails as a handler that timed out does:
+    /// the connection is closed, and the server cancels the statement.
+    pub(crate) async fn within_deadline<T>(
+        &self,
+        deadline: Option<tokio::time::Instant>,
+        step: impl Future<Output = Result<T, HandlerError>>,
+    ) -> Result<T, HandlerError> {
+        match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, step)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(HandlerError::TimedOut(
+                        self.route.handler_timeout.unwrap_or_default(),
+                    ))
+                }),
+            None => step.await,
+        }
     }
 
     /// The database could not be used for this message: counts it, and

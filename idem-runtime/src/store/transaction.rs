@@ -379,9 +379,10 @@ pub(crate) async fn end_failed_claim(connection: &mut PgConnection) -> Result<()
 
 /// The longest a transaction can run when every part of it gets its answer
 /// under `handler_timeout`: the claim (which may wait on a concurrent
-/// attempt, up to `statement_timeout`), the handler (up to the handler
-/// timeout; a batch's handler calls share one) and COMMIT (up to
-/// `statement_timeout`), each the handler timeout: `3 × handler_timeout`.
+/// attempt, up to `statement_timeout`), the handler and the storing of what
+/// it returned (up to the handler timeout together; a batch's handler calls
+/// and their results share one) and COMMIT (up to `statement_timeout`), each
+/// the handler timeout: `3 × handler_timeout`.
 /// The retention floor counts it for the claiming transaction, and the
 /// watchdog waits that long (plus a margin) before it gives up on one
 /// (`Pipeline::watched`).

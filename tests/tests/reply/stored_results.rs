@@ -133,6 +133,122 @@ async fn a_jetstream_duplicate_runs_once_and_keeps_the_first_stored_result() {
     }
 }
 
+/// When `slow_receipt`'s last call began.
+static SLOW_RECEIPT_STARTED: std::sync::Mutex<Option<std::time::Instant>> =
+    std::sync::Mutex::new(None);
+
+#[idempotent(name = "stored.slow.v1")]
+async fn slow_receipt(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<Receipt, sqlx::Error> {
+    *SLOW_RECEIPT_STARTED.lock().unwrap() = Some(std::time::Instant::now());
+    record_effect(tx, slow_receipt::NAME, &d, delivery).await?;
+    tokio::time::sleep(SLOW_RECEIPT_HOLD).await;
+    receipt_of(tx, &d).await
+}
+
+/// How long `slow_receipt` takes of its 4 s handler timeout.
+const SLOW_RECEIPT_HOLD: Duration = Duration::from_secs(3);
+
+/// Storing what a handler returned counts within its handler timeout, as
+/// the retention floor and the watchdog assume (a claiming transaction runs
+/// at most the claim's wait, one handler timeout and COMMIT): a handler that
+/// takes 3 s of its 4 s, and whose result's UPDATE then hangs (a trigger on
+/// the claims table sleeps), fails at its deadline, 4 s after it began, not
+/// a statement timeout after the UPDATE began (7 s). Once the trigger is
+/// gone, a retry applies the message once and stores its result.
+#[tokio::test]
+async fn storing_a_result_counts_within_the_handler_timeout() {
+    const TIMEOUT: Duration = Duration::from_secs(4);
+    let logs = idem_tests::capture_logs();
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("SLOWRESULT", Duration::from_secs(120)).await;
+    let handler = slow_receipt::NAME;
+    let route = || {
+        fast(Route::new(&stream, "c"))
+            .per_message()
+            .handler_timeout(TIMEOUT)
+            .ack_wait(Duration::from_secs(60))
+    };
+    // On the claims table, and so on each of its partitions.
+    sqlx::raw_sql(
+        "CREATE FUNCTION slow_result() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN PERFORM pg_sleep(30); RETURN NEW; END $$;
+         CREATE TRIGGER slow_result BEFORE UPDATE ON idem_claims
+           FOR EACH ROW EXECUTE FUNCTION slow_result();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (handle, task) = spawn(
+        Router::new().route(route(), slow_receipt),
+        nats.clone(),
+        pool.clone(),
+    );
+
+    publish(&js, &subject, &deposit("slow", 1), Some("slow-1")).await;
+    // It happened: the result's UPDATE sleeps in the trigger.
+    eventually(
+        "the result's UPDATE hangs in the trigger",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event = 'PgSleep'
+                    AND query LIKE 'UPDATE idem_claims SET result%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 1
+        },
+    )
+    .await;
+    let stats = handle.stats("c").unwrap();
+    eventually(
+        "the message fails at its deadline",
+        Duration::from_secs(30),
+        || async { stats.failed() >= 1 },
+    )
+    .await;
+    let started = SLOW_RECEIPT_STARTED
+        .lock()
+        .unwrap()
+        .expect("the handler ran");
+    let failed_after = started.elapsed();
+    eprintln!("the handler began {failed_after:?} before its message failed");
+    assert!(
+        failed_after < TIMEOUT + Duration::from_secs(2),
+        "failed {failed_after:?} after the handler began: past its {TIMEOUT:?} deadline by a statement timeout"
+    );
+    assert!(
+        !logs.matching(&["did not finish within 4s"]).is_empty(),
+        "failed as a handler that timed out"
+    );
+
+    sqlx::raw_sql("DROP TRIGGER slow_result ON idem_claims")
+        .execute(&pool)
+        .await
+        .unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(ledger(&pool, handler).await, Ledger::once_each(1));
+    let stored = idem_runtime::results::stored(&pool, handler, "slow-1")
+        .await
+        .expect("the stored result is read")
+        .expect("the retry stored its result");
+    let receipt: Receipt = serde_json::from_slice(&stored).expect("it is the JSON receipt");
+    assert_eq!((receipt.account.as_str(), receipt.amount), ("slow", 1));
+}
+
 #[tokio::test]
 async fn on_a_batch_route_each_message_stores_its_own_result() {
     let Scenario {
