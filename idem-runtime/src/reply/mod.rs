@@ -319,7 +319,8 @@ impl ReplyRoute {
     }
 
     /// Fail a handler that runs longer than `timeout` (a `retry` error
-    /// reply). Default 30 s. As on a [`Route`], it also bounds each statement
+    /// reply); storing its reply with its claim counts within it. Default
+    /// 30 s. As on a [`Route`], it also bounds each statement
     /// of the transaction on the server, and never races BEGIN or COMMIT.
     /// A retry that waits on the claim of an attempt still running waits at
     /// most this long too. It is part of the retention floor.

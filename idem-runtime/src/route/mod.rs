@@ -215,7 +215,8 @@ impl Route {
 
     /// Fail a handler that runs longer than `timeout` (a transient failure:
     /// rolled back and retried). Default 5 minutes. The timer covers the
-    /// handler only, never BEGIN or COMMIT.
+    /// handler and the storing of the value it returns (if any; see
+    /// [`results`](crate::handler::results)), never BEGIN or COMMIT.
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.handler_timeout = Some(timeout);
         self
