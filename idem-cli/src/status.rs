@@ -46,6 +46,7 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
                 "pull_batch": consumer.pull_batch,
                 "max_batch": consumer.max_batch,
                 "pull_capped": consumer.pull_capped(),
+                "paused_seconds": consumer.paused_for.map(|left| left.as_secs_f64()),
                 "claims": claims.map(|h| h.claims),
                 "oldest_claim_age_seconds": claims.and_then(|h| h.oldest_age).map(|a| a.as_secs_f64()),
             })
@@ -122,7 +123,10 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
         }
         text.push_str(&output::render(&table));
         text.push('\n');
-        for line in pull_lines(&consumers) {
+        for line in pull_lines(&consumers)
+            .into_iter()
+            .chain(pause_lines(&consumers))
+        {
             text.push_str(&line);
             text.push('\n');
         }
@@ -215,6 +219,24 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
         text.push_str(&format!("\n  warning: {warning}"));
     }
     Ok(Report::done(json, text))
+}
+
+/// A line for each consumer an operator paused: its route gets nothing
+/// until the pause ends.
+fn pause_lines(consumers: &[status::ConsumerStatus]) -> Vec<String> {
+    consumers
+        .iter()
+        .filter_map(|consumer| {
+            let left = consumer.paused_for?;
+            Some(format!(
+                "  warning: {}/{}: paused for another {} (nats consumer pause): JetStream \
+                 delivers its route nothing until then; `nats consumer resume` ends it",
+                consumer.stream,
+                consumer.durable,
+                human(left),
+            ))
+        })
+        .collect()
 }
 
 /// A line for each consumer whose `max_batch` caps its route's pull

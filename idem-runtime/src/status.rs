@@ -71,6 +71,10 @@ pub struct ConsumerStatus {
     /// (its own, or the server's `max_request_batch` limit); `None`: no
     /// limit.
     pub max_batch: Option<u64>,
+    /// How much longer an operator's pause of the consumer lasts (`nats
+    /// consumer pause`): JetStream delivers its route nothing meanwhile.
+    /// `None`: not paused.
+    pub paused_for: Option<Duration>,
 }
 
 impl ConsumerStatus {
@@ -151,6 +155,9 @@ pub async fn consumers(js: &jetstream::Context) -> Result<Vec<ConsumerStatus>, S
                 retention: decode_duration(retention),
                 pull_batch: metadata.get(PULL_BATCH_KEY).and_then(|n| n.parse().ok()),
                 max_batch: u64::try_from(info.config.max_batch).ok().filter(|n| *n > 0),
+                paused_for: info
+                    .paused
+                    .then(|| info.pause_remaining.unwrap_or_default()),
                 dead_letters: dead_letter_count(js, &dead_letter_subject).await,
                 dead_letter_subject,
             });

@@ -126,6 +126,9 @@ pub const PULL_REQUEST_CAPPED: &str = "idem_pull_request_capped";
 pub const CONSUMER_PENDING: &str = "idem_consumer_pending_messages";
 /// The consumer's `num_ack_pending`.
 pub const CONSUMER_ACK_PENDING: &str = "idem_consumer_ack_pending_messages";
+/// How much longer an operator's pause of the consumer lasts (0: not
+/// paused).
+pub const CONSUMER_PAUSED: &str = "idem_consumer_paused_seconds";
 /// Outbox rows not yet published.
 pub const OUTBOX_PENDING: &str = "idem_outbox_pending_rows";
 /// Age of the oldest pending outbox row.
@@ -296,6 +299,11 @@ pub fn describe() {
         CONSUMER_ACK_PENDING,
         Unit::Count,
         "The consumer's num_ack_pending: messages delivered and not yet acked."
+    );
+    describe_gauge!(
+        CONSUMER_PAUSED,
+        Unit::Seconds,
+        "How much longer the consumer is paused (nats consumer pause): JetStream delivers its route nothing meanwhile; 0 when not paused."
     );
     describe_gauge!(
         OUTBOX_PENDING,

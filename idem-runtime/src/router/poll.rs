@@ -4,7 +4,9 @@
 use async_nats::jetstream::consumer::PullConsumer;
 use sqlx::PgPool;
 
-use crate::observe::metrics::{CONSUMER_ACK_PENDING, CONSUMER_PENDING, POLL_INTERVAL, ROUTE_LABEL};
+use crate::observe::metrics::{
+    CONSUMER_ACK_PENDING, CONSUMER_PAUSED, CONSUMER_PENDING, POLL_INTERVAL, ROUTE_LABEL,
+};
 use crate::tasks::Signal;
 
 /// The pool connections the poll uses at once: one, for the outbox's lag.
@@ -21,21 +23,23 @@ pub(crate) async fn poll(
     pool: PgPool,
     mut shutdown: Signal,
 ) {
-    let consumers: Vec<_> = consumers
+    let mut consumers: Vec<_> = consumers
         .into_iter()
-        .map(|(route, consumer)| {
-            let pending = metrics::gauge!(CONSUMER_PENDING, ROUTE_LABEL => route.clone());
-            let ack_pending = metrics::gauge!(CONSUMER_ACK_PENDING, ROUTE_LABEL => route);
-            (consumer, pending, ack_pending)
+        .map(|(route, consumer)| Polled {
+            pending: metrics::gauge!(CONSUMER_PENDING, ROUTE_LABEL => route.clone()),
+            ack_pending: metrics::gauge!(CONSUMER_ACK_PENDING, ROUTE_LABEL => route.clone()),
+            paused: metrics::gauge!(CONSUMER_PAUSED, ROUTE_LABEL => route.clone()),
+            // Start-up warned about a pause it found (and kept).
+            warned_for: paused_until(consumer.cached_info()),
+            was_paused: consumer.cached_info().paused,
+            route,
+            consumer,
         })
         .collect();
     loop {
-        for (consumer, pending, ack_pending) in &consumers {
-            match consumer.get_info().await {
-                Ok(info) => {
-                    pending.set(info.num_pending as f64);
-                    ack_pending.set(info.num_ack_pending as f64);
-                }
+        for polled in &mut consumers {
+            match polled.consumer.get_info().await {
+                Ok(info) => polled.record(&info),
                 Err(error) => tracing::debug!(%error, "consumer info unreadable for metrics"),
             }
         }
@@ -49,4 +53,50 @@ pub(crate) async fn poll(
             _ = tokio::time::sleep(POLL_INTERVAL) => {}
         }
     }
+}
+
+/// One route's consumer, its gauges, and the pause it was last warned
+/// about.
+struct Polled {
+    route: String,
+    consumer: PullConsumer,
+    pending: metrics::Gauge,
+    ack_pending: metrics::Gauge,
+    paused: metrics::Gauge,
+    /// The end of the last pause warned about: a pause is known by its end
+    /// (`pause_until`), so that one taken, lifted and taken again between
+    /// two polls is warned about too.
+    warned_for: Option<time::OffsetDateTime>,
+    /// Whether it was paused at the last poll.
+    was_paused: bool,
+}
+
+impl Polled {
+    /// Sets the gauges from `info`; warns once about each pause an operator
+    /// takes (start-up warned about one it found), and says when the route
+    /// is no longer paused.
+    fn record(&mut self, info: &async_nats::jetstream::consumer::Info) {
+        self.pending.set(info.num_pending as f64);
+        self.ack_pending.set(info.num_ack_pending as f64);
+        let remaining = info.pause_remaining.filter(|_| info.paused);
+        self.paused
+            .set(remaining.map_or(0.0, |left| left.as_secs_f64()));
+        match paused_until(info) {
+            Some(until) if self.warned_for != Some(until) => {
+                crate::router::start_up::warn_paused(&self.route, remaining);
+                self.warned_for = Some(until);
+            }
+            None if self.was_paused => tracing::info!(
+                route = self.route,
+                "the route's consumer is no longer paused: JetStream delivers to it again"
+            ),
+            _ => {}
+        }
+        self.was_paused = info.paused;
+    }
+}
+
+/// When the consumer's pause ends, if it is paused.
+fn paused_until(info: &async_nats::jetstream::consumer::Info) -> Option<time::OffsetDateTime> {
+    info.config.pause_until.filter(|_| info.paused)
 }

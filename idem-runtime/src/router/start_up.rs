@@ -373,6 +373,9 @@ async fn bind_consumer(
                 });
             }
             wanted = keep_operator_settings(&route.durable, &existing.config, wanted);
+            if existing.paused {
+                warn_paused(&route.durable, existing.pause_remaining);
+            }
         }
         Err(error) if error.kind() == ConsumerInfoErrorKind::NotFound => {}
         // Not an answer about the consumer (a timeout, a leader election):
@@ -393,6 +396,22 @@ async fn bind_consumer(
     })
 }
 
+/// Warns that the route's consumer is paused by an operator, for
+/// `remaining`: JetStream delivers nothing to the route until then (the
+/// router's poll warns again if it is paused later, and sets
+/// `idem_consumer_paused_seconds`; `idem status` shows it).
+pub(crate) fn warn_paused(route: &str, remaining: Option<Duration>) {
+    tracing::warn!(
+        route,
+        remaining_s = remaining.map(|left| left.as_secs()),
+        "the route's consumer is paused{}: JetStream delivers it nothing until the pause ends or an operator resumes it (`nats consumer resume`); the route keeps the pause and waits",
+        remaining.map_or_else(String::new, |left| format!(
+            " for another {}s",
+            left.as_secs()
+        ))
+    );
+}
+
 /// `wanted` with the settings of the `existing` consumer that the route
 /// leaves to operators: what one pull request may ask for (`max_batch`,
 /// `max_bytes`, `max_expires`), how many may wait (`max_waiting`, which
@@ -402,14 +421,21 @@ async fn bind_consumer(
 /// `wanted` as the route builds it would reset them to JetStream's defaults
 /// at every start. Those kept that differ from the defaults are logged.
 ///
+/// An operator's pause (`nats consumer pause`) is left as it is: the route
+/// never sets `pause_until`, and JetStream keeps a pause through an update
+/// that leaves it out (nats-server 2.15; the lifecycle test
+/// `a_restart_keeps_an_operators_pause_and_says_so` holds it to that), so a
+/// worker's restart does not undo a pause taken for maintenance. Start-up
+/// warns about it ([`warn_paused`]).
+///
 /// Not kept, so that a restart sets them as the route needs them: the
 /// inactivity threshold (a durable that JetStream deletes while every
 /// worker is down would be created again from the start of the stream),
 /// the replicas (0: the stream's, which an explicit count can stop
 /// matching), memory storage (a memory consumer loses its state when the
 /// server restarts; JetStream refuses to change it, so such a consumer is
-/// refused: see [`consumer_differences`]), and the pause, back-off, replay
-/// policy and headers-only delivery.
+/// refused: see [`consumer_differences`]), and the back-off, replay policy
+/// and headers-only delivery.
 fn keep_operator_settings(
     durable: &str,
     existing: &consumer::Config,

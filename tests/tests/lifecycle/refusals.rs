@@ -143,6 +143,106 @@ async fn conflicting_consumer_is_refused_unless_update_is_asked_for() {
     stop(handle, task).await;
 }
 
+/// An operator pauses the route's consumer (`nats consumer pause`, for
+/// maintenance, say). A worker that restarts meanwhile keeps the pause
+/// (its start-up updates the consumer, leaving the pause out, and JetStream
+/// keeps it), and warns that its route gets nothing until the pause ends,
+/// where it used to wait without a word; `idem status` shows it. A pause
+/// taken while the route runs is warned about by the router's poll. Once
+/// resumed, every message is applied once.
+#[tokio::test]
+async fn a_restart_keeps_an_operators_pause_and_says_so() {
+    let logs = idem_tests::capture_logs();
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("PAUSED", Duration::from_secs(120)).await;
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), plain),
+        nats.clone(),
+        pool.clone(),
+    );
+    publish(&js, &subject, &deposit("a", 1), Some("m-1")).await;
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+
+    let handle_of_stream = js.get_stream(&stream).await.unwrap();
+    let pause = || async {
+        handle_of_stream
+            .pause_consumer(
+                "c",
+                time::OffsetDateTime::now_utc() + Duration::from_secs(300),
+            )
+            .await
+            .unwrap()
+    };
+    assert!(pause().await.paused);
+    publish(&js, &subject, &deposit("a", 1), Some("m-2")).await;
+    let paused_warnings = || logs.matching(&["WARN", "consumer is paused", "route=\"c\""]);
+
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c"), plain),
+        nats.clone(),
+        pool.clone(),
+    );
+    eventually(
+        "the restarted route warns that its consumer is paused",
+        Duration::from_secs(30),
+        || async { !paused_warnings().is_empty() },
+    )
+    .await;
+    // The route pulls, and JetStream holds its request: still paused.
+    eventually(
+        "the route's pull request waits on the paused consumer",
+        Duration::from_secs(30),
+        || async { env.consumer_info(&stream, "c").await.num_waiting >= 1 },
+    )
+    .await;
+    let info = env.consumer_info(&stream, "c").await;
+    assert!(info.paused, "the restart kept the operator's pause");
+    assert_eq!(info.num_pending, 1, "m-2 waits in the stream");
+    assert_eq!(handle.stats("c").unwrap().received(), 0);
+    let shown = idem_runtime::status::consumers(&js)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|consumer| consumer.durable == "c")
+        .expect("idem status lists the consumer");
+    let left = shown.paused_for.expect("idem status shows the pause");
+    assert!(
+        left > Duration::from_secs(200) && left <= Duration::from_secs(300),
+        "{left:?}"
+    );
+
+    // Resumed, the held message is applied.
+    handle_of_stream.resume_consumer("c").await.unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+
+    // Paused while the route runs: the router's poll (every 5 s) warns.
+    let before = paused_warnings().len();
+    assert!(pause().await.paused);
+    eventually(
+        "the router's poll warns about a pause taken while it runs",
+        Duration::from_secs(30),
+        || async { paused_warnings().len() > before },
+    )
+    .await;
+    handle_of_stream.resume_consumer("c").await.unwrap();
+    publish(&js, &subject, &deposit("a", 1), Some("m-3")).await;
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle, task).await;
+    assert_eq!(ledger(&pool, "plain").await, Ledger::once_each(3));
+    assert!(
+        logs.matching(&["max_waiting"]).is_empty(),
+        "a pause is not taken for a full wait list: {:#?}",
+        logs.matching(&["max_waiting"])
+    );
+}
+
 /// What an operator tuned on a route's consumer and the route leaves to
 /// them (`max_batch`, `max_expires`, the description, metadata of their own)
 /// survives a restart of the router, and an update it asks for. Before, the
