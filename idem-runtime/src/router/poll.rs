@@ -29,7 +29,7 @@ pub(crate) async fn poll(
             pending: metrics::gauge!(CONSUMER_PENDING, ROUTE_LABEL => route.clone()),
             ack_pending: metrics::gauge!(CONSUMER_ACK_PENDING, ROUTE_LABEL => route.clone()),
             paused: metrics::gauge!(CONSUMER_PAUSED, ROUTE_LABEL => route.clone()),
-            // Start-up warned about a pause it found (and kept).
+            // Start-up warned about a pause it found.
             warned_for: paused_until(consumer.cached_info()),
             was_paused: consumer.cached_info().paused,
             route,
