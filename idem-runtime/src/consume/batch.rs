@@ -69,12 +69,11 @@ use crate::error::HandlerError;
 use crate::handler::Handler;
 use crate::handler::delivery::Delivery;
 use crate::observe::recorder::Event;
-use crate::store::claim;
-use crate::store::transaction::{self, Ended};
+use crate::store::backend::{Backend, Ended};
 
 /// How long a statement of an adaptive batch's transaction waits for a lock
 /// before the batch gives up as in conflict (see
-/// [`transaction::begin_batch`]): far above a row lock held by a
+/// [`Backend::begin_batch`]): far above a row lock held by a
 /// transaction that runs, far below PostgreSQL's `deadlock_timeout`.
 const BATCH_LOCK_WAIT: Duration = Duration::from_millis(200);
 
@@ -198,7 +197,7 @@ enum Outcome {
     Unstarted,
 }
 
-impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
+impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB> {
     /// Processes a batch of messages. `_slot` is the concurrency permit.
     pub(crate) async fn process_batch(
         self: Arc<Self>,
@@ -539,14 +538,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             .map_err(before_handler)?;
         held.now();
         let lock_wait = self.sizer.bounds_lock_waits().then_some(BATCH_LOCK_WAIT);
-        let mut tx = transaction::begin_batch(&mut connection, &self.begin, lock_wait)
+        let mut tx = DB::begin_batch(&mut connection, &self.begin, lock_wait)
             .await
             .map_err(before_handler)?;
         let keys: Vec<String> = deliveries
             .iter()
             .map(|delivery| self.claim_key(delivery))
             .collect();
-        let (mut unclaimed, xid) = claim::claim_many(&mut tx, self.handler_id, &keys)
+        let (mut unclaimed, xid) = DB::claim_many(&mut tx, self.handler_id, &keys)
             .await
             .map_err(before_handler)?;
         self.health.resume();
@@ -555,14 +554,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let processed_before = processed_before(&keys, &fresh);
         if !processed_before.is_empty() && fresh.contains(&true) {
             // Acked first (see `commit_batch`); the rest claim again.
-            if transaction::rollback(tx).await {
+            if DB::rollback(tx).await {
                 connection.keep();
             }
             return Err(BatchFailure::ProcessedBefore(processed_before));
         }
         if !fresh.contains(&true) {
             // Every message was processed before: nothing to commit.
-            if transaction::rollback(tx).await {
+            if DB::rollback(tx).await {
                 connection.keep();
             }
             return Ok(outcomes(&keys, &fresh, keys.len()));
@@ -609,8 +608,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 // A handler that ended the transaction itself (a raw COMMIT)
                 // and then failed has committed every claim of the batch:
                 // see `Pipeline::transact` for one message alone.
-                let lost = !transaction::claims_still_pending(&mut tx).await;
-                if transaction::rollback(tx).await {
+                let lost = !DB::claims_still_pending(&mut tx).await;
+                if DB::rollback(tx).await {
                     connection.keep();
                 }
                 if lost {
@@ -630,7 +629,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             .collect();
         if !handled_any {
             // Shutdown came before the first handler: nothing to commit.
-            if transaction::rollback(tx).await {
+            if DB::rollback(tx).await {
                 connection.keep();
             }
             return Ok(outcomes);
@@ -641,7 +640,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 unstarted = unstarted.len(),
                 "shutting down: the batch commits the messages whose handlers ran and hands back the rest"
             );
-            claim::unclaim(&mut tx, &unstarted)
+            DB::unclaim(&mut tx, &unstarted)
                 .await
                 .map_err(|error| BatchFailure::Handler {
                     error: HandlerError::Handler {
@@ -652,7 +651,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                     at: None,
                 })?;
         }
-        let (ended, reusable) = transaction::finish(tx, &self.begin).await;
+        let (ended, reusable) = DB::finish(tx, &self.begin).await;
         if reusable {
             connection.keep();
         }
@@ -702,7 +701,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                             .take(|waited| pipeline.recorder.connection_waited(waited))
                             .await?;
                         held.now();
-                        let answer = claim::committed(&mut connection, &xid).await;
+                        let answer = DB::committed(&mut connection, &xid).await;
                         if answer.is_ok() {
                             connection.keep();
                         }
@@ -757,7 +756,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
     /// first message not started (the batch's length if all were).
     async fn handle_each(
         &self,
-        tx: &mut sqlx::PgTransaction<'_>,
+        tx: &mut sqlx::Transaction<'_, DB>,
         keys: &[String],
         deliveries: &[Delivery],
         payloads: &mut [Option<H::Payload>],
@@ -808,12 +807,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let results: Vec<&[u8]> = results.iter().map(|result| result.as_ref()).collect();
         // Within the calls' deadline: the handler timeout bounds the calls
         // and their results together (see `Pipeline::within_deadline`).
-        self.within_deadline(
-            deadline,
-            crate::store::results::store_many(tx, &stored_keys, &results),
-        )
-        .await
-        .map_err(|error| (None, error))?;
+        self.within_deadline(deadline, DB::store_results(tx, &stored_keys, &results))
+            .await
+            .map_err(|error| (None, error))?;
         Ok(stopped_at)
     }
 }

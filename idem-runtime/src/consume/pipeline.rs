@@ -20,6 +20,7 @@ use std::time::Duration;
 use async_nats::jetstream::Message;
 use bytes::Bytes;
 use futures_util::FutureExt;
+use sqlx::Postgres;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
@@ -38,19 +39,20 @@ use crate::observe::recorder::{Event, Recorder};
 use crate::observe::stats::Stats;
 use crate::reply::Mode;
 use crate::route::Route;
+use crate::store::backend::{Backend, Claim, Ended};
 use crate::store::connections::Connections;
-use crate::store::transaction::{self, Begin, Ended};
+use crate::store::transaction;
 use crate::tasks::Signal;
 
 /// Everything a route needs to process its messages.
-pub(crate) struct Pipeline<H, S> {
+pub(crate) struct Pipeline<H, S, DB: Backend = Postgres> {
     pub(crate) route: Route,
     pub(crate) handler: H,
     pub(crate) state: Arc<S>,
-    pub(crate) connections: Arc<Connections>,
+    pub(crate) connections: Arc<Connections<DB>>,
     pub(crate) heartbeats: Heartbeats,
     pub(crate) nats: async_nats::Client,
-    pub(crate) begin: Begin,
+    pub(crate) begin: DB::Begin,
     /// The handler's id in `idem_handlers`, stored with each claim.
     pub(crate) handler_id: i32,
     pub(crate) health: Health,
@@ -76,14 +78,14 @@ pub(crate) struct Pipeline<H, S> {
 
 /// What the router gives every route it starts, JetStream route and request
 /// route alike.
-pub(crate) struct RouteContext {
+pub(crate) struct RouteContext<DB: Backend = Postgres> {
     /// The handler's id in `idem_handlers`.
     pub(crate) handler_id: i32,
     pub(crate) nats: async_nats::Client,
     /// The router's connections, shared by all its routes and handed out
     /// in the order messages ask for them (see `store/connections.rs`).
-    pub(crate) connections: Arc<Connections>,
-    pub(crate) session: crate::store::transaction::Session,
+    pub(crate) connections: Arc<Connections<DB>>,
+    pub(crate) session: DB::Session,
     pub(crate) shutdown: Signal,
     /// How long shutdown waits for messages in flight.
     pub(crate) grace: Duration,
@@ -91,7 +93,7 @@ pub(crate) struct RouteContext {
     pub(crate) faults: crate::fault::FaultHooks,
 }
 
-impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
+impl<H: Handler<S, DB>, S: Send + Sync + 'static, DB: Backend> Pipeline<H, S, DB> {
     /// The pipeline of `route`, which runs `handler` with `state`, counts
     /// into `stats` and ends its messages as `mode` says.
     pub(crate) fn new(
@@ -100,7 +102,7 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
         state: Arc<S>,
         stats: Arc<Stats>,
         mode: Mode,
-        context: &RouteContext,
+        context: &RouteContext<DB>,
     ) -> Self {
         // A request has no lease to keep.
         let heartbeat = match mode {
@@ -108,7 +110,7 @@ impl<H: Handler<S>, S: Send + Sync + 'static> Pipeline<H, S> {
             Mode::Answer(_) => None,
         };
         Pipeline {
-            begin: Begin::new(route.handler_timeout, context.session),
+            begin: DB::begin_for(route.handler_timeout, context.session),
             recorder: Recorder::new(&route.durable, stats),
             sizer: Arc::new(if route.adaptive {
                 BatchSizer::adaptive(route.batch_cap())
@@ -218,7 +220,7 @@ pub(crate) struct Outage {
     failures: u64,
 }
 
-impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
+impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB> {
     /// Processes one message. `_slot` is the concurrency permit, released when
     /// the message is settled.
     pub(crate) async fn process(self: Arc<Self>, message: Message, _slot: OwnedSemaphorePermit) {
@@ -433,14 +435,14 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         held.now();
         let key = self.claim_key(delivery);
         let claim = self.claim(&key, delivery);
-        let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
-        let processed = if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
+        let begun = DB::begin(&mut connection, &self.begin, Some(claim)).await;
+        let processed = if begun.as_ref().is_err_and(DB::is_duplicate_claim) {
             drop(begun);
-            transaction::end_failed_claim(&mut connection).await?;
+            DB::end_failed_claim(&mut connection).await?;
             true
         } else {
             // Fresh: no attempt committed it. Roll this claim back.
-            if !transaction::rollback(begun?).await {
+            if !DB::rollback(begun?).await {
                 return Ok(false);
             }
             false
@@ -650,13 +652,13 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         held.now();
         let key = self.claim_key(delivery);
         let claim = self.claim(&key, delivery);
-        let begun = transaction::begin(&mut connection, &self.begin, Some(claim)).await;
-        if begun.as_ref().is_err_and(transaction::is_duplicate_claim) {
+        let begun = DB::begin(&mut connection, &self.begin, Some(claim)).await;
+        if begun.as_ref().is_err_and(DB::is_duplicate_claim) {
             drop(begun);
             self.health.resume();
             // Processed before. (If the ROLLBACK fails, the connection is
             // closed on drop.)
-            let ended = transaction::end_failed_claim(&mut connection).await;
+            let ended = DB::end_failed_claim(&mut connection).await;
             if self.mode.answers().is_none() {
                 if ended.is_ok() {
                     connection.keep();
@@ -666,7 +668,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
             // Its caller gets what the first attempt stored, read on the
             // same connection: the claim conflicted, so it has committed.
             let read = match ended {
-                Ok(()) => crate::store::results::read(&mut connection, &key).await,
+                Ok(()) => DB::read_result(&mut connection, &key).await,
                 Err(error) => Err(error),
             };
             return match read {
@@ -703,10 +705,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         let outcome = match outcome {
             Ok(Some(result)) => match self.check_reply_size(&result) {
                 Ok(()) => self
-                    .within_deadline(
-                        deadline,
-                        crate::store::results::store(&mut tx, &key, &result),
-                    )
+                    .within_deadline(deadline, DB::store_result(&mut tx, &key, &result))
                     .await
                     .map(|()| Some(result)),
                 Err(error) => Err(error),
@@ -715,7 +714,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         };
         match outcome {
             Ok(result) => {
-                let (ended, reusable) = transaction::finish(tx, &self.begin).await;
+                let (ended, reusable) = DB::finish(tx, &self.begin).await;
                 if reusable {
                     connection.keep();
                 }
@@ -733,8 +732,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
                 // work: a redelivery would be acked as a duplicate. Checked
                 // only here, on the way to a rollback: one more round trip,
                 // on a failure path.
-                let lost = !transaction::claims_still_pending(&mut tx).await;
-                if transaction::rollback(tx).await {
+                let lost = !DB::claims_still_pending(&mut tx).await;
+                if DB::rollback(tx).await {
                     connection.keep();
                 }
                 Verdict::Failed(if lost { HandlerError::ClaimLost } else { error })
@@ -752,8 +751,8 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
         crate::store::claim::key(claims_under, delivery.message_id().as_str())
     }
 
-    fn claim<'k>(&self, key: &'k str, delivery: &Delivery) -> transaction::Claim<'k> {
-        transaction::Claim {
+    fn claim<'k>(&self, key: &'k str, delivery: &Delivery) -> Claim<'k> {
+        Claim {
             handler_id: self.handler_id,
             key,
             since: self.first_claim_not_before(delivery),

@@ -45,6 +45,7 @@ use crate::consume::pipeline::Pipeline;
 use crate::consume::pull_stream::{PullError, PullSignals, PullStream};
 use crate::handler::Handler;
 use crate::route::Route;
+use crate::store::backend::Backend;
 use crate::tasks::Signal;
 
 /// The first pause after the pull failed; it doubles with each failure in a
@@ -54,9 +55,13 @@ const PULL_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Pulls and processes messages until shutdown, then waits up to `grace` for
 /// in-flight ones. Returns how many it had to abandon.
-pub(crate) async fn pull_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>(
+pub(crate) async fn pull_until_shutdown<
+    S: Send + Sync + 'static,
+    H: Handler<S, DB>,
+    DB: Backend,
+>(
     consumer: PullConsumer,
-    pipeline: Arc<Pipeline<H, S>>,
+    pipeline: Arc<Pipeline<H, S, DB>>,
     shutdown: Signal,
     grace: Duration,
 ) -> usize {
@@ -105,7 +110,7 @@ enum Cut {
 /// Fields drop in the order declared: should the loop be cancelled, the
 /// parked messages' leases end and the pull goes before the tasks in
 /// flight are aborted.
-struct Puller<'a, H, S> {
+struct Puller<'a, H, S, DB: Backend> {
     /// Fetched, not started, and kept leased while the route was paused.
     parked: VecDeque<(Message, Lease)>,
     /// The open pull, if one is.
@@ -122,10 +127,10 @@ struct Puller<'a, H, S> {
     /// request limits refused the last one.
     refresh_info: bool,
     consumer: &'a PullConsumer,
-    pipeline: &'a Arc<Pipeline<H, S>>,
+    pipeline: &'a Arc<Pipeline<H, S, DB>>,
 }
 
-impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
+impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, DB> {
     /// One turn of the pull loop: sits out a pause, starts parked messages
     /// first, backs off after failures of the pull, opens it if it is not,
     /// and starts what it delivers, once a slot is free.
@@ -342,7 +347,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Puller<'_, H, S> {
 /// asks for more as its batches grow, rather than for its largest size from
 /// the start: what it fetches ahead waits unleased, and must be taken
 /// before ack_wait.
-fn request_size<H, S>(pipeline: &Pipeline<H, S>) -> usize {
+fn request_size<H, S, DB: Backend>(pipeline: &Pipeline<H, S, DB>) -> usize {
     let slots = match pipeline.sizer.batch_limit() {
         Some(limit) => limit.min(pipeline.route.concurrency),
         None => pipeline.route.concurrency,

@@ -12,6 +12,7 @@ use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
 use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt};
+use sqlx::Postgres;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::Instrument;
@@ -24,6 +25,7 @@ use crate::handler::delivery::Delivery;
 use crate::message_id::{InvalidMessageId, MessageId};
 use crate::observe::recorder::Event;
 use crate::observe::stats::Stats;
+use crate::store::backend::Backend;
 use crate::tasks::Signal;
 
 use crate::consume::pipeline::RouteContext;
@@ -43,7 +45,7 @@ pub(crate) struct ReplyTooLarge {
 
 /// A request route with its handler and state, type-erased so that one
 /// router holds many.
-pub(crate) trait BindReply: Send + Sync {
+pub(crate) trait BindReply<DB: Backend = Postgres>: Send + Sync {
     fn route(&self) -> &ReplyRoute;
     fn handler_name(&self) -> &'static str;
     /// Serves the requests of `requests` until shutdown; returns how many it
@@ -51,7 +53,7 @@ pub(crate) trait BindReply: Send + Sync {
     fn start(
         self: Box<Self>,
         requests: async_nats::Subscriber,
-        context: RouteContext,
+        context: RouteContext<DB>,
     ) -> Pin<Box<dyn Future<Output = usize> + Send>>;
 }
 
@@ -62,7 +64,7 @@ pub(crate) struct BoundReply<H, S> {
     pub(crate) state: Arc<S>,
 }
 
-impl<S: Send + Sync + 'static, H: Handler<S>> BindReply for BoundReply<H, S> {
+impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> BindReply<DB> for BoundReply<H, S> {
     fn route(&self) -> &ReplyRoute {
         &self.route
     }
@@ -74,7 +76,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> BindReply for BoundReply<H, S> {
     fn start(
         self: Box<Self>,
         requests: async_nats::Subscriber,
-        context: RouteContext,
+        context: RouteContext<DB>,
     ) -> Pin<Box<dyn Future<Output = usize> + Send>> {
         let route = self.route.as_route();
         let mode = Mode::Answer(Answers {
@@ -101,9 +103,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> BindReply for BoundReply<H, S> {
 
 /// Answers requests until shutdown, then waits up to `grace` for those in
 /// flight. Returns how many it had to abandon.
-async fn serve_until_shutdown<S: Send + Sync + 'static, H: Handler<S>>(
+async fn serve_until_shutdown<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend>(
     mut requests: async_nats::Subscriber,
-    pipeline: Arc<Pipeline<H, S>>,
+    pipeline: Arc<Pipeline<H, S, DB>>,
     concurrency: usize,
     mut shutdown: Signal,
     grace: Duration,
@@ -253,7 +255,7 @@ fn reason_of_rejected(rejected: &RejectedMessage) -> &'static str {
     }
 }
 
-impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
+impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB> {
     /// Answers one request. `_slot` is the concurrency permit.
     async fn answer(self: Arc<Self>, request: async_nats::Message, _slot: OwnedSemaphorePermit) {
         self.recorder.record(Event::Received);

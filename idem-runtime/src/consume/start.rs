@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::PullConsumer;
+use sqlx::Postgres;
 
 use crate::consume::pipeline::{Pipeline, RouteContext};
 use crate::consume::undeliverable;
@@ -17,6 +18,7 @@ use crate::handler::Handler;
 use crate::observe::stats::Stats;
 use crate::reply::Mode;
 use crate::route::Route;
+use crate::store::backend::Backend;
 use crate::tasks;
 
 /// Where a JetStream route's messages come from, made by start-up.
@@ -35,14 +37,14 @@ pub(crate) struct Source {
 
 /// A route with its handler and state, type-erased so one router holds many
 /// handlers.
-pub(crate) trait Bind: Send + Sync {
+pub(crate) trait Bind<DB: Backend = Postgres>: Send + Sync {
     fn route(&self) -> &Route;
     #[cfg(feature = "fault-injection")]
     fn route_mut(&mut self) -> &mut Route;
     fn handler_name(&self) -> &'static str;
     fn start(
         self: Box<Self>,
-        context: RouteContext,
+        context: RouteContext<DB>,
         source: Source,
     ) -> Pin<Box<dyn Future<Output = usize> + Send>>;
 }
@@ -54,7 +56,7 @@ pub(crate) struct Bound<H, S> {
     pub(crate) state: Arc<S>,
 }
 
-impl<S: Send + Sync + 'static, H: Handler<S>> Bind for Bound<H, S> {
+impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Bind<DB> for Bound<H, S> {
     fn route(&self) -> &Route {
         &self.route
     }
@@ -70,7 +72,7 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Bind for Bound<H, S> {
 
     fn start(
         self: Box<Self>,
-        context: RouteContext,
+        context: RouteContext<DB>,
         source: Source,
     ) -> Pin<Box<dyn Future<Output = usize> + Send>> {
         start_route(*self, context, source)
@@ -79,9 +81,9 @@ impl<S: Send + Sync + 'static, H: Handler<S>> Bind for Bound<H, S> {
 
 /// Starts one route: its pipeline, its pull loop and its watcher of
 /// messages JetStream gave up on.
-fn start_route<S: Send + Sync + 'static, H: Handler<S>>(
+fn start_route<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend>(
     bound: Bound<H, S>,
-    context: RouteContext,
+    context: RouteContext<DB>,
     source: Source,
 ) -> Pin<Box<dyn Future<Output = usize> + Send>> {
     let mode = Mode::Consume {

@@ -52,6 +52,7 @@ use crate::handler::delivery::{Delivery, Fields};
 use crate::message_id::MessageId;
 use crate::observe::recorder::Event;
 use crate::route::Route;
+use crate::store::backend::Backend;
 
 const ADVISORY_SUBJECTS: &str = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>";
 
@@ -129,8 +130,8 @@ pub(crate) async fn bind(
 }
 
 /// Dead-letters each message the route's advisories name, until shutdown.
-pub(crate) async fn watch<S: Send + Sync + 'static, H: Handler<S>>(
-    pipeline: Arc<Pipeline<H, S>>,
+pub(crate) async fn watch<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend>(
+    pipeline: Arc<Pipeline<H, S, DB>>,
     js: jetstream::Context,
     advisories: PullConsumer,
 ) {
@@ -208,7 +209,7 @@ pub(crate) async fn watch<S: Send + Sync + 'static, H: Handler<S>>(
     }
 }
 
-impl<S: Send + Sync + 'static, H: Handler<S>> Pipeline<H, S> {
+impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB> {
     /// Dead-letters the message a `MAX_DELIVERIES` advisory names (see the
     /// module docs): read raw from its stream, under the id it was (or
     /// would have been) deduplicated by; only a record of it, if its stream

@@ -3,7 +3,7 @@
 use std::future::Future;
 
 use bytes::Bytes;
-use sqlx::PgTransaction;
+use sqlx::{Database, Postgres, Transaction};
 
 use crate::codec::Decode;
 use crate::error::HandlerError;
@@ -18,7 +18,8 @@ pub use delivery::Delivery;
 pub use state::{FromBatch, FromDelivery, FromRef, Parameter, State};
 
 /// A message handler the [`Router`](crate::Router) can run, with the
-/// router's state `S`.
+/// router's state `S`, in a transaction on the database `DB` (PostgreSQL,
+/// the one database idem runs on so far: leave it out).
 ///
 /// Write an `async fn` and put `#[idempotent]` on it; or implement this by
 /// hand. Either way the claim is the runtime's job, on every path: it begins
@@ -73,7 +74,7 @@ pub use state::{FromBatch, FromDelivery, FromRef, Parameter, State};
     label = "not a handler for state `{S}`",
     note = "write `#[idempotent] async fn my_handler(tx: &mut sqlx::PgTransaction<'_>, msg: T) -> Result<(), E>`, or implement `idem_runtime::Handler<{S}>`"
 )]
-pub trait Handler<S = ()>: Send + Sync + 'static {
+pub trait Handler<S = (), DB: Database = Postgres>: Send + Sync + 'static {
     /// The decoded message.
     type Payload: Send + 'static;
 
@@ -102,7 +103,7 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
     /// the runtime calls; its `handle` runs it and drops the value.
     fn handle(
         &self,
-        tx: &mut PgTransaction<'_>,
+        tx: &mut Transaction<'_, DB>,
         payload: Self::Payload,
         delivery: &Delivery,
         state: &S,
@@ -156,7 +157,7 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
     /// ```
     fn handle_and_encode(
         &self,
-        tx: &mut PgTransaction<'_>,
+        tx: &mut Transaction<'_, DB>,
         payload: Self::Payload,
         delivery: &Delivery,
         state: &S,
@@ -217,7 +218,7 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
     /// set).
     fn handle_batch(
         &self,
-        tx: &mut PgTransaction<'_>,
+        tx: &mut Transaction<'_, DB>,
         payloads: Vec<Self::Payload>,
         deliveries: &[Delivery],
         state: &S,
@@ -242,9 +243,9 @@ pub trait Handler<S = ()>: Send + Sync + 'static {
     label = "expected an `#[idempotent]` fn, or a value implementing `idem_runtime::Handler<{S}>`",
     note = "write `#[idempotent] async fn my_handler(tx: &mut sqlx::PgTransaction<'_>, msg: T) -> Result<(), E>` and pass `my_handler`; a handler that takes `State<T>` needs a router whose state provides `T`: write `#[idempotent(state = {S})]` on it to see which part is missing"
 )]
-pub trait IntoHandler<S, M> {
+pub trait IntoHandler<S, M, DB: Database = Postgres> {
     /// The handler this turns into.
-    type Handler: Handler<S>;
+    type Handler: Handler<S, DB>;
 
     /// Builds the handler.
     fn into_handler(self) -> Self::Handler;
@@ -260,10 +261,10 @@ pub enum AsIs {}
 
 /// `#[idempotent]` turns `fn credit` into a handler type `credit` plus a fn
 /// `credit()` that returns it; passing `credit` hands the router that fn.
-impl<F, H, S> IntoHandler<S, ViaConstructor> for F
+impl<F, H, S, DB: Database> IntoHandler<S, ViaConstructor, DB> for F
 where
     F: FnOnce() -> H,
-    H: Handler<S>,
+    H: Handler<S, DB>,
 {
     type Handler = H;
 
@@ -273,9 +274,9 @@ where
 }
 
 /// A handler value, such as one implemented by hand.
-impl<H, S> IntoHandler<S, AsIs> for H
+impl<H, S, DB: Database> IntoHandler<S, AsIs, DB> for H
 where
-    H: Handler<S>,
+    H: Handler<S, DB>,
 {
     type Handler = H;
 

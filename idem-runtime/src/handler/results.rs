@@ -27,6 +27,8 @@
 use bytes::Bytes;
 use sqlx::PgPool;
 
+use crate::store::backend::{Backend, Db};
+
 /// The result stored for `message_id` by the handler named `handler`: the
 /// bytes its codec encoded (for JSON, the JSON text). For a reply route,
 /// whose claims are keyed under the route's name rather than its
@@ -56,7 +58,5 @@ pub async fn stored(
 ) -> Result<Option<Bytes>, sqlx::Error> {
     let key = crate::store::claim::key(handler, message_id);
     let mut connection = pool.acquire().await?;
-    Ok(crate::store::results::read(&mut connection, &key)
-        .await?
-        .flatten())
+    Ok(Db::read_result(&mut connection, &key).await?.flatten())
 }

@@ -63,13 +63,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use sqlx::PgPool;
+use sqlx::{PgPool, Pool};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::CHANNEL;
 use super::stats::RelayStats;
 use crate::handler::delivery::Delivery;
+use crate::store::backend::Backend;
 use crate::store::outbox::{Heard, Listener};
 
 /// The bell of one database's relays in this process: rung after each
@@ -79,14 +80,14 @@ use crate::store::outbox::{Heard, Listener};
 #[derive(Debug, Clone)]
 pub(crate) struct Bell(Arc<watch::Sender<()>>);
 
-/// Every bell of the process, by [`database_key`]. A bell is never removed:
+/// Every bell of the process, by [`Backend::database`]. A bell is never removed:
 /// one per database the process ever spoke to.
 static BELLS: LazyLock<Mutex<HashMap<String, Bell>>> = LazyLock::new(Mutex::default);
 
 impl Bell {
     /// The bell of the database `pool` connects to.
-    pub(crate) fn of(pool: &PgPool) -> Bell {
-        let key = database_key(pool);
+    pub(crate) fn of<DB: Backend>(pool: &Pool<DB>) -> Bell {
+        let key = DB::database(pool);
         let mut bells = BELLS.lock().unwrap_or_else(|e| e.into_inner());
         bells
             .entry(key)
@@ -97,18 +98,6 @@ impl Bell {
     /// Wakes the relays of this bell's database.
     pub(crate) fn ring(&self) {
         self.0.send_modify(|()| {});
-    }
-}
-
-/// Which database a pool connects to, as its options name it.
-fn database_key(pool: &PgPool) -> String {
-    let options = pool.connect_options();
-    let database = options
-        .get_database()
-        .unwrap_or_else(|| options.get_username());
-    match options.get_socket() {
-        Some(socket) => format!("{}|{}|{database}", socket.display(), options.get_port()),
-        None => format!("{}|{}|{database}", options.get_host(), options.get_port()),
     }
 }
 

@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use crate::store::purge::{SESSION_IDLE_TIMEOUT, purge, purge_interval};
+use crate::store::backend::{Backend, Db};
+use crate::store::purge::{SESSION_IDLE_TIMEOUT, purge_interval};
 
-/// Runs [`purge`] every `interval` until `shutdown` fires, and after each
+/// Runs [`Backend::purge`] every `interval` until `shutdown` fires, and after each
 /// run reads the expiry's figures into the metrics. A failed run is logged
 /// and counted, and the next one tries again. Shutdown is checked between
 /// runs only: a run in progress is never cut short (the router waits for it
@@ -26,7 +27,7 @@ pub(crate) async fn run_in_background(
             _ = shutdown.fired() => return,
             _ = ticks.tick() => {}
         }
-        match purge(&pool).await {
+        match Db::purge(&pool).await {
             Ok(report) if report.skipped => warn_if_held_back(&pool).await,
             Ok(report) => tracing::debug!(?report, "claims purge ran"),
             Err(error) => {
@@ -60,15 +61,8 @@ async fn warn_if_held_back(pool: &PgPool) {
         .map_or(Duration::from_secs(1), |retention| {
             2 * purge_interval(retention) + Duration::from_secs(1)
         });
-    let holder = crate::store::purge::idle_lock_holder(pool, slack).await;
-    let holder = match holder {
-        Ok(Some((pid, application, state, age, query))) => format!(
-            "pid {pid} ({}, {} for {:.0}s): {}",
-            application.unwrap_or_default(),
-            state.unwrap_or_default(),
-            age.unwrap_or_default(),
-            query.unwrap_or_default()
-        ),
+    let holder = match Db::purge_holder(pool, slack).await {
+        Ok(Some(holder)) => holder,
         // Working, or ended since: nothing to point at.
         Ok(None) => return,
         Err(error) => format!("a session that could not be read ({error})"),

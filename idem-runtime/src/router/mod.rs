@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres};
 
 use crate::consume::reply::{BindReply, BoundReply};
 use crate::consume::start::{Bind, Bound};
@@ -16,6 +16,7 @@ use crate::observe::stats::Stats;
 use crate::outbox::{Relay, RelayStats};
 use crate::reply::ReplyRoute;
 use crate::route::Route;
+use crate::store::backend::Backend;
 use crate::tasks::{self, Signal, Trigger};
 
 mod poll;
@@ -31,6 +32,10 @@ mod validate;
 /// [`Router::with_state`]; a router whose handlers take no state is
 /// [`Router::new`], a `Router<()>`.
 ///
+/// `DB` is the database its handlers' transactions run on: PostgreSQL, the
+/// only one so far, so leave it out. Routes are added on any database;
+/// constructing and running a router are PostgreSQL's for now.
+///
 /// ```no_run
 /// # use idem_runtime::{Route, Router, idempotent};
 /// # #[derive(serde::Deserialize)] struct Credit {}
@@ -42,11 +47,11 @@ mod validate;
 ///     .await
 /// # }
 /// ```
-pub struct Router<S = ()> {
+pub struct Router<S = (), DB: Backend = Postgres> {
     state: Arc<S>,
-    routes: Vec<Box<dyn Bind>>,
+    routes: Vec<Box<dyn Bind<DB>>>,
     /// The request/reply routes.
-    replies: Vec<Box<dyn BindReply>>,
+    replies: Vec<Box<dyn BindReply<DB>>>,
     stats: HashMap<String, Arc<Stats>>,
     trigger: Trigger,
     signal: Signal,
@@ -126,6 +131,7 @@ impl Router {
     }
 }
 
+/// Constructing and running a router on PostgreSQL.
 impl<S: Send + Sync + 'static> Router<S> {
     /// A router whose handlers take parts of `state` with
     /// [`State<T>`](crate::State) (through [`FromRef`](crate::FromRef)).
@@ -177,84 +183,6 @@ impl<S: Send + Sync + 'static> Router<S> {
         }
     }
 
-    /// Runs `handler` for every message of `route`'s durable consumer:
-    /// the name of an `#[idempotent]` fn, or a value that implements
-    /// [`Handler<S>`](crate::Handler).
-    ///
-    /// A route left at the default batching runs a handler that declares
-    /// [`PER_MESSAGE`](crate::handler::Handler::PER_MESSAGE) one message per
-    /// transaction.
-    pub fn route<M, I: IntoHandler<S, M>>(mut self, route: Route, handler: I) -> Self {
-        let route = route.for_handler(<I::Handler as Handler<S>>::PER_MESSAGE);
-        let handler = handler.into_handler();
-        let stats = Arc::new(Stats::default());
-        self.stats
-            .entry(route.durable.clone())
-            .or_insert_with(|| stats.clone());
-        self.routes.push(Box::new(Bound {
-            route,
-            handler,
-            stats,
-            state: self.state.clone(),
-        }));
-        self
-    }
-
-    /// Runs `handler` for every partition's route of a partitioned consumer
-    /// ([`Partitions::routes`](crate::route::partition::Partitions::routes)): the
-    /// routes share the handler, and with it its dedup rows, as one
-    /// consumer would. See [`crate::route::partition`].
-    pub fn route_partitions<M>(
-        mut self,
-        routes: impl IntoIterator<Item = Route>,
-        handler: impl IntoHandler<S, M> + Clone,
-    ) -> Self {
-        for route in routes {
-            self = self.route(route, handler.clone());
-        }
-        self
-    }
-
-    /// Answers the core NATS requests sent to `route`'s subject with
-    /// `handler`, effectively once per message id: the reply is the value
-    /// the handler returned (encoded by its codec), and a retried request
-    /// gets the first reply without running the handler again. Its claims
-    /// are keyed under the route's name (default: its subject), not the
-    /// handler's, so that versions of the handler share them. See
-    /// [`ReplyRoute`] for the message id, the error replies, retention and
-    /// shutdown.
-    ///
-    /// Its counters are under the route's subject in
-    /// [`RouterHandle::stats`].
-    pub fn reply_route<M>(mut self, route: ReplyRoute, handler: impl IntoHandler<S, M>) -> Self {
-        let handler = handler.into_handler();
-        let stats = Arc::new(Stats::default());
-        self.stats
-            .entry(route.subject.clone())
-            .or_insert_with(|| stats.clone());
-        self.replies.push(Box::new(BoundReply {
-            route,
-            handler,
-            stats,
-            state: self.state.clone(),
-        }));
-        self
-    }
-
-    /// How long shutdown waits for in-flight messages (default 30 s). Those
-    /// still running then are cancelled: their connections are closed (a
-    /// cancelled BEGIN or COMMIT could leave a connection inside a
-    /// transaction, sqlx#4393), never returned to the pool, and the pool
-    /// itself, which is the application's, stays open. Their messages are
-    /// redelivered after ack_wait, and the claim keeps them to one effect.
-    /// `run` returns within the grace period plus a few seconds; with a
-    /// [relay](Router::relay), which then gets a grace period of its own to
-    /// stop, within twice that.
-    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
-        self.grace = grace;
-        self
-    }
-
     /// Runs `relay` beside the handlers, so that the messages they queue in
     /// the [outbox](crate::outbox) are published. It starts once the routes
     /// are bound and stops after they have settled their last message at
@@ -266,41 +194,6 @@ impl<S: Send + Sync + 'static> Router<S> {
     pub fn relay(mut self, relay: Relay) -> Self {
         self.relay = Some(relay);
         self
-    }
-
-    /// Installs fault-injection hooks (tests only).
-    #[cfg(feature = "fault-injection")]
-    pub fn fault_hooks(mut self, faults: crate::fault::FaultHooks) -> Self {
-        self.faults = faults;
-        self
-    }
-
-    /// Passes every JetStream route bound so far through `tune`, which may
-    /// change its settings (tests only: a test that provokes redeliveries
-    /// shortens ack_wait, say). The durable and stream must stay as they
-    /// are: the route's counters are kept under its durable.
-    #[cfg(feature = "fault-injection")]
-    pub fn tune_routes(mut self, mut tune: impl FnMut(Route) -> Route) -> Self {
-        for bound in &mut self.routes {
-            let route = bound.route_mut();
-            let (durable, stream) = (route.durable.clone(), route.stream.clone());
-            *route = tune(route.clone());
-            assert!(
-                route.durable == durable && route.stream == stream,
-                "tune_routes changed the durable or stream of route `{durable}`"
-            );
-        }
-        self
-    }
-
-    /// A handle to read counters and stop the router. Take it after adding
-    /// the routes.
-    pub fn handle(&self) -> RouterHandle {
-        RouterHandle {
-            stats: Arc::new(self.stats.clone()),
-            relay: self.relay.as_ref().map(Relay::stats),
-            trigger: self.trigger.clone(),
-        }
     }
 
     /// Runs until Ctrl-C or SIGTERM, then shuts down gracefully.
@@ -382,5 +275,125 @@ impl<S: Send + Sync + 'static> Router<S> {
             return Err(Error::NatsClientGone);
         }
         Ok(())
+    }
+}
+
+/// Building a router, on any database its handlers run on.
+impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
+    /// Runs `handler` for every message of `route`'s durable consumer:
+    /// the name of an `#[idempotent]` fn, or a value that implements
+    /// [`Handler<S>`](crate::Handler).
+    ///
+    /// A route left at the default batching runs a handler that declares
+    /// [`PER_MESSAGE`](crate::handler::Handler::PER_MESSAGE) one message per
+    /// transaction.
+    pub fn route<M, I: IntoHandler<S, M, DB>>(mut self, route: Route, handler: I) -> Self {
+        let route = route.for_handler(<I::Handler as Handler<S, DB>>::PER_MESSAGE);
+        let handler = handler.into_handler();
+        let stats = Arc::new(Stats::default());
+        self.stats
+            .entry(route.durable.clone())
+            .or_insert_with(|| stats.clone());
+        self.routes.push(Box::new(Bound {
+            route,
+            handler,
+            stats,
+            state: self.state.clone(),
+        }));
+        self
+    }
+
+    /// Runs `handler` for every partition's route of a partitioned consumer
+    /// ([`Partitions::routes`](crate::route::partition::Partitions::routes)): the
+    /// routes share the handler, and with it its dedup rows, as one
+    /// consumer would. See [`crate::route::partition`].
+    pub fn route_partitions<M>(
+        mut self,
+        routes: impl IntoIterator<Item = Route>,
+        handler: impl IntoHandler<S, M, DB> + Clone,
+    ) -> Self {
+        for route in routes {
+            self = self.route(route, handler.clone());
+        }
+        self
+    }
+
+    /// Answers the core NATS requests sent to `route`'s subject with
+    /// `handler`, effectively once per message id: the reply is the value
+    /// the handler returned (encoded by its codec), and a retried request
+    /// gets the first reply without running the handler again. Its claims
+    /// are keyed under the route's name (default: its subject), not the
+    /// handler's, so that versions of the handler share them. See
+    /// [`ReplyRoute`] for the message id, the error replies, retention and
+    /// shutdown.
+    ///
+    /// Its counters are under the route's subject in
+    /// [`RouterHandle::stats`].
+    pub fn reply_route<M>(
+        mut self,
+        route: ReplyRoute,
+        handler: impl IntoHandler<S, M, DB>,
+    ) -> Self {
+        let handler = handler.into_handler();
+        let stats = Arc::new(Stats::default());
+        self.stats
+            .entry(route.subject.clone())
+            .or_insert_with(|| stats.clone());
+        self.replies.push(Box::new(BoundReply {
+            route,
+            handler,
+            stats,
+            state: self.state.clone(),
+        }));
+        self
+    }
+
+    /// How long shutdown waits for in-flight messages (default 30 s). Those
+    /// still running then are cancelled: their connections are closed (a
+    /// cancelled BEGIN or COMMIT could leave a connection inside a
+    /// transaction, sqlx#4393), never returned to the pool, and the pool
+    /// itself, which is the application's, stays open. Their messages are
+    /// redelivered after ack_wait, and the claim keeps them to one effect.
+    /// `run` returns within the grace period plus a few seconds; with a
+    /// [relay](Router::relay), which then gets a grace period of its own to
+    /// stop, within twice that.
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    /// Installs fault-injection hooks (tests only).
+    #[cfg(feature = "fault-injection")]
+    pub fn fault_hooks(mut self, faults: crate::fault::FaultHooks) -> Self {
+        self.faults = faults;
+        self
+    }
+
+    /// Passes every JetStream route bound so far through `tune`, which may
+    /// change its settings (tests only: a test that provokes redeliveries
+    /// shortens ack_wait, say). The durable and stream must stay as they
+    /// are: the route's counters are kept under its durable.
+    #[cfg(feature = "fault-injection")]
+    pub fn tune_routes(mut self, mut tune: impl FnMut(Route) -> Route) -> Self {
+        for bound in &mut self.routes {
+            let route = bound.route_mut();
+            let (durable, stream) = (route.durable.clone(), route.stream.clone());
+            *route = tune(route.clone());
+            assert!(
+                route.durable == durable && route.stream == stream,
+                "tune_routes changed the durable or stream of route `{durable}`"
+            );
+        }
+        self
+    }
+
+    /// A handle to read counters and stop the router. Take it after adding
+    /// the routes.
+    pub fn handle(&self) -> RouterHandle {
+        RouterHandle {
+            stats: Arc::new(self.stats.clone()),
+            relay: self.relay.as_ref().map(Relay::stats),
+            trigger: self.trigger.clone(),
+        }
     }
 }

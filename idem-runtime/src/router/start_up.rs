@@ -16,13 +16,14 @@ use crate::consume::undeliverable;
 use crate::error::Error;
 use crate::error::class::{is_lock_timeout, is_unreachable};
 use crate::route::Route;
+use crate::store::backend::{Backend, Db};
 use crate::store::schema;
 
 use super::Router;
 /// What start-up made on the servers, in the order of the router's routes
 /// and request routes.
 pub(super) struct SetUp {
-    pub(super) session: crate::store::transaction::Session,
+    pub(super) session: <Db as Backend>::Session,
     /// Per route: where its messages come from.
     pub(super) sources: Vec<Source>,
     pub(super) handler_ids: HashMap<String, i32>,
@@ -59,12 +60,10 @@ impl<S: Send + Sync + 'static> Router<S> {
             };
             crate::observe::metrics::start_up_retry(down.label());
             let holders = if down == Unreachable::HandlersLocked {
-                crate::store::claim::handlers_lock_holders(pool)
-                    .await
-                    .map_or_else(
-                        |error| format!("(could not read them: {error})"),
-                        |holders| holders.join("; "),
-                    )
+                Db::register_blockers(pool).await.map_or_else(
+                    |error| format!("(could not read them: {error})"),
+                    |holders| holders.join("; "),
+                )
             } else {
                 String::new()
             };
@@ -102,7 +101,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         warned: &mut bool,
     ) -> Result<SetUp, Error> {
         schema::verify(pool).await?;
-        let session = crate::store::transaction::Session::probe(pool, !*warned).await?;
+        let session = Db::probe(pool, !*warned).await?;
         *warned = true;
         let mut sources = Vec::with_capacity(self.routes.len());
         // idem's own streams follow the replicas of the routes' streams.
@@ -141,7 +140,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                     .map(|(reply, name)| (name.as_str(), reply.route().retention)),
             )
             .collect();
-        let handler_ids = crate::store::claim::register(pool, &registered).await?;
+        let handler_ids = Db::register(pool, &registered).await?;
         // Subscribed once every route could be set up, so that no request
         // waits on a router that does not start.
         let mut requests = Vec::with_capacity(self.replies.len());

@@ -62,9 +62,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, Postgres};
+use sqlx::{Database, Pool, Postgres};
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 /// How long a connection may sit unused and still skip the pool's check.
@@ -76,10 +75,12 @@ const WARN_AFTER: Duration = Duration::from_secs(5);
 /// At most one such warning per this long; the rest go to `debug`.
 const WARN_EVERY: Duration = Duration::from_secs(30);
 
-type Idle = Vec<(PoolConnection<Postgres>, Instant)>;
+type Idle<DB> = Vec<(PoolConnection<DB>, Instant)>;
 
-pub(crate) struct Connections {
-    pool: PgPool,
+/// One router's connections to its database (`DB`: any sqlx database; a
+/// router's is PostgreSQL so far).
+pub(crate) struct Connections<DB: Database = Postgres> {
+    pool: Pool<DB>,
     /// One permit per connection the router's messages may use, handed
     /// out first come, first served.
     turns: Semaphore,
@@ -91,14 +92,14 @@ pub(crate) struct Connections {
     waiting: AtomicUsize,
     /// How long a turn may be waited for: the pool's acquire timeout.
     wait_at_most: Duration,
-    idle: Mutex<Idle>,
+    idle: Mutex<Idle<DB>>,
 }
 
-impl Connections {
+impl<DB: Database> Connections<DB> {
     /// Starts handing out up to `turns` of `pool`'s connections (at least
     /// one) to one router's messages; the sweeper stops when the router
     /// drops its `Arc`.
-    pub(crate) fn start(pool: PgPool, turns: usize) -> Arc<Self> {
+    pub(crate) fn start(pool: Pool<DB>, turns: usize) -> Arc<Self> {
         let size = turns.max(1);
         let connections = Arc::new(Self {
             wait_at_most: pool.options().get_acquire_timeout(),
@@ -114,7 +115,7 @@ impl Connections {
     }
 
     /// The pool the connections come from.
-    pub(crate) fn pool(&self) -> &PgPool {
+    pub(crate) fn pool(&self) -> &Pool<DB> {
         &self.pool
     }
 
@@ -124,7 +125,7 @@ impl Connections {
     pub(crate) async fn take(
         &self,
         waited: impl FnOnce(Duration),
-    ) -> Result<Leased<'_>, sqlx::Error> {
+    ) -> Result<Leased<'_, DB>, sqlx::Error> {
         let asked = Instant::now();
         let turn = self.turn(asked).await;
         waited(asked.elapsed());
@@ -223,7 +224,7 @@ impl Connections {
         drop(forgotten);
     }
 
-    fn lock(&self) -> MutexGuard<'_, Idle> {
+    fn lock(&self) -> MutexGuard<'_, Idle<DB>> {
         self.idle
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -252,9 +253,9 @@ impl Drop for Waiting<'_> {
 
 /// A connection in use, with its message's turn. Dropped without
 /// [`Leased::keep`], it is closed.
-pub(crate) struct Leased<'a> {
-    connection: Option<PoolConnection<Postgres>>,
-    home: &'a Connections,
+pub struct Leased<'a, DB: Database = Postgres> {
+    connection: Option<PoolConnection<DB>>,
+    home: &'a Connections<DB>,
     /// Whether the session holds idem's prepared statements.
     prepared: bool,
     /// Given up when the guard drops, after the connection is kept or
@@ -262,7 +263,7 @@ pub(crate) struct Leased<'a> {
     _turn: SemaphorePermit<'a>,
 }
 
-impl Leased<'_> {
+impl<DB: Database> Leased<'_, DB> {
     /// Whether the session holds idem's prepared statements; from now on it
     /// is taken to (the statement about to run prepares them).
     pub(crate) fn mark_prepared(&mut self) -> bool {
@@ -281,25 +282,25 @@ impl Leased<'_> {
     }
 }
 
-impl Deref for Leased<'_> {
-    type Target = PgConnection;
+impl<DB: Database> Deref for Leased<'_, DB> {
+    type Target = DB::Connection;
 
-    fn deref(&self) -> &PgConnection {
+    fn deref(&self) -> &DB::Connection {
         self.connection
             .as_ref()
             .expect("a leased connection is present until kept")
     }
 }
 
-impl DerefMut for Leased<'_> {
-    fn deref_mut(&mut self) -> &mut PgConnection {
+impl<DB: Database> DerefMut for Leased<'_, DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
         self.connection
             .as_mut()
             .expect("a leased connection is present until kept")
     }
 }
 
-impl Drop for Leased<'_> {
+impl<DB: Database> Drop for Leased<'_, DB> {
     fn drop(&mut self) {
         if let Some(mut connection) = self.connection.take() {
             // Its state is unknown (mid-transaction, mid-statement): close
@@ -311,12 +312,12 @@ impl Drop for Leased<'_> {
 
 /// Removes the connections unused for longer than [`REUSE_WITHIN`]; the
 /// caller drops them (outside the lock), which returns them to the pool.
-fn drain_stale(idle: &mut Idle) -> Idle {
+fn drain_stale<DB: Database>(idle: &mut Idle<DB>) -> Idle<DB> {
     let fresh_from = idle.partition_point(|(_, used)| used.elapsed() > REUSE_WITHIN);
     idle.drain(..fresh_from).collect()
 }
 
-async fn sweep(connections: Weak<Connections>) {
+async fn sweep<DB: Database>(connections: Weak<Connections<DB>>) {
     let mut ticks = tokio::time::interval(REUSE_WITHIN);
     loop {
         ticks.tick().await;

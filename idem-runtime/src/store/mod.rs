@@ -7,6 +7,7 @@
 //! its own: this is the seam where another database's store would go (see
 //! "Toward more databases" in ARCHITECTURE.md).
 
+pub(crate) mod backend;
 pub(crate) mod claim;
 pub(crate) mod connections;
 pub(crate) mod durability;

@@ -1191,7 +1191,7 @@ pub(crate) async fn figures(pool: &PgPool) -> Result<Figures, sqlx::Error> {
 
 /// A session holding the purge's lock: pid, `application_name`, state,
 /// seconds in that state, its query.
-pub(crate) type Holder = (
+type Holder = (
     i32,
     Option<String>,
     Option<String>,
@@ -1199,15 +1199,16 @@ pub(crate) type Holder = (
     Option<String>,
 );
 
-/// The session holding the purge's lock, if it sends nothing or has been in
+/// The session holding the purge's lock, described (pid, application,
+/// state and for how long, its query), if it sends nothing or has been in
 /// one state for longer than `slack`: one that is working (a long DETACH, a
 /// first run after a long downtime expiring many generations) is not
 /// returned.
 pub(crate) async fn idle_lock_holder(
     pool: &PgPool,
     slack: Duration,
-) -> Result<Option<Holder>, sqlx::Error> {
-    sqlx::query_as(
+) -> Result<Option<String>, sqlx::Error> {
+    let holder: Option<Holder> = sqlx::query_as(
         "SELECT a.pid, a.application_name, a.state,
                 extract(epoch FROM now() - a.state_change)::float8, left(a.query, 120)
            FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
@@ -1221,7 +1222,16 @@ pub(crate) async fn idle_lock_holder(
     .bind(PURGE_LOCK)
     .bind(millis(slack))
     .fetch_optional(pool)
-    .await
+    .await?;
+    Ok(holder.map(|(pid, application, state, age, query)| {
+        format!(
+            "pid {pid} ({}, {} for {:.0}s): {}",
+            application.unwrap_or_default(),
+            state.unwrap_or_default(),
+            age.unwrap_or_default(),
+            query.unwrap_or_default()
+        )
+    }))
 }
 
 #[cfg(test)]

@@ -100,7 +100,6 @@ use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, PgTransaction};
 
 use crate::error::HandlerError;
-pub(crate) use crate::error::class::is_duplicate_claim;
 use crate::error::class::{is_aborted_transaction, is_claim_lost};
 use crate::store::claim::CLAIM_SQL;
 use crate::store::connections::Leased;
@@ -184,7 +183,7 @@ const BOUNDS_AND_CLIENT_CHECK: (&str, &str, &str) = (
 /// What the router found out about the pool's sessions at start-up, which
 /// decides how its routes begin and commit.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Session {
+pub struct Session {
     /// Whether the server accepts `client_connection_check_interval`.
     pub(crate) check_client_connection: bool,
     /// The `synchronous_commit` idem's transactions commit with.
@@ -205,7 +204,7 @@ impl Session {
 
 /// How a route begins and commits its transactions.
 #[derive(Debug, Clone)]
-pub(crate) struct Begin {
+pub struct Begin {
     /// The bounds and the commit level, through the prepared statements, to
     /// follow `BEGIN`.
     bounds: String,
@@ -322,7 +321,7 @@ pub(crate) fn prepare_missing(statements: &[(&str, &str, &str)]) -> String {
 ///
 /// [`claim::key`]: crate::store::claim::key
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Claim<'a> {
+pub struct Claim<'a> {
     pub(crate) handler_id: i32,
     pub(crate) key: &'a str,
     /// The earliest time an earlier claim of the message can have been
@@ -332,7 +331,7 @@ pub(crate) struct Claim<'a> {
 
 /// Begins a transaction on `connection`, and makes `claim` in it if given:
 /// one round trip. The transaction, with the claim in it, or an error:
-/// [`is_duplicate_claim`] tells the error of a message processed before,
+/// [`is_duplicate_claim`](crate::error::class::is_duplicate_claim) tells the error of a message processed before,
 /// after which [`end_failed_claim`] makes the connection clean again.
 pub(crate) async fn begin<'c>(
     connection: &'c mut Leased<'_>,
@@ -435,7 +434,7 @@ pub(crate) enum CommitError {
 }
 
 /// How a transaction whose handlers all returned `Ok` ended.
-pub(crate) enum Ended {
+pub enum Ended {
     /// Committed, claims and all.
     Committed,
     /// Nothing was committed, for the reason given.
