@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use futures_util::TryStreamExt;
-use sqlx::PgPool;
+use sqlx::{PgPool, Pool};
 use time::OffsetDateTime;
 
 use crate::error::retention::decode_duration;
@@ -35,6 +35,7 @@ use crate::route::metadata::{DEAD_LETTERS_KEY, HANDLER_KEY, PULL_BATCH_KEY, RETE
 
 pub use crate::retention::status::{ExpiryStatus, expiry};
 use crate::retention::status::{seconds, timestamp};
+use crate::store::backend::Backend;
 
 /// One idem consumer as JetStream sees it now.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -196,8 +197,8 @@ pub struct HandlerStatus {
 /// Every handler registered in the dedup schema, by name, with its claims.
 /// Counts every claim (a scan of the claims table), so it takes a while on a
 /// table of many millions.
-pub async fn handlers(pool: &PgPool) -> Result<Vec<HandlerStatus>, sqlx::Error> {
-    let rows = crate::store::reads::handlers(pool).await?;
+pub async fn handlers<DB: Backend>(pool: &Pool<DB>) -> Result<Vec<HandlerStatus>, sqlx::Error> {
+    let rows = DB::handlers(pool).await?;
     Ok(rows
         .into_iter()
         .map(|(name, retention, claims, oldest, age)| HandlerStatus {
@@ -228,13 +229,13 @@ pub struct Processed {
 /// Whether the handler named `handler` processed `message_id`, and when:
 /// `None` if it did not (or its claim has expired). It reads committed
 /// claims only, so a message being processed now reads as not processed.
-pub async fn processed(
-    pool: &PgPool,
+pub async fn processed<DB: Backend>(
+    pool: &Pool<DB>,
     handler: &str,
     message_id: &str,
 ) -> Result<Option<Processed>, sqlx::Error> {
     let key = crate::store::claim::key(handler, message_id);
-    let row = crate::store::reads::claim(pool, &key).await?;
+    let row = DB::claim_row(pool, &key).await?;
     Ok(
         row.map(|(claimed_at, age, generation, has_result)| Processed {
             claimed_at: timestamp(claimed_at).unwrap_or(OffsetDateTime::UNIX_EPOCH),
@@ -248,8 +249,8 @@ pub async fn processed(
 /// The names of the handlers registered in the dedup schema (every handler
 /// a router has started), sorted: one cheap query, to tell an unknown name
 /// from a message not processed.
-pub async fn handler_names(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
-    crate::store::reads::handler_names(pool).await
+pub async fn handler_names<DB: Backend>(pool: &Pool<DB>) -> Result<Vec<String>, sqlx::Error> {
+    DB::handler_names(pool).await
 }
 
 /// Whether the outbox's NOTIFY trigger (`idem_outbox_notify`) is enabled:

@@ -25,9 +25,9 @@
 //! [`ReplyRoute`](crate::ReplyRoute)), so it never stores one.
 
 use bytes::Bytes;
-use sqlx::PgPool;
+use sqlx::Pool;
 
-use crate::store::backend::{Backend, Db};
+use crate::store::backend::Backend;
 
 /// The result stored for `message_id` by the handler named `handler`: the
 /// bytes its codec encoded (for JSON, the JSON text). For a reply route,
@@ -51,12 +51,12 @@ use crate::store::backend::{Backend, Db};
 /// # Ok(())
 /// # }
 /// ```
-pub async fn stored(
-    pool: &PgPool,
+pub async fn stored<DB: Backend>(
+    pool: &Pool<DB>,
     handler: &str,
     message_id: &str,
 ) -> Result<Option<Bytes>, sqlx::Error> {
     let key = crate::store::claim::key(handler, message_id);
     let mut connection = pool.acquire().await?;
-    Ok(Db::read_result(&mut connection, &key).await?.flatten())
+    Ok(DB::read_result(&mut connection, &key).await?.flatten())
 }

@@ -116,6 +116,7 @@ use std::time::Duration;
 use crate::error::Error;
 use crate::error::retention::{RetentionFloor, Unbounded};
 use crate::route::Route;
+use crate::store::backend::Backend;
 
 /// The header that says a reply is an error, and whether to retry.
 pub const ERROR_HEADER: &str = "Idem-Error";
@@ -506,12 +507,12 @@ pub(crate) fn subjects_overlap(a: &str, b: &str) -> bool {
 /// its own, every request runs in both. Nothing to do once the old
 /// workers are stopped and no client retries a request older than the
 /// upgrade; the row can then be deleted.
-pub(crate) async fn warn_of_claims_under_handler_name(
-    pool: &sqlx::PgPool,
+pub(crate) async fn warn_of_claims_under_handler_name<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
     route: &ReplyRoute,
     handler: &str,
 ) {
-    let registered = crate::store::reads::registered_at(pool, handler).await;
+    let registered = DB::registered_at(pool, handler).await;
     match registered {
         Ok(Some(at)) => tracing::warn!(
             subject = route.subject(),

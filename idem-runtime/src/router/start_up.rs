@@ -17,7 +17,6 @@ use crate::error::Error;
 use crate::error::class::{is_lock_timeout, is_unreachable};
 use crate::route::Route;
 use crate::store::backend::{Backend, Db};
-use crate::store::schema;
 
 use super::Router;
 /// What start-up made on the servers, in the order of the router's routes
@@ -100,7 +99,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         nats: &async_nats::Client,
         warned: &mut bool,
     ) -> Result<SetUp, Error> {
-        schema::verify(pool).await?;
+        Db::verify_schema(pool).await?;
         let session = Db::probe(pool, !*warned).await?;
         *warned = true;
         let mut sources = Vec::with_capacity(self.routes.len());

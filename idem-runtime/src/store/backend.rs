@@ -1,13 +1,12 @@
-//! What the message path, a router's start-up and the purge a router runs
-//! need of a database, as one trait: [`Backend`], implemented for
-//! PostgreSQL (below, over the other modules of `store/`).
+//! What idem asks of a database, as one trait: [`Backend`], implemented
+//! for PostgreSQL (below, over the other modules of `store/`).
 //!
-//! This is step 2 of "Toward more databases" in ARCHITECTURE.md. The callers
-//! (`consume/`, `router/start_up.rs`, `handler/results.rs`) name the database
-//! once, as [`Db`], and ask it everything else; none of them calls a
-//! function of `store::transaction`, `store::claim` or `store::results`
-//! directly. When the message path becomes generic (step 3), [`Db`] becomes
-//! a type parameter `DB: Backend` and those callers do not change otherwise.
+//! Steps 2 and 3 of "Toward more databases" in ARCHITECTURE.md. The message
+//! path (`consume/`) is generic over `DB: Backend`, and so are the reads
+//! behind `status` and `handler::results::stored`; what is still
+//! PostgreSQL's (a router's start-up and its purge) names the database once,
+//! as [`Db`]. None of them calls a function of `store::transaction`,
+//! `store::claim`, `store::results` or `store::reads` directly.
 //!
 //! The trait is written for the databases issue 22 names, not only for
 //! PostgreSQL. What its shape owes to the other two:
@@ -51,6 +50,7 @@ use sqlx::{Pool, Postgres, Transaction};
 use crate::error::{Error, HandlerError};
 use crate::store::connections::Leased;
 use crate::store::purge::PurgeReport;
+use crate::store::reads::HandlerRow;
 pub(crate) use crate::store::transaction::{Claim, Ended};
 
 /// The database the message path runs on: PostgreSQL, the one [`Backend`]
@@ -96,6 +96,13 @@ pub trait Backend: sqlx::Database {
     /// Which database `pool` connects to, as a key equal for every pool
     /// to the same database (the relays of one database share a wake-up).
     fn database(pool: &Pool<Self>) -> String;
+
+    /// Creates or upgrades idem's tables (see [`schema`](crate::schema)).
+    fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Checks that the schema is applied and current, so that a worker
+    /// refuses to start rather than fail every message.
+    fn verify_schema(pool: &Pool<Self>) -> impl Future<Output = Result<(), Error>> + Send;
 
     // A message's transaction.
 
@@ -191,6 +198,34 @@ pub trait Backend: sqlx::Database {
         slack: Duration,
     ) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
 
+    // What operators read (see `status`).
+
+    /// Every registered handler with its claims: name, retention (seconds),
+    /// claims, the oldest claim's time and age (seconds).
+    fn handlers(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Vec<HandlerRow>, sqlx::Error>> + Send;
+
+    /// The committed claim on `key`, if any: when it was made (Unix
+    /// seconds), its age (seconds), its generation, and whether a result
+    /// is stored with it.
+    fn claim_row(
+        pool: &Pool<Self>,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<(f64, f64, i32, bool)>, sqlx::Error>> + Send;
+
+    /// The names of the registered handlers, sorted.
+    fn handler_names(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send;
+
+    /// When `name` was last registered, as the database writes the time
+    /// (`None` if it never was).
+    fn registered_at(
+        pool: &Pool<Self>,
+        name: &str,
+    ) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
+
     // Stored results (see `handler::results`).
 
     /// What the committed claim on `key` stored: `None` if there is no
@@ -245,6 +280,14 @@ impl Backend for Postgres {
             Some(socket) => format!("{}|{}|{database}", socket.display(), options.get_port()),
             None => format!("{}|{}|{database}", options.get_host(), options.get_port()),
         }
+    }
+
+    async fn migrate(pool: &Pool<Self>) -> Result<(), Error> {
+        crate::store::schema::migrate(pool).await
+    }
+
+    async fn verify_schema(pool: &Pool<Self>) -> Result<(), Error> {
+        crate::store::schema::verify(pool).await
     }
 
     fn begin_for(handler_timeout: Option<Duration>, session: Self::Session) -> Self::Begin {
@@ -315,6 +358,25 @@ impl Backend for Postgres {
         slack: Duration,
     ) -> Result<Option<String>, sqlx::Error> {
         crate::store::purge::idle_lock_holder(pool, slack).await
+    }
+
+    async fn handlers(pool: &Pool<Self>) -> Result<Vec<HandlerRow>, sqlx::Error> {
+        crate::store::reads::handlers(pool).await
+    }
+
+    async fn claim_row(
+        pool: &Pool<Self>,
+        key: &str,
+    ) -> Result<Option<(f64, f64, i32, bool)>, sqlx::Error> {
+        crate::store::reads::claim(pool, key).await
+    }
+
+    async fn handler_names(pool: &Pool<Self>) -> Result<Vec<String>, sqlx::Error> {
+        crate::store::reads::handler_names(pool).await
+    }
+
+    async fn registered_at(pool: &Pool<Self>, name: &str) -> Result<Option<String>, sqlx::Error> {
+        crate::store::reads::registered_at(pool, name).await
     }
 
     async fn read_result(
