@@ -283,11 +283,11 @@ impl Backend for Postgres {
     }
 
     async fn migrate(pool: &Pool<Self>) -> Result<(), Error> {
-        crate::store::schema::migrate(pool).await
+        crate::store::migrations::migrate(pool, None).await
     }
 
     async fn verify_schema(pool: &Pool<Self>) -> Result<(), Error> {
-        crate::store::schema::verify(pool).await
+        crate::store::migrations::verify(pool).await
     }
 
     fn begin_for(handler_timeout: Option<Duration>, session: Self::Session) -> Self::Begin {

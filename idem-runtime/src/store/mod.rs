@@ -11,6 +11,7 @@ pub(crate) mod backend;
 pub(crate) mod claim;
 pub(crate) mod connections;
 pub(crate) mod durability;
+pub(crate) mod migrations;
 pub(crate) mod outbox;
 pub(crate) mod purge;
 pub(crate) mod reads;

@@ -12,15 +12,13 @@
 //! # }
 //! ```
 
-use std::borrow::Cow;
-
-use sqlx::PgPool;
-use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::{PgPool, Pool};
 
 use crate::error::Error;
+use crate::store::backend::Backend;
 
 /// The table that records which idem migrations ran.
-pub const HISTORY_TABLE: &str = "_idem_migrations";
+pub const HISTORY_TABLE: &str = crate::store::migrations::HISTORY_TABLE;
 
 /// The claims table (partitioned by generation; each partition's name
 /// starts with this).
@@ -29,100 +27,26 @@ pub const CLAIMS_TABLE: &str = crate::error::class::CLAIMS_TABLE;
 /// The transactional outbox's table (see [`crate::outbox`]).
 pub const OUTBOX_TABLE: &str = "idem_outbox";
 
-/// (version, description, SQL) of every embedded migration, oldest first.
-const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        1,
-        "processed messages",
-        include_str!("../../migrations/0001_processed_messages.sql"),
-    ),
-    (
-        2,
-        "claims by generation",
-        include_str!("../../migrations/0002_claims_by_generation.sql"),
-    ),
-    (
-        3,
-        "claim in one statement",
-        include_str!("../../migrations/0003_claim_in_one_statement.sql"),
-    ),
-    (
-        4,
-        "outbox",
-        include_str!("../../migrations/0004_outbox.sql"),
-    ),
-    (
-        5,
-        "outbox retries",
-        include_str!("../../migrations/0005_outbox_retries.sql"),
-    ),
-    (
-        6,
-        "expiry state",
-        include_str!("../../migrations/0006_expiry_state.sql"),
-    ),
-    (
-        7,
-        "outbox notify opt-in",
-        include_str!("../../migrations/0007_outbox_notify_opt_in.sql"),
-    ),
-];
-
-fn migrator() -> Migrator {
-    let migrations = MIGRATIONS
-        .iter()
-        .map(|&(version, description, sql)| {
-            Migration::new(
-                version,
-                Cow::Borrowed(description),
-                MigrationType::Simple,
-                sqlx::SqlSafeStr::into_sql_str(sql),
-                false,
-            )
-        })
-        .collect();
-    let mut migrator = Migrator::with_migrations(migrations);
-    migrator.dangerous_set_table_name(HISTORY_TABLE);
-    migrator
-}
-
-/// The newest migration this version of idem ships.
+/// The newest migration this version of idem ships (PostgreSQL's).
 pub fn latest_version() -> i64 {
-    MIGRATIONS.last().map_or(0, |&(version, _, _)| version)
+    crate::store::migrations::latest_version()
 }
 
 /// Creates or upgrades the dedup schema. Safe to call from every worker at
 /// start-up.
-pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
-    migrator().run(pool).await?;
-    Ok(())
+pub async fn migrate<DB: Backend>(pool: &Pool<DB>) -> Result<(), Error> {
+    DB::migrate(pool).await
 }
 
 /// Applies the embedded migrations up to `version` only: for tests of an
 /// upgrade from an older schema.
 #[doc(hidden)]
 pub async fn migrate_to(pool: &PgPool, version: i64) -> Result<(), Error> {
-    migrator().run_to(version, pool).await?;
-    Ok(())
+    crate::store::migrations::migrate(pool, Some(version)).await
 }
 
 /// Checks that [`migrate`] has been applied, so that a worker refuses to start
 /// (rather than NAK every message) when the dedup table is missing.
-pub async fn verify(pool: &PgPool) -> Result<(), Error> {
-    let history_exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-        .bind(HISTORY_TABLE)
-        .fetch_one(pool)
-        .await?;
-    let found: Option<i64> = if history_exists {
-        sqlx::query_scalar("SELECT max(version) FROM _idem_migrations WHERE success")
-            .fetch_one(pool)
-            .await?
-    } else {
-        None
-    };
-    let expected = latest_version();
-    match found {
-        Some(version) if version >= expected => Ok(()),
-        _ => Err(Error::SchemaMissing { expected, found }),
-    }
+pub async fn verify<DB: Backend>(pool: &Pool<DB>) -> Result<(), Error> {
+    DB::verify_schema(pool).await
 }
