@@ -20,7 +20,6 @@ use std::time::Duration;
 use async_nats::jetstream::Message;
 use bytes::Bytes;
 use futures_util::FutureExt;
-use sqlx::Postgres;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
@@ -45,7 +44,7 @@ use crate::store::transaction;
 use crate::tasks::Signal;
 
 /// Everything a route needs to process its messages.
-pub(crate) struct Pipeline<H, S, DB: Backend = Postgres> {
+pub(crate) struct Pipeline<H, S, DB: Backend> {
     pub(crate) route: Route,
     pub(crate) handler: H,
     pub(crate) state: Arc<S>,
@@ -78,7 +77,7 @@ pub(crate) struct Pipeline<H, S, DB: Backend = Postgres> {
 
 /// What the router gives every route it starts, JetStream route and request
 /// route alike.
-pub(crate) struct RouteContext<DB: Backend = Postgres> {
+pub(crate) struct RouteContext<DB: Backend> {
     /// The handler's id in `idem_handlers`.
     pub(crate) handler_id: i32,
     pub(crate) nats: async_nats::Client,

@@ -12,7 +12,6 @@ use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
 use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt};
-use sqlx::Postgres;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::Instrument;
@@ -45,7 +44,7 @@ pub(crate) struct ReplyTooLarge {
 
 /// A request route with its handler and state, type-erased so that one
 /// router holds many.
-pub(crate) trait BindReply<DB: Backend = Postgres>: Send + Sync {
+pub(crate) trait BindReply<DB: Backend>: Send + Sync {
     fn route(&self) -> &ReplyRoute;
     fn handler_name(&self) -> &'static str;
     /// Serves the requests of `requests` until shutdown; returns how many it

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::PullConsumer;
-use sqlx::Postgres;
 
 use crate::consume::pipeline::{Pipeline, RouteContext};
 use crate::consume::undeliverable;
@@ -37,7 +36,7 @@ pub(crate) struct Source {
 
 /// A route with its handler and state, type-erased so one router holds many
 /// handlers.
-pub(crate) trait Bind<DB: Backend = Postgres>: Send + Sync {
+pub(crate) trait Bind<DB: Backend>: Send + Sync {
     fn route(&self) -> &Route;
     #[cfg(feature = "fault-injection")]
     fn route_mut(&mut self) -> &mut Route;

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
+use sqlx::Pool;
 
-use crate::store::backend::{Backend, Db};
+use crate::store::backend::Backend;
 use crate::store::purge::{SESSION_IDLE_TIMEOUT, purge_interval};
 
 /// Runs [`Backend::purge`] every `interval` until `shutdown` fires, and after each
@@ -14,8 +14,8 @@ use crate::store::purge::{SESSION_IDLE_TIMEOUT, purge_interval};
 /// and counted, and the next one tries again. Shutdown is checked between
 /// runs only: a run in progress is never cut short (the router waits for it
 /// within its grace period, then leaves it to finish).
-pub(crate) async fn run_in_background(
-    pool: PgPool,
+pub(crate) async fn run_in_background<DB: Backend>(
+    pool: Pool<DB>,
     interval: Duration,
     mut shutdown: crate::tasks::Signal,
 ) {
@@ -27,7 +27,7 @@ pub(crate) async fn run_in_background(
             _ = shutdown.fired() => return,
             _ = ticks.tick() => {}
         }
-        match Db::purge(&pool).await {
+        match DB::purge(&pool).await {
             Ok(report) if report.skipped => warn_if_held_back(&pool).await,
             Ok(report) => tracing::debug!(?report, "claims purge ran"),
             Err(error) => {
@@ -45,7 +45,7 @@ pub(crate) async fn run_in_background(
 /// After a run skipped because another session holds the purge's lock:
 /// that is how purges take turns, unless expiry is behind meanwhile (the
 /// holder is stuck, or its process froze). Then warns, naming the holder.
-async fn warn_if_held_back(pool: &PgPool) {
+async fn warn_if_held_back<DB: Backend>(pool: &Pool<DB>) {
     let Ok(status) = super::status::expiry_figures(pool).await else {
         return;
     };
@@ -61,7 +61,7 @@ async fn warn_if_held_back(pool: &PgPool) {
         .map_or(Duration::from_secs(1), |retention| {
             2 * purge_interval(retention) + Duration::from_secs(1)
         });
-    let holder = match Db::purge_holder(pool, slack).await {
+    let holder = match DB::purge_holder(pool, slack).await {
         Ok(Some(holder)) => holder,
         // Working, or ended since: nothing to point at.
         Ok(None) => return,

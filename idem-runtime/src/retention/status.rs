@@ -4,8 +4,10 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
+use sqlx::{PgPool, Pool};
 use time::OffsetDateTime;
+
+use crate::store::backend::Backend;
 
 /// Where expiry stands: generations, the transition, and how the latest
 /// purge runs went (any process's: they record it in the database). What
@@ -90,8 +92,10 @@ pub async fn expiry(pool: &PgPool) -> Result<ExpiryStatus, sqlx::Error> {
 
 /// [`expiry`] without reading what a transition waits for (its count is
 /// the one the last purge run recorded): one cheap query, for the metrics.
-pub(crate) async fn expiry_figures(pool: &PgPool) -> Result<ExpiryStatus, sqlx::Error> {
-    let row = crate::store::purge::figures(pool).await?;
+pub(crate) async fn expiry_figures<DB: Backend>(
+    pool: &Pool<DB>,
+) -> Result<ExpiryStatus, sqlx::Error> {
+    let row = DB::expiry_figures(pool).await?;
     let (
         retention,
         current_generation,

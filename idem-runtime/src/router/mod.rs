@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use sqlx::{PgPool, Postgres};
+use sqlx::{PgPool, Pool, Postgres};
 
 use crate::consume::reply::{BindReply, BoundReply};
 use crate::consume::start::{Bind, Bound};
@@ -254,13 +254,28 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// the cycle it is in. Messages in flight are redelivered after
     /// ack_wait, as after a crash.
     pub async fn run_until(
-        self,
+        mut self,
         nats: async_nats::Client,
         pool: PgPool,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), Error> {
+        let beside = run::Beside::postgres(self.relay.take(), &nats, &pool);
+        self.run_with(nats, pool, shutdown, beside).await
+    }
+}
+
+impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
+    /// [`Router::run_until`] on any database, with what the database runs
+    /// beside the routes.
+    async fn run_with(
+        self,
+        nats: async_nats::Client,
+        pool: Pool<DB>,
+        shutdown: impl Future<Output = ()> + Send,
+        beside: run::Beside,
+    ) -> Result<(), Error> {
         self.validate()?;
-        self.warn_if_the_pool_is_small(&pool);
+        self.warn_if_the_pool_is_small(&pool, beside.relay_connections);
         let js = jetstream::new(nats.clone());
         crate::observe::metrics::describe();
         let mut shutdown = std::pin::pin!(shutdown);
@@ -268,7 +283,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             tracing::info!("shut down during start-up, before any message was taken");
             return Ok(());
         };
-        let running = self.spawn(set_up, &nats, &pool);
+        let running = self.spawn(set_up, &nats, &pool, beside);
         let client_gone = running.until_shutdown(shutdown.as_mut(), &nats).await;
         running.shut_down(&nats).await;
         if client_gone {

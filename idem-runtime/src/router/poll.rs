@@ -1,18 +1,25 @@
 //! The gauges a router polls: each route's consumer (pending and
-//! ack-pending messages) and the outbox's lag.
+//! ack-pending messages) and the database's own (PostgreSQL's: the
+//! outbox's lag).
+
+use std::future::Future;
+use std::pin::Pin;
 
 use async_nats::jetstream::consumer::PullConsumer;
-use sqlx::PgPool;
 
 use crate::observe::metrics::{
     CONSUMER_ACK_PENDING, CONSUMER_PAUSED, CONSUMER_PENDING, POLL_INTERVAL, ROUTE_LABEL,
 };
 use crate::tasks::Signal;
 
+/// One poll of a database's own gauges (PostgreSQL's: the outbox's lag).
+pub(super) type PollBeside =
+    Box<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
 /// The pool connections the poll uses at once: one, for the outbox's lag.
 pub(super) const CONNECTIONS: usize = 1;
 
-/// Reads each route's consumer info and the outbox's lag every
+/// Reads each route's consumer info and the database's own gauges every
 /// [`POLL_INTERVAL`] until shutdown, into the gauges. A read that fails
 /// leaves its gauges as they were (and is logged at debug): the next poll
 /// tries again. Shutdown is checked between polls only, so that a query is
@@ -20,7 +27,7 @@ pub(super) const CONNECTIONS: usize = 1;
 /// task (the pool checks a connection it gets back that way).
 pub(crate) async fn poll(
     consumers: Vec<(String, PullConsumer)>,
-    pool: PgPool,
+    beside: Option<PollBeside>,
     mut shutdown: Signal,
 ) {
     let mut consumers: Vec<_> = consumers
@@ -43,9 +50,8 @@ pub(crate) async fn poll(
                 Err(error) => tracing::debug!(%error, "consumer info unreadable for metrics"),
             }
         }
-        match crate::outbox::lag(&pool).await {
-            Ok(lag) => crate::outbox::record_lag_gauges(&lag),
-            Err(error) => tracing::debug!(%error, "outbox lag unreadable for metrics"),
+        if let Some(beside) = &beside {
+            beside().await;
         }
         tokio::select! {
             biased;

@@ -2,13 +2,15 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
+use sqlx::{PgPool, Pool};
 use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::outbox::{Relay, RelayError};
+use crate::store::backend::Backend;
 
 use super::Router;
+use super::poll::PollBeside;
 use super::start_up::SetUp;
 use crate::consume::pipeline::RouteContext;
 use crate::store::connections::Connections;
@@ -28,10 +30,68 @@ pub(super) struct Running {
     pub(super) grace: Duration,
 }
 
-impl<S: Send + Sync + 'static> Router<S> {
+/// What a database runs beside a router's routes. PostgreSQL's: the
+/// outbox's relay, if the router has one, and the outbox's lag, read at
+/// every metrics poll. Made by the entry point of the router's database
+/// (`Router::run_until` for PostgreSQL), so that the rest of a router's run
+/// is the same on every database.
+pub(super) struct Beside {
+    /// The pool connections the relay may hold.
+    pub(super) relay_connections: usize,
+    /// Starts the relay; it stops once the receiver fires.
+    relay: Option<StartRelay>,
+    /// Reads what the poll records beside the consumers' gauges.
+    pub(super) poll: Option<PollBeside>,
+}
+
+/// Starts a relay that stops once the receiver fires.
+type StartRelay =
+    Box<dyn FnOnce(oneshot::Receiver<()>) -> JoinHandle<Result<(), RelayError>> + Send>;
+
+impl Beside {
+    /// PostgreSQL's: `relay` (if any) on `pool`, and the outbox's lag.
+    pub(super) fn postgres(relay: Option<Relay>, nats: &async_nats::Client, pool: &PgPool) -> Self {
+        // Its fresh lane two while its cycles overlap, its retry lane one
+        // per cycle, and its LISTEN connection one while the NOTIFY trigger
+        // is enabled.
+        let relay_connections = if relay.is_some() { 4 } else { 0 };
+        let relay = relay.map(|relay| {
+            let (nats, pool) = (nats.clone(), pool.clone());
+            Box::new(move |stopped: oneshot::Receiver<()>| {
+                tokio::spawn(relay.run_until(nats, pool, async {
+                    let _ = stopped.await;
+                }))
+            }) as StartRelay
+        });
+        let pool = pool.clone();
+        let poll: PollBeside = Box::new(move || {
+            let pool = pool.clone();
+            Box::pin(async move {
+                match crate::outbox::lag(&pool).await {
+                    Ok(lag) => crate::outbox::record_lag_gauges(&lag),
+                    Err(error) => tracing::debug!(%error, "outbox lag unreadable for metrics"),
+                }
+            })
+        });
+        Beside {
+            relay_connections,
+            relay,
+            poll: Some(poll),
+        }
+    }
+}
+
+impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
     /// Spawns the purge (if a route keeps claims for a while), the metrics
-    /// poll, every route and the relay.
-    pub(super) fn spawn(self, set_up: SetUp, nats: &async_nats::Client, pool: &PgPool) -> Running {
+    /// poll, every route and what the database runs beside them (`beside`:
+    /// PostgreSQL's relay).
+    pub(super) fn spawn(
+        self,
+        set_up: SetUp<DB>,
+        nats: &async_nats::Client,
+        pool: &Pool<DB>,
+        beside: Beside,
+    ) -> Running {
         let SetUp {
             session,
             sources,
@@ -43,7 +103,7 @@ impl<S: Send + Sync + 'static> Router<S> {
         // messages ask for them (see `store/connections.rs`): as many as
         // the pool has, less what the relay and the metrics poll use, so
         // that messages that keep the pool busy never starve those.
-        let reserved = self.relay_connections() + super::poll::CONNECTIONS;
+        let reserved = beside.relay_connections + super::poll::CONNECTIONS;
         let pool_size = pool.options().get_max_connections() as usize;
         let connections = Connections::start(pool.clone(), pool_size.saturating_sub(reserved));
         let bound: Vec<_> = self.routes.into_iter().zip(sources).collect();
@@ -55,7 +115,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             .map(|(route, source)| (route.route().durable.clone(), source.consumer.clone()));
         let _polling = tasks::Owned(tokio::spawn(super::poll::poll(
             polled.collect(),
-            pool.clone(),
+            beside.poll,
             self.signal.clone(),
         )));
         let context = |handler_id| RouteContext {
@@ -86,7 +146,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             running.spawn(reply.start(requests, context(handler_id)));
         }
 
-        let (stop_relay, relaying) = spawn_relay(self.relay, nats, pool);
+        let (stop_relay, relaying) = spawn_relay(beside.relay);
         Running {
             routes: running,
             purging,
@@ -102,7 +162,7 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// Claims of routes with a retention expire: the purge runs beside the
     /// router (one at a time across all routers, see `store/purge.rs`),
     /// for the longest retention any route asks for.
-    fn spawn_purge(&self, pool: &PgPool) -> Option<tasks::Owned<()>> {
+    fn spawn_purge(&self, pool: &Pool<DB>) -> Option<tasks::Owned<()>> {
         self.routes
             .iter()
             .filter_map(|route| route.route().retention)
@@ -130,19 +190,15 @@ impl<S: Send + Sync + 'static> Router<S> {
 /// router's future is dropped: the dropped sender stops it after its
 /// cycle, which is never cut short (sqlx#4393).
 fn spawn_relay(
-    relay: Option<Relay>,
-    nats: &async_nats::Client,
-    pool: &PgPool,
+    relay: Option<StartRelay>,
 ) -> (
     oneshot::Sender<()>,
     Option<JoinHandle<Result<(), RelayError>>>,
 ) {
     let (stop_relay, relay_stopped) = oneshot::channel::<()>();
-    let relaying = relay.map(|relay| {
+    let relaying = relay.map(|start| {
         tracing::info!("outbox relay started");
-        tokio::spawn(relay.run_until(nats.clone(), pool.clone(), async {
-            let _ = relay_stopped.await;
-        }))
+        start(relay_stopped)
     });
     (stop_relay, relaying)
 }

@@ -9,20 +9,20 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::{self, PullConsumer, pull};
 use async_nats::jetstream::context::ConsumerInfoErrorKind;
-use sqlx::PgPool;
+use sqlx::Pool;
 
 use crate::consume::start::Source;
 use crate::consume::undeliverable;
 use crate::error::Error;
 use crate::error::class::{is_lock_timeout, is_unreachable};
 use crate::route::Route;
-use crate::store::backend::{Backend, Db};
+use crate::store::backend::Backend;
 
 use super::Router;
 /// What start-up made on the servers, in the order of the router's routes
 /// and request routes.
-pub(super) struct SetUp {
-    pub(super) session: <Db as Backend>::Session,
+pub(super) struct SetUp<DB: Backend> {
+    pub(super) session: DB::Session,
     /// Per route: where its messages come from.
     pub(super) sources: Vec<Source>,
     pub(super) handler_ids: HashMap<String, i32>,
@@ -30,7 +30,7 @@ pub(super) struct SetUp {
     pub(super) requests: Vec<(async_nats::Subscriber, String)>,
 }
 
-impl<S: Send + Sync + 'static> Router<S> {
+impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
     /// Sets up what the routes need on the servers ([`Router::set_up`]),
     /// trying again while a server cannot be reached, with a growing pause
     /// and a warning naming it, until it works or the router is shut down
@@ -40,11 +40,11 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// of it is cut off halfway; only the pause between attempts is.
     pub(super) async fn start_up(
         &self,
-        pool: &PgPool,
+        pool: &Pool<DB>,
         js: &jetstream::Context,
         nats: &async_nats::Client,
         mut shutdown: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
-    ) -> Result<Option<SetUp>, Error> {
+    ) -> Result<Option<SetUp<DB>>, Error> {
         let mut stopped = self.signal.clone();
         let mut pause = START_UP_FIRST_PAUSE;
         // The durability warnings once, not at every attempt.
@@ -59,7 +59,7 @@ impl<S: Send + Sync + 'static> Router<S> {
             };
             crate::observe::metrics::start_up_retry(down.label());
             let holders = if down == Unreachable::HandlersLocked {
-                Db::register_blockers(pool).await.map_or_else(
+                DB::register_blockers(pool).await.map_or_else(
                     |error| format!("(could not read them: {error})"),
                     |holders| holders.join("; "),
                 )
@@ -94,13 +94,13 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// synchronous standbys that are all away, the first write waits.
     async fn set_up(
         &self,
-        pool: &PgPool,
+        pool: &Pool<DB>,
         js: &jetstream::Context,
         nats: &async_nats::Client,
         warned: &mut bool,
-    ) -> Result<SetUp, Error> {
-        Db::verify_schema(pool).await?;
-        let session = Db::probe(pool, !*warned).await?;
+    ) -> Result<SetUp<DB>, Error> {
+        DB::verify_schema(pool).await?;
+        let session = DB::probe(pool, !*warned).await?;
         *warned = true;
         let mut sources = Vec::with_capacity(self.routes.len());
         // idem's own streams follow the replicas of the routes' streams.
@@ -139,7 +139,7 @@ impl<S: Send + Sync + 'static> Router<S> {
                     .map(|(reply, name)| (name.as_str(), reply.route().retention)),
             )
             .collect();
-        let handler_ids = Db::register(pool, &registered).await?;
+        let handler_ids = DB::register(pool, &registered).await?;
         // Subscribed once every route could be set up, so that no request
         // waits on a router that does not start.
         let mut requests = Vec::with_capacity(self.replies.len());

@@ -3,12 +3,13 @@
 
 use std::collections::HashMap;
 
-use sqlx::PgPool;
+use sqlx::Pool;
 
 use super::Router;
 use crate::error::Error;
+use crate::store::backend::Backend;
 
-impl<S: Send + Sync + 'static> Router<S> {
+impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
     /// Refuses a router that could never keep its promise: a route that
     /// does not validate, two routes on one durable consumer, a handler name
     /// that is empty, holds a control character or is shared by two routes
@@ -101,25 +102,17 @@ impl<S: Send + Sync + 'static> Router<S> {
         Ok(())
     }
 
-    /// The pool connections the router's relay may hold: its fresh lane
-    /// two while its cycles overlap, its retry lane one per cycle, and its
-    /// LISTEN connection one while the NOTIFY trigger is enabled.
-    pub(super) fn relay_connections(&self) -> usize {
-        if self.relay.is_some() { 4 } else { 0 }
-    }
-
     /// Warns when the pool has fewer connections than the routes can use at
     /// once: each message (or batch) in flight holds one, the relay up to four
     /// and the metrics poll one (the messages are left the rest: see
     /// `store/connections.rs`).
-    pub(super) fn warn_if_the_pool_is_small(&self, pool: &PgPool) {
+    pub(super) fn warn_if_the_pool_is_small(&self, pool: &Pool<DB>, relay_connections: usize) {
         let in_flight: usize = self
             .routes
             .iter()
             .map(|bound| bound.route().concurrency)
             .chain(self.replies.iter().map(|reply| reply.route().concurrency))
             .sum();
-        let relay_connections = self.relay_connections();
         let poll_connections = super::poll::CONNECTIONS;
         let pool_size = pool.options().get_max_connections() as usize;
         if pool_size < in_flight + relay_connections + poll_connections {

@@ -2,11 +2,13 @@
 //! for PostgreSQL (below, over the other modules of `store/`).
 //!
 //! Steps 2 and 3 of "Toward more databases" in ARCHITECTURE.md. The message
-//! path (`consume/`) is generic over `DB: Backend`, and so are the reads
-//! behind `status` and `handler::results::stored`; what is still
-//! PostgreSQL's (a router's start-up and its purge) names the database once,
-//! as [`Db`]. None of them calls a function of `store::transaction`,
-//! `store::claim`, `store::results` or `store::reads` directly.
+//! path (`consume/`), a router's start-up, run and purge, and the reads
+//! behind `status`, `schema` and `handler::results::stored` are generic over
+//! `DB: Backend`. None of them calls a function of `store::transaction`,
+//! `store::claim`, `store::results`, `store::reads` or `store::migrations`
+//! directly. What is still PostgreSQL's alone is the outbox and its relay,
+//! which a router on PostgreSQL runs beside its routes (`router/run.rs`,
+//! `Beside`), and the entry points `Router::run` and `Router::run_until`.
 //!
 //! The trait is written for the databases issue 22 names, not only for
 //! PostgreSQL. What its shape owes to the other two:
@@ -49,13 +51,9 @@ use sqlx::{Pool, Postgres, Transaction};
 
 use crate::error::{Error, HandlerError};
 use crate::store::connections::Leased;
-use crate::store::purge::PurgeReport;
+use crate::store::purge::{Figures, PurgeReport};
 use crate::store::reads::HandlerRow;
 pub(crate) use crate::store::transaction::{Claim, Ended};
-
-/// The database the message path runs on: PostgreSQL, the one [`Backend`]
-/// so far. The path's single mention of a database; see the module docs.
-pub(crate) type Db = Postgres;
 
 /// Everything idem's message path and a router's start-up ask of a
 /// database (see the module docs). Implemented on sqlx's database types, so
@@ -226,6 +224,12 @@ pub trait Backend: sqlx::Database {
         name: &str,
     ) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
 
+    /// Where expiry stands, in one cheap read (for the metrics and the
+    /// warnings of a purge held back): see `retention::status`.
+    fn expiry_figures(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Figures, sqlx::Error>> + Send;
+
     // Stored results (see `handler::results`).
 
     /// What the committed claim on `key` stored: `None` if there is no
@@ -358,6 +362,10 @@ impl Backend for Postgres {
         slack: Duration,
     ) -> Result<Option<String>, sqlx::Error> {
         crate::store::purge::idle_lock_holder(pool, slack).await
+    }
+
+    async fn expiry_figures(pool: &Pool<Self>) -> Result<Figures, sqlx::Error> {
+        crate::store::purge::figures(pool).await
     }
 
     async fn handlers(pool: &Pool<Self>) -> Result<Vec<HandlerRow>, sqlx::Error> {
