@@ -5,8 +5,13 @@
 //! A message is known by its handler and its message id (the id its claim
 //! uses). The first time a handler's delivery of a message is seen
 //! ([`Plan::on_delivery`]), the message may be given one per-message fault,
-//! round robin over the faults that still want messages of that handler.
-//! The fault then acts once, at its point of the path:
+//! round robin over the faults that still want messages of that handler;
+//! but crash-before-ack, which acts only after a COMMIT of the message's
+//! own, is given to the first messages without a fault that commit
+//! ([`Plan::after_commit`]). Given at first sight, it could go to a message
+//! whose batch's COMMIT another fault then cuts (ambiguous-commit): the
+//! batch commits unheard, the message is then acked as processed, and the
+//! fault never acts. The fault then acts once, at its point of the path:
 //!
 //! | fault | hook | what it does |
 //! |---|---|---|
@@ -216,6 +221,8 @@ impl Plan {
             .iter()
             .filter(|fault| fault.per_message() && (!request || fault.fits_requests()))
             .filter(|fault| !(copied_late && *fault == Fault::DeadLetterReplay))
+            // Given at its COMMIT instead (see the module docs).
+            .filter(|fault| *fault != Fault::CrashBeforeAck)
             .collect();
         if candidates.is_empty() {
             return None;
@@ -336,6 +343,22 @@ impl Plan {
         let key = Self::key(delivery);
         let mut state = self.state.lock().unwrap();
         state.commits += 1;
+        let unfaulted = state
+            .messages
+            .get(&key)
+            .is_some_and(|journal| journal.fault.is_none());
+        if unfaulted && self.faults.contains(Fault::CrashBeforeAck) {
+            let wanted = state
+                .wanted
+                .entry((key.handler.clone(), Fault::CrashBeforeAck))
+                .or_insert(self.faults.each());
+            if *wanted > 0 {
+                *wanted -= 1;
+                if let Some(journal) = state.messages.get_mut(&key) {
+                    journal.fault = Some(Fault::CrashBeforeAck);
+                }
+            }
+        }
         let Some(journal) = state.messages.get_mut(&key) else {
             return AfterCommit::Ack;
         };

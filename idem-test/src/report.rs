@@ -265,7 +265,8 @@ fn not_given(fault: Fault) -> Outcome {
         fault,
         shown: false,
         evidence: "no message was given it: a per-message fault takes the first messages each \
-                   handler sees, a few per fault (Faults::messages_each); publish more messages"
+                   handler sees (crash-before-ack: the first that commit without another fault), \
+                   a few per fault (Faults::messages_each); publish more messages"
             .to_owned(),
         messages: Vec::new(),
     }
