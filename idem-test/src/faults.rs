@@ -17,7 +17,8 @@ use std::fmt;
 /// The faults that act on a message ("per message" below) each pick their
 /// own messages: the first ones each handler sees, a few per fault
 /// ([`Faults::messages_each`]), no message given two (crash-before-ack, the
-/// first ones without another fault that commit). The others act on the
+/// first ones without another fault that commit: publish enough messages
+/// for it beyond those the others take). The others act on the
 /// publishing or on a server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[non_exhaustive]

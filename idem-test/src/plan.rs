@@ -232,16 +232,29 @@ impl Plan {
         *turn += 1;
         for step in 0..candidates.len() {
             let fault = candidates[(start + step) % candidates.len()];
-            let wanted = state
-                .wanted
-                .entry((handler.to_owned(), fault))
-                .or_insert(self.faults.each());
-            if *wanted > 0 {
-                *wanted -= 1;
+            if self.take_one(&mut state.wanted, handler, fault) {
                 return Some(fault);
             }
         }
         None
+    }
+
+    /// Whether `fault` still wants a message of `handler`; if so, counts
+    /// one taken.
+    fn take_one(
+        &self,
+        wanted: &mut HashMap<(String, Fault), usize>,
+        handler: &str,
+        fault: Fault,
+    ) -> bool {
+        let wanted = wanted
+            .entry((handler.to_owned(), fault))
+            .or_insert(self.faults.each());
+        let wants = *wanted > 0;
+        if wants {
+            *wanted -= 1;
+        }
+        wants
     }
 
     fn after_handler(self: &Arc<Self>, delivery: &Delivery) -> AfterHandler {
@@ -341,28 +354,20 @@ impl Plan {
 
     fn after_commit(&self, delivery: &Delivery) -> AfterCommit {
         let key = Self::key(delivery);
-        let mut state = self.state.lock().unwrap();
+        let mut guard = self.state.lock().unwrap();
+        let state = &mut *guard;
         state.commits += 1;
-        let unfaulted = state
-            .messages
-            .get(&key)
-            .is_some_and(|journal| journal.fault.is_none());
-        if unfaulted && self.faults.contains(Fault::CrashBeforeAck) {
-            let wanted = state
-                .wanted
-                .entry((key.handler.clone(), Fault::CrashBeforeAck))
-                .or_insert(self.faults.each());
-            if *wanted > 0 {
-                *wanted -= 1;
-                if let Some(journal) = state.messages.get_mut(&key) {
-                    journal.fault = Some(Fault::CrashBeforeAck);
-                }
-            }
-        }
         let Some(journal) = state.messages.get_mut(&key) else {
             return AfterCommit::Ack;
         };
         journal.commits += 1;
+        // Crash-before-ack is given here (see the module docs).
+        if journal.fault.is_none()
+            && self.faults.contains(Fault::CrashBeforeAck)
+            && self.take_one(&mut state.wanted, &key.handler, Fault::CrashBeforeAck)
+        {
+            journal.fault = Some(Fault::CrashBeforeAck);
+        }
         if journal.fault == Some(Fault::CrashBeforeAck) && !journal.dropped {
             journal.dropped = true;
             journal.injected = true;
