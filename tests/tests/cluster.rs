@@ -87,34 +87,6 @@ async fn stop_workers(workers: Vec<Worker>) {
     }
 }
 
-/// Publishes `payload` with `id` as `Nats-Msg-Id`, retrying for up to 20 s
-/// while no stream leader answers (just after the stream was created, the
-/// subject's interest may not have reached every node yet; during an
-/// election there is no leader). The id makes a retry of a publish that was
-/// stored after all a duplicate JetStream drops.
-async fn publish_with_id(js: &jetstream::Context, subject: &str, payload: Vec<u8>, id: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
-        let acked = match js
-            .publish_with_headers(subject.to_owned(), headers, payload.clone().into())
-            .await
-        {
-            Ok(ack) => ack.await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
-        match acked {
-            Ok(_) => return,
-            Err(error) => assert!(
-                Instant::now() < deadline,
-                "publish of {id} to {subject} not acknowledged within 20 s: {error}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn deposit_json(amount: i64) -> Vec<u8> {
     serde_json::to_vec(&deposit(amount)).expect("deposit encodes")
 }

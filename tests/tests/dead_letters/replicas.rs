@@ -100,7 +100,9 @@ async fn dead_letter_and_advisory_streams_follow_the_routes_replicas() {
     .unwrap();
 
     let run = async |id: &str| {
-        publish(&js, &format!("{stream}.deposit"), &deposit(id), Some(id)).await;
+        // On a cluster, a stream just made may not answer every node yet.
+        let payload = serde_json::to_vec(&deposit(id)).expect("deposit encodes");
+        publish_with_id(&js, &format!("{stream}.deposit"), payload, id).await;
         let (handle, task) = spawn(
             Router::new().route(Route::new(&stream, "c"), replicated),
             env.cluster.client().await,
