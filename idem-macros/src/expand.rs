@@ -7,10 +7,11 @@
 //! The macro stays small: it checks the signature's shape (what syntax can
 //! tell), and generates a handler type whose `Handler::handle` calls the fn.
 //! Types are checked by rustc, through the runtime's traits, at spans chosen
-//! by the generator so that errors point at the user's code: the payload's
-//! codec (`Decode`), each parameter between the transaction and the message
-//! (`FromDelivery`, or `&Delivery`), and the return type (`HandlerResult`,
-//! whose error converts into `BoxError`).
+//! by the generator so that errors point at the user's code: the
+//! transaction's database (`OnDatabase`), the payload's codec (`Decode`),
+//! each parameter between the transaction and the message (`FromDelivery`,
+//! or `&Delivery`), and the return type (`HandlerResult`, whose error
+//! converts into `BoxError`).
 
 use proc_macro2::TokenStream;
 use syn::spanned::Spanned;

@@ -60,8 +60,10 @@ use proc_macro::TokenStream;
 /// - `tx` is the transaction the claim ran in. The runtime commits it after
 ///   the body returns `Ok` (if the claim is still the transaction's own),
 ///   then acks the message; on `Err` it rolls back and retries or
-///   dead-letters. Any `&mut` type the transaction derefs to works, such as
-///   `&mut sqlx::PgConnection`.
+///   dead-letters. Its type says which database the handler runs on:
+///   `&mut sqlx::Transaction<'_, DB>` runs on `DB`, and
+///   `&mut sqlx::PgTransaction<'_>`, or `&mut sqlx::PgConnection` (which the
+///   transaction derefs to), on PostgreSQL.
 /// - Between the transaction and the message, in any order: `State<T>`, the
 ///   router's state or a part of it (`T: FromRef<S>`), and `&Delivery`, the
 ///   message's subject, headers, sequence, delivery count and id.
@@ -175,9 +177,9 @@ use proc_macro::TokenStream;
 /// # What it generates
 ///
 /// A struct named like the fn, with the fn's visibility, that implements
-/// `idem_runtime::handler::Handler<S>` for every router state `S` that provides its
-/// parameters, and a fn of the same name that returns it: pass `credit` to
-/// `Router::route`. The body stays callable, unchanged, as
+/// `idem_runtime::handler::Handler<S, DB>` for every router state `S` that
+/// provides its parameters, on the database `DB` of its transaction, and a
+/// fn of the same name that returns it: pass `credit` to `Router::route`. The body stays callable, unchanged, as
 /// `credit::run(tx, .., msg)`, for instance from a test that skips the
 /// claim, and `credit::NAME` is the handler name. The guide (`idem_runtime::guide::writing_handlers`) shows a full
 /// `cargo expand` of a handler.

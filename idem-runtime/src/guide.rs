@@ -24,6 +24,8 @@
 //!    dashboard and tracing across services.
 //! 10. [Performance](performance): what idem costs against hand-written
 //!     consumers, and the benchmark results.
+//! 11. *SQLite* (feature `sqlite`, `guide::sqlite`): handlers on a SQLite
+//!     file, and what differs from PostgreSQL.
 //!
 //! *Testing your handlers*, how to prove your own handlers exactly-once
 //! under the faults that break them, is the guide of the `idem-test` crate,
@@ -58,3 +60,7 @@ pub mod operating {}
 
 #[doc = include_str!("../docs/guide/performance.md")]
 pub mod performance {}
+
+#[cfg(feature = "sqlite")]
+#[doc = include_str!("../docs/guide/sqlite.md")]
+pub mod sqlite {}

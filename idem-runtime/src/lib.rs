@@ -206,10 +206,11 @@ pub use async_nats;
 pub mod __private {
     pub use crate::__handler_error as handler_error;
     pub use crate::error::class::{Classifier, specialize};
-    pub use crate::handler::expansion::{NoValue, encode, no_value};
+    pub use crate::handler::expansion::{DatabaseOf, NoValue, OnDatabase, encode, no_value};
     pub use crate::handler::{AsIs, ViaConstructor};
     pub use crate::store::claim::CLAIM_SQL;
     pub use inventory;
     pub use sqlx::PgTransaction;
+    pub use sqlx::Transaction;
     pub use std::string::ToString;
 }

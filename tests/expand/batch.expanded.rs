@@ -36,7 +36,12 @@ impl credit_many {
         Ok(())
     }
 }
-impl<__S> ::idem_runtime::handler::Handler<__S> for credit_many
+impl<
+    __S,
+> ::idem_runtime::handler::Handler<
+    __S,
+    ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+> for credit_many
 where
     __S: ::core::marker::Send + ::core::marker::Sync + 'static,
     State<Fees>: ::idem_runtime::handler::FromBatch<__S>,
@@ -60,13 +65,17 @@ where
     }
     async fn handle(
         &self,
-        __idem_tx: &mut ::idem_runtime::__private::PgTransaction<'_>,
+        __idem_tx: &mut ::idem_runtime::__private::Transaction<
+            '_,
+            ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+        >,
         __idem_payload: Self::Payload,
         __idem_delivery: &::idem_runtime::Delivery,
         __idem_state: &__S,
     ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
         <Self as ::idem_runtime::handler::Handler<
             __S,
+            ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
         >>::handle_batch(
                 self,
                 __idem_tx,
@@ -79,7 +88,10 @@ where
     #[allow(clippy::ignored_unit_patterns)]
     async fn handle_batch(
         &self,
-        __idem_tx: &mut ::idem_runtime::__private::PgTransaction<'_>,
+        __idem_tx: &mut ::idem_runtime::__private::Transaction<
+            '_,
+            ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+        >,
         __idem_payloads: ::std::vec::Vec<Self::Payload>,
         __idem_deliveries: &[::idem_runtime::Delivery],
         __idem_state: &__S,

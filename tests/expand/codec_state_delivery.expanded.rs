@@ -26,7 +26,10 @@ impl archive {
         Ok(())
     }
 }
-impl ::idem_runtime::handler::Handler<Ledger> for archive
+impl ::idem_runtime::handler::Handler<
+    Ledger,
+    ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+> for archive
 where
     State<Ledger>: ::idem_runtime::handler::FromDelivery<Ledger>,
 {
@@ -56,7 +59,10 @@ where
     #[allow(clippy::ignored_unit_patterns)]
     async fn handle(
         &self,
-        __idem_tx: &mut ::idem_runtime::__private::PgTransaction<'_>,
+        __idem_tx: &mut ::idem_runtime::__private::Transaction<
+            '_,
+            ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+        >,
         __idem_payload: Self::Payload,
         __idem_delivery: &::idem_runtime::Delivery,
         __idem_state: &Ledger,

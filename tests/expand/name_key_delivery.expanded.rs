@@ -48,7 +48,12 @@ impl credit {
         Ok(())
     }
 }
-impl<__S> ::idem_runtime::handler::Handler<__S> for credit
+impl<
+    __S,
+> ::idem_runtime::handler::Handler<
+    __S,
+    ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+> for credit
 where
     __S: ::core::marker::Send + ::core::marker::Sync + 'static,
 {
@@ -72,7 +77,10 @@ where
     #[allow(clippy::ignored_unit_patterns)]
     async fn handle(
         &self,
-        __idem_tx: &mut ::idem_runtime::__private::PgTransaction<'_>,
+        __idem_tx: &mut ::idem_runtime::__private::Transaction<
+            '_,
+            ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+        >,
         __idem_payload: Self::Payload,
         __idem_delivery: &::idem_runtime::Delivery,
         __idem_state: &__S,

@@ -28,7 +28,12 @@ impl place {
         Ok(Receipt { order: cmd.order })
     }
 }
-impl<__S> ::idem_runtime::handler::Handler<__S> for place
+impl<
+    __S,
+> ::idem_runtime::handler::Handler<
+    __S,
+    ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+> for place
 where
     __S: ::core::marker::Send + ::core::marker::Sync + 'static,
 {
@@ -39,13 +44,17 @@ where
     }
     async fn handle(
         &self,
-        __idem_tx: &mut ::idem_runtime::__private::PgTransaction<'_>,
+        __idem_tx: &mut ::idem_runtime::__private::Transaction<
+            '_,
+            ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+        >,
         __idem_payload: Self::Payload,
         __idem_delivery: &::idem_runtime::Delivery,
         __idem_state: &__S,
     ) -> ::core::result::Result<(), ::idem_runtime::HandlerError> {
         <Self as ::idem_runtime::handler::Handler<
             __S,
+            ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
         >>::handle_and_encode(
                 self,
                 __idem_tx,
@@ -58,7 +67,10 @@ where
     }
     async fn handle_and_encode(
         &self,
-        __idem_tx: &mut ::idem_runtime::__private::PgTransaction<'_>,
+        __idem_tx: &mut ::idem_runtime::__private::Transaction<
+            '_,
+            ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static>>,
+        >,
         __idem_payload: Self::Payload,
         __idem_delivery: &::idem_runtime::Delivery,
         __idem_state: &__S,

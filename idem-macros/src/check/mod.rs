@@ -30,6 +30,9 @@ use types::{error_type_span, value_of};
 /// An `async fn` whose signature the handler can call.
 pub(crate) struct HandlerFn<'a> {
     pub(crate) function: &'a ItemFn,
+    /// The type behind the first parameter's `&mut`: the transaction (or
+    /// the connection it derefs to), whose database the handler runs on.
+    pub(crate) tx_ty: &'a Type,
     /// The parameters between the transaction and the message.
     pub(crate) between: Vec<&'a PatType>,
     /// The last parameter.
@@ -77,6 +80,7 @@ impl<'a> HandlerFn<'a> {
         };
         Ok(HandlerFn {
             function,
+            tx_ty: params.tx_ty,
             between: params.between,
             payload: params.payload,
             payload_ty: params.payload_ty,

@@ -8,10 +8,12 @@ use quote::ToTokens;
 use syn::{Error, FnArg, ItemFn, PatType, Signature, Type};
 
 use super::Errors;
-use super::types::{is_any_reference, is_reference, is_slice_reference, vec_element};
+use super::types::{is_any_reference, is_reference, is_slice_reference, mut_referent, vec_element};
 
 /// The parameters, split by their role.
 pub(super) struct Params<'a> {
+    /// The type behind the transaction's `&mut`.
+    pub(super) tx_ty: &'a Type,
     pub(super) between: Vec<&'a PatType>,
     pub(super) payload: &'a PatType,
     pub(super) payload_ty: &'a Type,
@@ -21,11 +23,13 @@ impl<'a> Params<'a> {
     /// `None` after pushing at least one error.
     pub(super) fn check(function: &'a ItemFn, batch: bool, errors: &mut Errors) -> Option<Self> {
         let (tx, between, payload) = split(&function.sig, errors)?;
-        let tx_ok = check_tx(tx, errors);
+        let tx_ty = check_tx(tx, errors);
         let payload_ok = check_payload_by_value(payload, &between, batch, errors);
         let between_ok = check_between(&between, batch, errors);
         let payload_ty = payload_type(payload, batch, errors)?;
-        (tx_ok && payload_ok && between_ok).then_some(Params {
+        let tx_ty = tx_ty?;
+        (payload_ok && between_ok).then_some(Params {
+            tx_ty,
             between,
             payload,
             payload_ty,
@@ -91,18 +95,23 @@ fn split<'a>(
     }
 }
 
-/// The first parameter is a `&mut` (of the transaction, or what it derefs
-/// to).
-fn check_tx(tx: &PatType, errors: &mut Errors) -> bool {
-    if is_reference(&tx.ty, true) {
-        return true;
+/// The first parameter is a `&mut` (of the transaction, or the connection
+/// it derefs to); the type behind it, or `None` after pushing an error.
+///
+/// Which types are transactions, and on which database, only rustc can
+/// tell: the generator names the handler's database as
+/// `DatabaseOf<the type>`, which reports any other type at this parameter.
+fn check_tx<'a>(tx: &'a PatType, errors: &mut Errors) -> Option<&'a Type> {
+    let tx_ty = mut_referent(&tx.ty);
+    if tx_ty.is_none() {
+        errors.push(Error::new_spanned(
+            &tx.ty,
+            "the first parameter of an `#[idempotent]` handler is the transaction the claim \
+             runs in: write `tx: &mut sqlx::PgTransaction<'_>` (PostgreSQL), or \
+             `tx: &mut sqlx::Transaction<'_, DB>` for another database",
+        ));
     }
-    errors.push(Error::new_spanned(
-        &tx.ty,
-        "the first parameter of an `#[idempotent]` handler is the transaction the claim \
-         runs in: write `tx: &mut sqlx::PgTransaction<'_>`",
-    ));
-    false
+    tx_ty
 }
 
 /// The message is taken by value, and last.

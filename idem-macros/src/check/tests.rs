@@ -86,13 +86,35 @@ fn rejects_missing_params() {
 #[test]
 fn rejects_a_tx_that_is_not_a_mut_reference() {
     for tx in [quote!(Tx), quote!(&Tx), quote!(Box<Tx>)] {
-        assert!(
+        assert_eq!(
             error(
                 quote!(),
                 quote!(async fn h(tx: #tx, m: M) -> Result<(), E> {})
-            )
-            .starts_with("the first parameter of an `#[idempotent]` handler is the transaction")
+            ),
+            "the first parameter of an `#[idempotent]` handler is the transaction the claim \
+             runs in: write `tx: &mut sqlx::PgTransaction<'_>` (PostgreSQL), or \
+             `tx: &mut sqlx::Transaction<'_, DB>` for another database",
+            "{tx}"
         );
+    }
+}
+
+/// Which `&mut` types are transactions, and on which database, is rustc's
+/// to tell (through `DatabaseOf`), not the macro's.
+#[test]
+fn accepts_any_mut_reference_as_the_tx() {
+    for tx in [
+        quote!(&mut sqlx::PgTransaction<'_>),
+        quote!(&mut sqlx::Transaction<'_, sqlx::Sqlite>),
+        quote!(&mut Transaction<'_, Postgres>),
+        quote!(&mut sqlx::PgConnection),
+        quote!(&mut (Tx)),
+    ] {
+        let expanded = expand(
+            quote!(),
+            quote!(async fn h(tx: #tx, m: M) -> Result<(), E> {}),
+        );
+        assert!(!expanded.contains("compile_error"), "{tx}: {expanded}");
     }
 }
 

@@ -16,6 +16,16 @@ pub(crate) fn is_reference(ty: &Type, mutable: bool) -> bool {
     }
 }
 
+/// `T` of a type written `&mut T`.
+pub(super) fn mut_referent(ty: &Type) -> Option<&Type> {
+    match ty {
+        Type::Reference(reference) if reference.mutability.is_some() => Some(&reference.elem),
+        Type::Paren(paren) => mut_referent(&paren.elem),
+        Type::Group(group) => mut_referent(&group.elem),
+        _ => None,
+    }
+}
+
 /// Whether `ty` is `&[_]`.
 pub(super) fn is_slice_reference(ty: &Type) -> bool {
     match ty {

@@ -4,7 +4,9 @@
 //! `handle_and_encode`, which the runtime calls.
 //!
 //! Each is spanned at the user's `async`, so that a body that is not `Send`
-//! is reported on the handler rather than on the attribute.
+//! is reported on the handler rather than on the attribute. Each takes the
+//! transaction as `&mut Transaction<'_, DatabaseOf<T>>`, spanned at the
+//! user's `T` ([`super::database`]).
 
 use proc_macro2::TokenStream;
 use quote::quote_spanned;
@@ -28,13 +30,18 @@ pub(super) fn handle(cx: &Context<'_>, arguments: &[TokenStream]) -> TokenStream
 
 /// `handle`, calling `run` with the message.
 fn plain(cx: &Context<'_>, arguments: &[TokenStream], settle: &TokenStream) -> TokenStream {
-    let Context { krate, state, .. } = cx;
+    let Context {
+        krate,
+        state,
+        transaction,
+        ..
+    } = cx;
     let ident = &cx.handler.function.sig.ident;
     quote_spanned! {cx.handler.async_span=>
         #[allow(clippy::ignored_unit_patterns)]
         async fn handle(
             &self,
-            __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+            __idem_tx: #transaction,
             __idem_payload: Self::Payload,
             __idem_delivery: &#krate::Delivery,
             __idem_state: &#state,
@@ -48,17 +55,23 @@ fn plain(cx: &Context<'_>, arguments: &[TokenStream], settle: &TokenStream) -> T
 /// `handle_batch`, calling `run` with the fresh messages, and `handle`, which
 /// runs one message as a batch of one.
 fn batch(cx: &Context<'_>, arguments: &[TokenStream], settle: &TokenStream) -> TokenStream {
-    let Context { krate, state, .. } = cx;
+    let Context {
+        krate,
+        state,
+        db,
+        transaction,
+        ..
+    } = cx;
     let ident = &cx.handler.function.sig.ident;
     quote_spanned! {cx.handler.async_span=>
         async fn handle(
             &self,
-            __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+            __idem_tx: #transaction,
             __idem_payload: Self::Payload,
             __idem_delivery: &#krate::Delivery,
             __idem_state: &#state,
         ) -> ::core::result::Result<(), #krate::HandlerError> {
-            <Self as #krate::handler::Handler<#state>>::handle_batch(
+            <Self as #krate::handler::Handler<#state, #db>>::handle_batch(
                 self,
                 __idem_tx,
                 ::std::vec::Vec::from([__idem_payload]),
@@ -71,7 +84,7 @@ fn batch(cx: &Context<'_>, arguments: &[TokenStream], settle: &TokenStream) -> T
         #[allow(clippy::ignored_unit_patterns)]
         async fn handle_batch(
             &self,
-            __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+            __idem_tx: #transaction,
             __idem_payloads: ::std::vec::Vec<Self::Payload>,
             __idem_deliveries: &[#krate::Delivery],
             __idem_state: &#state,
@@ -86,17 +99,23 @@ fn batch(cx: &Context<'_>, arguments: &[TokenStream], settle: &TokenStream) -> T
 /// calls it; `handle` keeps the trait's meaning for anyone else who calls
 /// it.
 fn stored_result(cx: &Context<'_>, arguments: &[TokenStream], settle: &TokenStream) -> TokenStream {
-    let Context { krate, state, .. } = cx;
+    let Context {
+        krate,
+        state,
+        db,
+        transaction,
+        ..
+    } = cx;
     let ident = &cx.handler.function.sig.ident;
     quote_spanned! {cx.handler.async_span=>
         async fn handle(
             &self,
-            __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+            __idem_tx: #transaction,
             __idem_payload: Self::Payload,
             __idem_delivery: &#krate::Delivery,
             __idem_state: &#state,
         ) -> ::core::result::Result<(), #krate::HandlerError> {
-            <Self as #krate::handler::Handler<#state>>::handle_and_encode(
+            <Self as #krate::handler::Handler<#state, #db>>::handle_and_encode(
                 self,
                 __idem_tx,
                 __idem_payload,
@@ -109,7 +128,7 @@ fn stored_result(cx: &Context<'_>, arguments: &[TokenStream], settle: &TokenStre
 
         async fn handle_and_encode(
             &self,
-            __idem_tx: &mut #krate::__private::PgTransaction<'_>,
+            __idem_tx: #transaction,
             __idem_payload: Self::Payload,
             __idem_delivery: &#krate::Delivery,
             __idem_state: &#state,

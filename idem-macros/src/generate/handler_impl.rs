@@ -1,5 +1,6 @@
-//! `impl Handler<S> for credit`: for which router states, the payload and
-//! its codec, the batch and per-message flags, the name, the message key, and `handle`.
+//! `impl Handler<S, DB> for credit`: for which router states and which
+//! database, the payload and its codec, the batch and per-message flags, the
+//! name, the message key, and `handle`.
 
 use proc_macro2::TokenStream;
 use quote::{ToTokens, quote, quote_spanned};
@@ -12,6 +13,7 @@ use crate::attr::Codec;
 pub(super) fn handler_impl(cx: &Context<'_>) -> TokenStream {
     let krate = &cx.krate;
     let state = &cx.state;
+    let db = &cx.db;
     let ident = &cx.handler.function.sig.ident;
     let cfgs = &cx.attrs.cfgs;
 
@@ -52,7 +54,7 @@ pub(super) fn handler_impl(cx: &Context<'_>) -> TokenStream {
 
     quote! {
         #(#cfgs)*
-        impl #state_param #krate::handler::Handler<#state> for #ident
+        impl #state_param #krate::handler::Handler<#state, #db> for #ident
         where
             #state_bound
             #(#bounds,)*

@@ -5,8 +5,9 @@
 //! 1. [`items`]: the struct `credit`, the fn `credit()` that returns it, its
 //!    `Debug` impl, and `impl credit { NAME, run }`, where `run` is the body
 //!    as written;
-//! 2. [`handler_impl`]: `impl Handler<S> for credit`, its payload and codec
-//!    types, and `BATCHES` for a batch handler, with
+//! 2. [`handler_impl`]: `impl Handler<S, DB> for credit`, its payload and
+//!    codec types, and `BATCHES` for a batch handler, with
+//!    - [`database`]: `DB`, the database of the transaction the fn takes;
 //!    - [`key`]: `fn message_key`, if `key = ...` is given;
 //!    - [`parameters`]: what `run` gets for each parameter between the
 //!      transaction and the message, and the bounds that check them;
@@ -19,6 +20,7 @@
 //! a type error points at the parameter, the payload or the return type to
 //! change rather than at the attribute.
 
+mod database;
 mod handle;
 mod handler_impl;
 mod items;
@@ -55,6 +57,11 @@ struct Context<'a> {
     /// The router state the impl is for: any (`__S`), or the one named by
     /// `state = ...`, which checks every parameter against it right there.
     state: TokenStream,
+    /// The database the impl is for: the one the fn's transaction is on,
+    /// `DatabaseOf<T>` for `tx: &mut T`.
+    db: TokenStream,
+    /// The transaction the methods take: `&mut Transaction<'_, #db>`.
+    transaction: TokenStream,
     /// The fn's attributes, by the items they go on.
     attrs: Attrs<'a>,
 }
@@ -69,11 +76,14 @@ impl<'a> Context<'a> {
             None => quote!(__S),
             Some(state) => state.to_token_stream(),
         };
+        let database::Database { db, transaction } = database::database(&krate, handler.tx_ty);
         Context {
             args,
             handler,
             krate,
             state,
+            db,
+            transaction,
             attrs: Attrs::split(&handler.function.attrs),
         }
     }

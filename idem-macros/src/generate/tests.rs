@@ -45,7 +45,10 @@ fn expands_a_minimal_handler() {
                 }
             }
 
-            impl<__S> ::idem_runtime::handler::Handler<__S> for credit
+            // `> >`, not `>>`: the database's `>` is a token of its own.
+            impl<__S> ::idem_runtime::handler::Handler<
+                __S,
+                ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static> > > for credit
             where
                 __S: ::core::marker::Send + ::core::marker::Sync + 'static,
             {
@@ -59,7 +62,9 @@ fn expands_a_minimal_handler() {
                 #[allow(clippy::ignored_unit_patterns)]
                 async fn handle(
                     &self,
-                    __idem_tx: &mut ::idem_runtime::__private::PgTransaction<'_>,
+                    __idem_tx: &mut ::idem_runtime::__private::Transaction<
+                        '_,
+                        ::idem_runtime::__private::DatabaseOf<sqlx::PgTransaction<'static> > >,
                     __idem_payload: Self::Payload,
                     __idem_delivery: &::idem_runtime::Delivery,
                     __idem_state: &__S,
@@ -75,6 +80,79 @@ fn expands_a_minimal_handler() {
             }
         },
     );
+}
+
+#[test]
+fn the_database_is_the_one_the_transaction_is_on() {
+    for (tx, tx_static) in [
+        (
+            quote!(&mut sqlx::PgTransaction<'_>),
+            quote!(sqlx::PgTransaction<'static>),
+        ),
+        (
+            quote!(&mut sqlx::Transaction<'_, sqlx::Sqlite>),
+            quote!(sqlx::Transaction<'static, sqlx::Sqlite>),
+        ),
+        (quote!(&mut sqlx::PgConnection), quote!(sqlx::PgConnection)),
+        // Elided lifetimes too; a `for<'a>` keeps its names.
+        (
+            quote!(&mut Conn<&Pool, Box<dyn for<'a> Fn(&'a u8)>>),
+            quote!(Conn<&'static Pool, Box<dyn for<'a> Fn(&'static u8)>>),
+        ),
+    ] {
+        let db = quote!(::idem_runtime::__private::DatabaseOf<#tx_static>);
+        // Plain, batch, and a stored result (for one state): the last two
+        // call their other method through the trait, database and all.
+        for (args, params, output, state, by_trait) in [
+            (
+                quote!(),
+                quote!(m: M),
+                quote!(Result<(), E>),
+                quote!(__S),
+                false,
+            ),
+            (
+                quote!(batch),
+                quote!(m: Vec<M>),
+                quote!(Result<(), E>),
+                quote!(__S),
+                true,
+            ),
+            (
+                quote!(state = App),
+                quote!(m: M),
+                quote!(Result<R, E>),
+                quote!(App),
+                true,
+            ),
+        ] {
+            let expanded = expand(
+                args.clone(),
+                quote!(async fn h(tx: #tx, #params) -> #output {}),
+            );
+            assert!(
+                !expanded.contains("compile_error"),
+                "{tx}, {args}: {expanded}"
+            );
+            let handler = quote!(::idem_runtime::handler::Handler<#state, #db>);
+            let tx_param = quote!(__idem_tx: &mut ::idem_runtime::__private::Transaction<'_, #db>);
+            let calls = quote!(<Self as #handler>::);
+            // Without spaces: `>>` and `> >` are the same tokens.
+            let [expanded, handler, tx_param, calls] = [
+                expanded,
+                handler.to_string(),
+                tx_param.to_string(),
+                calls.to_string(),
+            ]
+            .map(|text| text.replace(' ', ""));
+            assert!(
+                expanded.contains(&format!("{handler}forh")),
+                "{handler}: {expanded}"
+            );
+            assert!(expanded.contains(&tx_param), "{tx_param}: {expanded}");
+            assert_eq!(expanded.contains(&calls), by_trait, "{calls}: {expanded}");
+        }
+    }
 }
 
 #[test]
@@ -242,7 +320,8 @@ fn a_batch_handler_takes_the_batch_and_runs_one_message_as_a_batch_of_one() {
         "type Payload = Credit ;",
         "const BATCHES : bool = true ;",
         "State < Fees > : :: idem_runtime :: handler :: FromBatch < __S >",
-        "< Self as :: idem_runtime :: handler :: Handler < __S >> :: handle_batch (self , __idem_tx , \
+        "< Self as :: idem_runtime :: handler :: Handler < __S , :: idem_runtime :: __private :: \
+         DatabaseOf < Tx > >> :: handle_batch (self , __idem_tx , \
          :: std :: vec :: Vec :: from ([__idem_payload]) , :: core :: slice :: from_ref \
          (__idem_delivery) , __idem_state ,) . await",
         "credit_many :: run (__idem_tx , :: idem_runtime :: handler :: FromBatch :: from_batch \

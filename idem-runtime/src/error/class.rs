@@ -82,6 +82,19 @@ impl ErrorClass {
                 {
                     ErrorClass::Permanent
                 }
+                // SQLite's extended result codes: numbers of at most four
+                // digits, never a SQLSTATE's five characters.
+                Some(code) if code.len() < 5 => match code.parse::<i32>() {
+                    // SQLITE_BUSY, SQLITE_LOCKED and their extended codes:
+                    // another connection held the lock past busy_timeout
+                    Ok(code) if matches!(code & 0xff, 5 | 6) => ErrorClass::RetryNow,
+                    // a primary key, unique or foreign key violation: a
+                    // check-then-write race, which a retry clears
+                    Ok(1555 | 2067 | 787) => ErrorClass::RetryNowThenPermanent,
+                    // any other constraint (NOT NULL, CHECK...)
+                    Ok(code) if code & 0xff == 19 => ErrorClass::Permanent,
+                    _ => ErrorClass::Transient,
+                },
                 _ => ErrorClass::Transient,
             },
             sqlx::Error::Io(_)

@@ -1,7 +1,9 @@
-//! What the `#[idempotent]` expansion calls to store or refuse a handler's
-//! value (reached through `idem_runtime::__private`, not a public API).
+//! What the `#[idempotent]` expansion names to find a handler's database,
+//! and calls to store or refuse its value (reached through
+//! `idem_runtime::__private`, not a public API).
 
 use bytes::Bytes;
+use sqlx::Database;
 
 use crate::codec::Encode;
 use crate::error::{ErrorClass, HandlerError};
@@ -28,3 +30,42 @@ impl NoValue for () {}
 
 /// Checks that a handler whose return type hides its value returns `()`.
 pub fn no_value<T: NoValue>(_: T) {}
+
+/// The database a handler's first parameter runs on: `#[idempotent]`
+/// implements `Handler<S, DatabaseOf<T>>` for a fn whose first parameter is
+/// `&mut T`, with `T`'s lifetimes made `'static` (they do not change the
+/// database). So the handler's database is the one its transaction is on,
+/// and a type that is on none is reported at the parameter.
+///
+/// ```
+/// use idem_runtime::__private::DatabaseOf;
+///
+/// let _: DatabaseOf<sqlx::PgTransaction<'static>> = sqlx::Postgres;
+/// let _: DatabaseOf<sqlx::PgConnection> = sqlx::Postgres;
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a transaction idem can run a handler in",
+    label = "the first parameter is the transaction the message is claimed in",
+    note = "write `tx: &mut sqlx::PgTransaction<'_>` (PostgreSQL) or `tx: &mut sqlx::Transaction<'_, DB>`"
+)]
+pub trait OnDatabase {
+    /// The database the handler's transaction is on.
+    type Database: Database;
+}
+
+impl<DB: Database> OnDatabase for sqlx::Transaction<'_, DB> {
+    type Database = DB;
+}
+
+/// A transaction derefs to its connection, so a handler may take that.
+impl OnDatabase for sqlx::PgConnection {
+    type Database = sqlx::Postgres;
+}
+
+#[cfg(feature = "sqlite")]
+impl OnDatabase for sqlx::SqliteConnection {
+    type Database = sqlx::Sqlite;
+}
+
+/// The database of a handler whose first parameter is `&mut T`.
+pub type DatabaseOf<T> = <T as OnDatabase>::Database;

@@ -70,8 +70,8 @@ pub use state::{FromBatch, FromDelivery, FromRef, Parameter, State};
 /// # drop(router);
 /// ```
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` is not an idem handler for a router with state `{S}`",
-    label = "not a handler for state `{S}`",
+    message = "`{Self}` is not an idem handler for a router with state `{S}` on `{DB}`",
+    label = "not a handler for state `{S}` on `{DB}`",
     note = "write `#[idempotent] async fn my_handler(tx: &mut sqlx::PgTransaction<'_>, msg: T) -> Result<(), E>`, or implement `idem_runtime::Handler<{S}>`"
 )]
 pub trait Handler<S = (), DB: Database = Postgres>: Send + Sync + 'static {
@@ -239,9 +239,9 @@ pub trait Handler<S = (), DB: Database = Postgres>: Send + Sync + 'static {
 /// `#[idempotent]` fn, or a value that implements [`Handler`]. (`M` tells
 /// the two apart; it is never written.)
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` is not an idem handler for a router with state `{S}`",
-    label = "expected an `#[idempotent]` fn, or a value implementing `idem_runtime::Handler<{S}>`",
-    note = "write `#[idempotent] async fn my_handler(tx: &mut sqlx::PgTransaction<'_>, msg: T) -> Result<(), E>` and pass `my_handler`; a handler that takes `State<T>` needs a router whose state provides `T`: write `#[idempotent(state = {S})]` on it to see which part is missing"
+    message = "`{Self}` is not an idem handler for a router with state `{S}` on `{DB}`",
+    label = "expected an `#[idempotent]` fn, or a value implementing `idem_runtime::Handler<{S}, {DB}>`",
+    note = "write `#[idempotent] async fn my_handler(tx: &mut sqlx::PgTransaction<'_>, msg: T) -> Result<(), E>` and pass `my_handler`; a handler that takes `State<T>` needs a router whose state provides `T`: write `#[idempotent(state = {S})]` on it to see which part is missing; a handler's transaction must be on its router's database, `{DB}`"
 )]
 pub trait IntoHandler<S, M, DB: Database = Postgres> {
     /// The handler this turns into.

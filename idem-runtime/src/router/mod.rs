@@ -22,6 +22,8 @@ use crate::tasks::{self, Signal, Trigger};
 mod poll;
 mod run;
 mod shutdown;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 mod start_up;
 mod validate;
 
@@ -168,19 +170,7 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// # drop(router);
     /// ```
     pub fn with_state(state: S) -> Self {
-        let (trigger, signal) = tasks::channel();
-        Self {
-            state: Arc::new(state),
-            routes: Vec::new(),
-            replies: Vec::new(),
-            stats: HashMap::new(),
-            trigger,
-            signal,
-            grace: Duration::from_secs(30),
-            relay: None,
-            #[cfg(feature = "fault-injection")]
-            faults: Default::default(),
-        }
+        Self::empty(state)
     }
 
     /// Runs `relay` beside the handlers, so that the messages they queue in
@@ -265,6 +255,23 @@ impl<S: Send + Sync + 'static> Router<S> {
 }
 
 impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
+    /// A router with no routes, on any database.
+    fn empty(state: S) -> Self {
+        let (trigger, signal) = tasks::channel();
+        Self {
+            state: Arc::new(state),
+            routes: Vec::new(),
+            replies: Vec::new(),
+            stats: HashMap::new(),
+            trigger,
+            signal,
+            grace: Duration::from_secs(30),
+            relay: None,
+            #[cfg(feature = "fault-injection")]
+            faults: Default::default(),
+        }
+    }
+
     /// [`Router::run_until`] on any database, with what the database runs
     /// beside the routes.
     async fn run_with(

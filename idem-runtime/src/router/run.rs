@@ -49,6 +49,16 @@ type StartRelay =
     Box<dyn FnOnce(oneshot::Receiver<()>) -> JoinHandle<Result<(), RelayError>> + Send>;
 
 impl Beside {
+    /// A database's with nothing beside its routes (no outbox yet).
+    #[cfg(feature = "sqlite")]
+    pub(super) fn nothing() -> Self {
+        Beside {
+            relay_connections: 0,
+            relay: None,
+            poll: None,
+        }
+    }
+
     /// PostgreSQL's: `relay` (if any) on `pool`, and the outbox's lag.
     pub(super) fn postgres(relay: Option<Relay>, nats: &async_nats::Client, pool: &PgPool) -> Self {
         // Its fresh lane two while its cycles overlap, its retry lane one

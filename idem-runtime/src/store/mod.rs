@@ -17,4 +17,6 @@ pub(crate) mod purge;
 pub(crate) mod reads;
 pub(crate) mod results;
 pub mod schema;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite;
 pub(crate) mod transaction;

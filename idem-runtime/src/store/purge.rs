@@ -80,6 +80,9 @@ pub struct PurgeReport {
     pub pieces_dropped: u32,
     /// The transition still open after this run, with what it waits for.
     pub transition: Option<Transition>,
+    /// Claims deleted one by one, on a database without generations
+    /// (SQLite); always 0 on PostgreSQL.
+    pub deleted: u64,
 }
 
 /// A rotation in transition: claims go into two generations until it ends.

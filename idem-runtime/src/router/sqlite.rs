@@ -1,0 +1,80 @@
+//! Constructing and running a router on SQLite (feature `sqlite`).
+
+use std::future::Future;
+
+use sqlx::{Sqlite, SqlitePool};
+
+use super::Router;
+use super::run::Beside;
+use crate::error::Error;
+use crate::tasks;
+
+impl Router<(), Sqlite> {
+    /// A router on SQLite with no routes, whose handlers take no state.
+    /// Its handlers take `tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>`.
+    ///
+    /// ```no_run
+    /// use idem_runtime::{Route, Router, idempotent};
+    ///
+    /// #[derive(serde::Deserialize)]
+    /// struct Credit {
+    ///     account: String,
+    ///     amount: i64,
+    /// }
+    ///
+    /// #[idempotent]
+    /// async fn credit(
+    ///     tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    ///     cmd: Credit,
+    /// ) -> Result<(), sqlx::Error> {
+    ///     sqlx::query("UPDATE accounts SET balance = balance + ? WHERE id = ?")
+    ///         .bind(cmd.amount)
+    ///         .bind(cmd.account)
+    ///         .execute(&mut **tx)
+    ///         .await?;
+    ///     Ok(())
+    /// }
+    ///
+    /// async fn run(nats: async_nats::Client, pool: sqlx::SqlitePool) -> Result<(), idem_runtime::Error> {
+    ///     idem_runtime::schema::migrate(&pool).await?;
+    ///     Router::sqlite()
+    ///         .route(Route::new("LEDGER", "credit"), credit)
+    ///         .run(nats, pool)
+    ///         .await
+    /// }
+    /// ```
+    pub fn sqlite() -> Self {
+        Self::sqlite_with_state(())
+    }
+}
+
+impl<S: Send + Sync + 'static> Router<S, Sqlite> {
+    /// A router on SQLite whose handlers take parts of `state` (see
+    /// [`Router::with_state`]).
+    pub fn sqlite_with_state(state: S) -> Self {
+        Self::empty(state)
+    }
+
+    /// Runs until Ctrl-C or SIGTERM, then shuts down gracefully (see
+    /// [`Router::run_until`]).
+    pub async fn run(self, nats: async_nats::Client, pool: SqlitePool) -> Result<(), Error> {
+        // Aborted when `run` returns, or when its future is dropped.
+        let _listener = tasks::Owned(tasks::fire_on_os_signal(self.trigger.clone()));
+        self.run_until(nats, pool, std::future::pending()).await
+    }
+
+    /// Runs until `shutdown` resolves, as [`Router::run_until`] does on
+    /// PostgreSQL, without an outbox relay (SQLite has no outbox yet).
+    ///
+    /// Open `pool` with `journal_mode(Wal)` and `synchronous(Full)`
+    /// (start-up warns otherwise), on a file on a local disk: SQLite's
+    /// locks do not hold over a network filesystem.
+    pub async fn run_until(
+        self,
+        nats: async_nats::Client,
+        pool: SqlitePool,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), Error> {
+        self.run_with(nats, pool, shutdown, Beside::nothing()).await
+    }
+}

@@ -1,0 +1,217 @@
+//! SQLite's store (feature `sqlite`): [`Backend`] for [`sqlx::Sqlite`].
+//!
+//! - **The claim** is `BEGIN IMMEDIATE; SAVEPOINT idem_claim; INSERT ...`
+//!   in one call, so that a racing redelivery waits on the write lock and
+//!   then finds the claim (`transaction.rs`).
+//! - **The check before COMMIT** is the savepoint's RELEASE, which fails
+//!   once a handler has ended the transaction itself (`transaction.rs`).
+//! - **Expiry** deletes claims older than their handler's retention, in
+//!   chunks (`tables.rs`): there are no generations.
+//! - **Not here yet**: the outbox and its relay (a router on SQLite runs
+//!   none), and stopping a purge or registration that another process
+//!   holds back (SQLite's `busy_timeout` bounds every wait for the lock).
+//!
+//! One database file, on a local disk, shared by the processes of one
+//! machine: SQLite's locks do not hold over a network filesystem.
+
+mod tables;
+mod transaction;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::{Pool, Sqlite, Transaction};
+
+use crate::error::{Error, HandlerError};
+use crate::store::backend::{Backend, Claim, Ended};
+use crate::store::connections::Leased;
+use crate::store::purge::{Figures, PurgeReport};
+use crate::store::reads::HandlerRow;
+
+pub use transaction::{Begin, Session};
+
+impl Backend for Sqlite {
+    type Session = Session;
+    type Begin = Begin;
+
+    async fn probe(pool: &Pool<Self>, warn: bool) -> Result<Session, sqlx::Error> {
+        let mut connection = pool.acquire().await?;
+        let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+            .fetch_one(&mut *connection)
+            .await?;
+        let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
+            .fetch_one(&mut *connection)
+            .await?;
+        let wal = journal.eq_ignore_ascii_case("wal");
+        if warn {
+            // 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA. NORMAL is durable in a
+            // rollback journal's place only with WAL off; in WAL mode it
+            // can lose the last commits on power loss.
+            if synchronous == 0 || (wal && synchronous < 2) {
+                tracing::warn!(
+                    synchronous,
+                    journal_mode = %journal,
+                    "SQLite's `synchronous` is below FULL: a power loss can lose commits whose \
+                     messages were acked, and their effects are gone while JetStream redelivers \
+                     nothing; set `SqliteConnectOptions::synchronous(SqliteSynchronous::Full)`"
+                );
+            }
+            if !wal {
+                tracing::warn!(
+                    journal_mode = %journal,
+                    "SQLite is not in WAL mode: readers wait for the writer; set \
+                     `SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal)`"
+                );
+            }
+        }
+        Ok(Session)
+    }
+
+    async fn register(
+        pool: &Pool<Self>,
+        handlers: &[(&str, Option<Duration>)],
+    ) -> Result<HashMap<String, i32>, sqlx::Error> {
+        tables::register(pool, handlers).await
+    }
+
+    async fn register_blockers(_pool: &Pool<Self>) -> Result<Vec<String>, sqlx::Error> {
+        // SQLite does not say which connection holds its lock.
+        Ok(Vec::new())
+    }
+
+    fn database(pool: &Pool<Self>) -> String {
+        pool.connect_options().get_filename().display().to_string()
+    }
+
+    async fn migrate(pool: &Pool<Self>) -> Result<(), Error> {
+        tables::migrate(pool).await
+    }
+
+    async fn verify_schema(pool: &Pool<Self>) -> Result<(), Error> {
+        tables::verify(pool).await
+    }
+
+    fn begin_for(_handler_timeout: Option<Duration>, _session: Session) -> Begin {
+        Begin
+    }
+
+    async fn begin<'c>(
+        connection: &'c mut Leased<'_, Self>,
+        _begin: &Begin,
+        claim: Option<Claim<'_>>,
+    ) -> Result<Transaction<'c, Self>, sqlx::Error> {
+        transaction::begin(connection, claim).await
+    }
+
+    async fn begin_batch<'c>(
+        connection: &'c mut Leased<'_, Self>,
+        _begin: &Begin,
+        _lock_wait: Option<Duration>,
+    ) -> Result<Transaction<'c, Self>, sqlx::Error> {
+        // One writer at a time: batches cannot deadlock each other.
+        transaction::begin(connection, None).await
+    }
+
+    fn is_duplicate_claim(error: &sqlx::Error) -> bool {
+        // SQLITE_CONSTRAINT_PRIMARYKEY on the claims' key.
+        matches!(error, sqlx::Error::Database(db)
+            if db.code().as_deref() == Some("1555") && db.message().contains("idem_claims.key"))
+    }
+
+    async fn end_failed_claim(connection: &mut Self::Connection) -> Result<(), sqlx::Error> {
+        transaction::end_failed_claim(connection).await
+    }
+
+    async fn claim_many(
+        tx: &mut Transaction<'_, Self>,
+        handler_id: i32,
+        keys: &[String],
+    ) -> Result<(HashSet<String>, String), sqlx::Error> {
+        transaction::claim_many(tx, handler_id, keys).await
+    }
+
+    async fn unclaim(tx: &mut Transaction<'_, Self>, keys: &[&str]) -> Result<(), sqlx::Error> {
+        transaction::unclaim(tx, keys).await
+    }
+
+    async fn committed(
+        connection: &mut Self::Connection,
+        id: &str,
+    ) -> Result<Option<bool>, sqlx::Error> {
+        transaction::committed(connection, id).await
+    }
+
+    async fn claims_still_pending(tx: &mut Transaction<'_, Self>) -> bool {
+        transaction::claims_still_pending(tx).await
+    }
+
+    async fn finish(tx: Transaction<'_, Self>, _begin: &Begin) -> (Ended, bool) {
+        transaction::finish(tx).await
+    }
+
+    async fn rollback(tx: Transaction<'_, Self>) -> bool {
+        transaction::rollback(tx).await
+    }
+
+    async fn purge(pool: &Pool<Self>) -> Result<PurgeReport, Error> {
+        tables::purge(pool).await
+    }
+
+    async fn purge_holder(
+        _pool: &Pool<Self>,
+        _slack: Duration,
+    ) -> Result<Option<String>, sqlx::Error> {
+        Ok(None)
+    }
+
+    async fn expiry_figures(pool: &Pool<Self>) -> Result<Figures, sqlx::Error> {
+        tables::figures(pool).await
+    }
+
+    async fn handlers(pool: &Pool<Self>) -> Result<Vec<HandlerRow>, sqlx::Error> {
+        tables::handlers(pool).await
+    }
+
+    async fn claim_row(
+        pool: &Pool<Self>,
+        key: &str,
+    ) -> Result<Option<(f64, f64, i32, bool)>, sqlx::Error> {
+        tables::claim(pool, key).await
+    }
+
+    async fn handler_names(pool: &Pool<Self>) -> Result<Vec<String>, sqlx::Error> {
+        tables::handler_names(pool).await
+    }
+
+    async fn registered_at(pool: &Pool<Self>, name: &str) -> Result<Option<String>, sqlx::Error> {
+        tables::registered_at(pool, name).await
+    }
+
+    async fn read_result(
+        connection: &mut Self::Connection,
+        key: &str,
+    ) -> Result<Option<Option<Bytes>>, sqlx::Error> {
+        tables::read_result(connection, key).await
+    }
+
+    async fn store_result(
+        tx: &mut Transaction<'_, Self>,
+        key: &str,
+        result: &Bytes,
+    ) -> Result<(), HandlerError> {
+        tables::store_result(tx, key, result).await
+    }
+
+    async fn store_results(
+        tx: &mut Transaction<'_, Self>,
+        keys: &[&str],
+        results: &[&[u8]],
+    ) -> Result<(), HandlerError> {
+        // In process: one statement per result costs no round trip.
+        for (key, result) in keys.iter().zip(results) {
+            tables::store_result(tx, key, result).await?;
+        }
+        Ok(())
+    }
+}

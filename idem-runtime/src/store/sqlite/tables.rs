@@ -1,0 +1,237 @@
+//! idem's tables on SQLite: their migrations, registering handlers, what
+//! operators read, stored results and the purge.
+//!
+//! There are no generations: a claim is keyed by its key alone
+//! (`idem_claims`, `WITHOUT ROWID`), and expiry deletes a handler's claims
+//! older than its retention, in chunks, each chunk a transaction of its own
+//! so that the write lock is held for moments only.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::sqlite::SqliteConnection;
+use sqlx::{Sqlite, SqlitePool, Transaction};
+
+use crate::error::{Error, HandlerError};
+use crate::store::migrations::HISTORY_TABLE;
+use crate::store::purge::{Figures, PurgeReport};
+use crate::store::reads::HandlerRow;
+
+/// (version, description, SQL) of every SQLite migration, oldest first.
+const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "claims",
+    "CREATE TABLE idem_handlers (
+         id INTEGER PRIMARY KEY,
+         name TEXT NOT NULL UNIQUE,
+         retention_ms INTEGER,
+         updated_at TEXT NOT NULL DEFAULT (datetime('now'))
+     );
+     CREATE TABLE idem_claims (
+         key TEXT PRIMARY KEY,
+         handler_id INTEGER NOT NULL,
+         claimed_at REAL NOT NULL DEFAULT (unixepoch('subsec')),
+         result BLOB
+     ) WITHOUT ROWID;
+     CREATE INDEX idem_claims_by_age ON idem_claims (handler_id, claimed_at);",
+)];
+
+/// Claims deleted per transaction by the purge.
+const PURGE_CHUNK: i64 = 1_000;
+
+fn migrator() -> Migrator {
+    let migrations = MIGRATIONS
+        .iter()
+        .map(|&(version, description, sql)| {
+            Migration::new(
+                version,
+                Cow::Borrowed(description),
+                MigrationType::Simple,
+                sqlx::SqlSafeStr::into_sql_str(sql),
+                false,
+            )
+        })
+        .collect();
+    let mut migrator = Migrator::with_migrations(migrations);
+    migrator.dangerous_set_table_name(HISTORY_TABLE);
+    migrator
+}
+
+/// Applies the migrations.
+pub(crate) async fn migrate(pool: &SqlitePool) -> Result<(), Error> {
+    migrator().run(pool).await?;
+    Ok(())
+}
+
+/// Checks that every migration ran.
+pub(crate) async fn verify(pool: &SqlitePool) -> Result<(), Error> {
+    let history_exists: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?)",
+    )
+    .bind(HISTORY_TABLE)
+    .fetch_one(pool)
+    .await?;
+    let found: Option<i64> = if history_exists {
+        sqlx::query_scalar("SELECT max(version) FROM _idem_migrations WHERE success")
+            .fetch_one(pool)
+            .await?
+    } else {
+        None
+    };
+    let expected = MIGRATIONS.last().map_or(0, |&(version, _, _)| version);
+    match found {
+        Some(version) if version >= expected => Ok(()),
+        _ => Err(Error::SchemaMissing { expected, found }),
+    }
+}
+
+/// Registers `handlers` (the last retention given for a name wins) in one
+/// transaction that takes the write lock first, in name order.
+pub(crate) async fn register(
+    pool: &SqlitePool,
+    handlers: &[(&str, Option<Duration>)],
+) -> Result<HashMap<String, i32>, sqlx::Error> {
+    let unique: BTreeMap<&str, Option<Duration>> = handlers.iter().copied().collect();
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    let mut ids = HashMap::new();
+    for (name, retention) in unique {
+        let millis = retention.map(crate::store::purge::millis);
+        let id: i32 = sqlx::query_scalar(
+            "INSERT INTO idem_handlers (name, retention_ms) VALUES (?1, ?2)
+             ON CONFLICT (name) DO UPDATE
+                SET retention_ms = excluded.retention_ms, updated_at = datetime('now')
+             RETURNING id",
+        )
+        .bind(name)
+        .bind(millis)
+        .fetch_one(&mut *tx)
+        .await?;
+        ids.insert(name.to_owned(), id);
+    }
+    tx.commit().await?;
+    Ok(ids)
+}
+
+/// Every handler with its claims (see `store::reads::handlers`).
+pub(crate) async fn handlers(pool: &SqlitePool) -> Result<Vec<HandlerRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT h.name, h.retention_ms / 1000.0, count(c.key), min(c.claimed_at),
+                unixepoch('subsec') - min(c.claimed_at)
+           FROM idem_handlers h LEFT JOIN idem_claims c ON c.handler_id = h.id
+          GROUP BY h.id ORDER BY h.name",
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// The committed claim on `key`: made at (Unix seconds), its age, its
+/// generation (always 0 here), whether a result is stored.
+pub(crate) async fn claim(
+    pool: &SqlitePool,
+    key: &str,
+) -> Result<Option<(f64, f64, i32, bool)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT claimed_at, unixepoch('subsec') - claimed_at, 0, result IS NOT NULL
+           FROM idem_claims WHERE key = ?",
+    )
+    .bind(key)
+    .fetch_optional(pool)
+    .await
+}
+
+/// The handlers' names, sorted.
+pub(crate) async fn handler_names(pool: &SqlitePool) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT name FROM idem_handlers ORDER BY name")
+        .fetch_all(pool)
+        .await
+}
+
+/// When `name` was last registered (UTC).
+pub(crate) async fn registered_at(
+    pool: &SqlitePool,
+    name: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT updated_at || ' UTC' FROM idem_handlers WHERE name = ?")
+        .bind(name)
+        .fetch_optional(pool)
+        .await
+}
+
+/// What the committed claim on `key` stored.
+pub(crate) async fn read_result(
+    connection: &mut SqliteConnection,
+    key: &str,
+) -> Result<Option<Option<Bytes>>, sqlx::Error> {
+    let row: Option<Option<Vec<u8>>> =
+        sqlx::query_scalar("SELECT result FROM idem_claims WHERE key = ?")
+            .bind(key)
+            .fetch_optional(connection)
+            .await?;
+    Ok(row.map(|result| result.map(Bytes::from)))
+}
+
+/// Stores `result` with the claim on `key`, which `tx` made.
+pub(crate) async fn store_result(
+    tx: &mut Transaction<'_, Sqlite>,
+    key: &str,
+    result: &[u8],
+) -> Result<(), HandlerError> {
+    sqlx::query("UPDATE idem_claims SET result = ?2 WHERE key = ?1")
+        .bind(key)
+        .bind(result)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Deletes, for every handler with a retention, its claims older than
+/// that, a chunk per transaction. Safe from several processes at once:
+/// each chunk is a statement of its own under the write lock.
+pub(crate) async fn purge(pool: &SqlitePool) -> Result<PurgeReport, Error> {
+    let handlers: Vec<(i32, i64)> =
+        sqlx::query_as("SELECT id, retention_ms FROM idem_handlers WHERE retention_ms IS NOT NULL")
+            .fetch_all(pool)
+            .await?;
+    let mut report = PurgeReport {
+        retention: handlers
+            .iter()
+            .map(|&(_, millis)| Duration::from_millis(u64::try_from(millis).unwrap_or(0)))
+            .max(),
+        ..PurgeReport::default()
+    };
+    for (id, millis) in handlers {
+        loop {
+            let deleted = sqlx::query(
+                "DELETE FROM idem_claims WHERE key IN (
+                     SELECT key FROM idem_claims
+                      WHERE handler_id = ?1 AND claimed_at < unixepoch('subsec') - ?2 / 1000.0
+                      LIMIT ?3)",
+            )
+            .bind(id)
+            .bind(millis)
+            .bind(PURGE_CHUNK)
+            .execute(pool)
+            .await?
+            .rows_affected();
+            report.deleted += deleted;
+            if deleted < PURGE_CHUNK as u64 {
+                break;
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Where expiry stands: only the longest retention means anything here
+/// (no generations, no purge record).
+pub(crate) async fn figures(pool: &SqlitePool) -> Result<Figures, sqlx::Error> {
+    let retention: Option<i64> = sqlx::query_scalar("SELECT max(retention_ms) FROM idem_handlers")
+        .fetch_one(pool)
+        .await?;
+    Ok((
+        retention, 0, false, None, None, 0, 0, None, None, None, None, 0, None, None,
+    ))
+}
