@@ -608,7 +608,13 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
                 // A handler that ended the transaction itself (a raw COMMIT)
                 // and then failed has committed every claim of the batch:
                 // see `Pipeline::transact` for one message alone.
-                let lost = !DB::claims_still_pending(&mut tx).await;
+                let claimed: Vec<&str> = keys
+                    .iter()
+                    .zip(&fresh)
+                    .filter(|(_, fresh)| **fresh)
+                    .map(|(key, _)| key.as_str())
+                    .collect();
+                let lost = !DB::claims_still_pending(&mut tx, &claimed).await;
                 if DB::rollback(tx).await {
                     connection.keep();
                 }

@@ -731,7 +731,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
                 // work: a redelivery would be acked as a duplicate. Checked
                 // only here, on the way to a rollback: one more round trip,
                 // on a failure path.
-                let lost = !DB::claims_still_pending(&mut tx).await;
+                let lost = !DB::claims_still_pending(&mut tx, &[key.as_str()]).await;
                 if DB::rollback(tx).await {
                     connection.keep();
                 }

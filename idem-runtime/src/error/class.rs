@@ -56,7 +56,8 @@ pub enum ErrorClass {
 }
 
 impl ErrorClass {
-    /// The class of a database error, by its SQLSTATE or kind.
+    /// The class of a database error, by its SQLSTATE (PostgreSQL) or its
+    /// extended result code (SQLite).
     pub fn of_sqlx(error: &sqlx::Error) -> ErrorClass {
         match error {
             sqlx::Error::Database(db) => match db.code().as_deref() {
@@ -82,20 +83,21 @@ impl ErrorClass {
                 {
                     ErrorClass::Permanent
                 }
-                // SQLite's extended result codes: numbers of at most four
-                // digits, never a SQLSTATE's five characters.
-                Some(code) if code.len() < 5 => match code.parse::<i32>() {
+                Some(code) => match sqlite_code(code) {
                     // SQLITE_BUSY, SQLITE_LOCKED and their extended codes:
                     // another connection held the lock past busy_timeout
-                    Ok(code) if matches!(code & 0xff, 5 | 6) => ErrorClass::RetryNow,
+                    Some(code) if matches!(code & 0xff, 5 | 6) => ErrorClass::RetryNow,
                     // a primary key, unique or foreign key violation: a
                     // check-then-write race, which a retry clears
-                    Ok(1555 | 2067 | 787) => ErrorClass::RetryNowThenPermanent,
+                    Some(1555 | 2067 | 787) => ErrorClass::RetryNowThenPermanent,
+                    // a trigger's RAISE: the application's own refusal,
+                    // as PostgreSQL's raise_exception (P0001)
+                    Some(1811) => ErrorClass::Transient,
                     // any other constraint (NOT NULL, CHECK...)
-                    Ok(code) if code & 0xff == 19 => ErrorClass::Permanent,
+                    Some(code) if code & 0xff == 19 => ErrorClass::Permanent,
                     _ => ErrorClass::Transient,
                 },
-                _ => ErrorClass::Transient,
+                None => ErrorClass::Transient,
             },
             sqlx::Error::Io(_)
             | sqlx::Error::PoolTimedOut
@@ -197,6 +199,10 @@ pub(crate) fn is_infrastructure(error: &sqlx::Error) -> bool {
                         | "42883"
                         | "42703"
                 )
+                // SQLite: busy or locked (another connection holds the
+                // lock past busy_timeout), read-only, an I/O error, a full
+                // disk, a file that cannot be opened
+                || sqlite_code(&code).is_some_and(|code| matches!(code & 0xff, 5 | 6 | 8 | 10 | 13 | 14))
         }),
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
@@ -460,10 +466,21 @@ pub(crate) fn is_claim_lost(error: &sqlx::Error) -> bool {
     sqlstate(error).as_deref() == Some("22012")
 }
 
-/// Whether a statement gave up waiting for a lock (55P03,
-/// lock_not_available: `lock_timeout`, or `NOWAIT`).
+/// Whether a statement gave up waiting for a lock (PostgreSQL's 55P03,
+/// lock_not_available: `lock_timeout`, or `NOWAIT`; SQLite's `SQLITE_BUSY`
+/// past `busy_timeout`).
 pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
-    sqlstate(error).as_deref() == Some("55P03")
+    sqlstate(error).is_some_and(|code| {
+        // PostgreSQL's lock_not_available, or SQLite's SQLITE_BUSY (and its
+        // extended codes) once busy_timeout ran out
+        code == "55P03" || sqlite_code(&code).is_some_and(|code| code & 0xff == 5)
+    })
+}
+
+/// SQLite's extended result code, if `code` is one: a number of at most
+/// four digits, never a SQLSTATE's five characters.
+fn sqlite_code(code: &str) -> Option<i32> {
+    (code.len() < 5).then(|| code.parse().ok()).flatten()
 }
 
 /// Whether a prepared statement the session should hold is missing (26000,

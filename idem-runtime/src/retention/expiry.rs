@@ -138,10 +138,25 @@
 //! [`status::expiry`](crate::status::expiry) show them, and the metrics
 //! count them.
 
+use sqlx::Pool;
+
+use crate::store::backend::Backend;
+
 pub use crate::error::retention::{Blocker, Holds, PurgeFailure};
 pub use crate::store::purge::{
     APPLICATION_NAME, DEFAULT_PIECE_BYTES, MAX_PIECES, PIECE_BYTES_SETTING, PurgeReport,
-    Transition, generation_length, pieces_for, purge, transition_warn_after,
+    Transition, generation_length, pieces_for, transition_warn_after,
 };
+
+/// Runs the expiry once, on any database: on PostgreSQL, rotates and
+/// drops generations as described above; on SQLite (feature `sqlite`),
+/// deletes each handler's claims older than its retention, in chunks
+/// ([`PurgeReport::deleted`]). Safe to run from any number of processes at
+/// once (on PostgreSQL all but one skip). A router runs it beside its
+/// routes; call it yourself from a cron job or a maintenance task
+/// (`idem purge` does).
+pub async fn purge<DB: Backend>(pool: &Pool<DB>) -> Result<PurgeReport, crate::Error> {
+    DB::purge(pool).await
+}
 #[cfg(feature = "fault-injection")]
 pub use crate::store::purge::{Step, purge_ending_session_at};

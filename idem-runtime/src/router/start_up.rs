@@ -212,7 +212,7 @@ impl Unreachable {
             Unreachable::Postgres => "PostgreSQL cannot be reached",
             Unreachable::Nats => "NATS (JetStream) does not answer",
             Unreachable::HandlersLocked => {
-                "another session holds a lock on idem_handlers (a transaction left open?), so the handlers cannot be registered"
+                "another session holds a lock on idem_handlers, or SQLite's write lock (a transaction left open?), so the handlers cannot be registered"
             }
         }
     }

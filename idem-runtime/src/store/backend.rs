@@ -165,10 +165,14 @@ pub trait Backend: sqlx::Database {
         id: &str,
     ) -> impl Future<Output = Result<Option<bool>, sqlx::Error>> + Send;
 
-    /// Whether the claims are still `tx`'s own and uncommitted: asked on
-    /// the way to a rollback after a handler failed, so that a handler that
-    /// committed its claim itself is not taken for one that never ran.
-    fn claims_still_pending(tx: &mut Transaction<'_, Self>) -> impl Future<Output = bool> + Send;
+    /// Whether the claims on `keys` are still `tx`'s own and uncommitted:
+    /// asked on the way to a rollback after a handler failed, so that a
+    /// handler that committed its claim itself is not taken for one that
+    /// never ran.
+    fn claims_still_pending(
+        tx: &mut Transaction<'_, Self>,
+        keys: &[&str],
+    ) -> impl Future<Output = bool> + Send;
 
     /// Commits `tx`, checked (nothing commits if the transaction is no
     /// longer the one that claimed, or if the database had given up on it),
@@ -341,7 +345,8 @@ impl Backend for Postgres {
         crate::store::claim::committed(connection, id).await
     }
 
-    async fn claims_still_pending(tx: &mut Transaction<'_, Self>) -> bool {
+    async fn claims_still_pending(tx: &mut Transaction<'_, Self>, _keys: &[&str]) -> bool {
+        // The transaction id recorded with the claim tells, without the keys.
         crate::store::transaction::claims_still_pending(tx).await
     }
 

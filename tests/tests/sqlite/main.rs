@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use idem_runtime::fault::{AfterCommit, FaultHooks};
+use idem_runtime::retention::Unbounded;
 use idem_runtime::{
     BoxError, Delivery, Route, Router, RouterHandle, State, Stats, Transient, idempotent,
 };
@@ -29,6 +30,8 @@ type Tx<'c> = sqlx::Transaction<'c, Sqlite>;
 /// double-apply would show).
 struct Bed {
     _dir: tempfile::TempDir,
+    /// The database file.
+    path: std::path::PathBuf,
     _nats: NatsServer,
     nats: async_nats::Client,
     js: async_nats::jetstream::Context,
@@ -40,13 +43,17 @@ struct Bed {
 }
 
 async fn pool(path: &std::path::Path) -> SqlitePool {
+    pool_waiting(path, Duration::from_secs(60)).await
+}
+
+/// A pool on `path` whose writers wait `busy_timeout` for the write lock.
+async fn pool_waiting(path: &std::path::Path, busy_timeout: Duration) -> SqlitePool {
     let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
         .expect("a SQLite url")
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Full)
-        // Longer than any test holds the write lock.
-        .busy_timeout(Duration::from_secs(60));
+        .busy_timeout(busy_timeout);
     SqlitePoolOptions::new()
         .max_connections(8)
         .connect_with(options)
@@ -79,6 +86,7 @@ impl Bed {
         idem_tests::scenario::create_stream(&js, &stream, &subject, Duration::from_secs(60)).await;
         Bed {
             _dir: dir,
+            path,
             _nats: nats_server,
             nats,
             js,
@@ -407,5 +415,315 @@ async fn a_handler_that_commits_by_itself_is_not_acked_half_done() {
         ),
         (0, 1, (1, 1), (0, 0)),
         "dead-lettered after its first chunk committed, never acked as a duplicate"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Expiry, stored results and what operators read (PostgreSQL: retention/,
+// reply/, the status tests).
+
+#[idempotent(name = "kept-an-hour")]
+async fn kept_an_hour(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), sqlx::Error> {
+    record(tx, "kept-an-hour", delivery, &d).await
+}
+
+/// Claims older than their handler's retention are deleted by the purge,
+/// younger ones are kept, and the handler's claims count says so. The
+/// claims are aged by hand (their `claimed_at` set two hours back): the
+/// purge reads nothing else.
+#[tokio::test]
+async fn the_purge_deletes_claims_past_their_retention_and_keeps_the_rest() {
+    const MESSAGES: usize = 10;
+    const AGED: i64 = 6;
+    let bed = Bed::start("SQLITEPURGE").await;
+    bed.publish((0..MESSAGES).map(|i| format!("p-{i}"))).await;
+    // A stream without max_age, whose publishers never retry.
+    let route = fast(Route::new(&bed.stream, "c"))
+        .retention(Duration::from_secs(3600))
+        .publisher_retry_horizon(Duration::ZERO)
+        .accept_duplicates_after_retention(Unbounded::StreamMaxAge);
+    let (handle, task) = spawn(
+        Router::sqlite().route(route, kept_an_hour),
+        &bed.nats,
+        &bed.pool,
+    );
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle, task).await;
+
+    let claims = |pool: SqlitePool| async move {
+        let handlers = idem_runtime::status::handlers(&pool)
+            .await
+            .expect("status reads");
+        let handler = handlers
+            .iter()
+            .find(|handler| handler.name == "kept-an-hour")
+            .expect("the handler is registered");
+        assert_eq!(
+            handler.retention,
+            Some(Duration::from_secs(3600)),
+            "its retention is registered"
+        );
+        handler.claims
+    };
+    assert_eq!(
+        claims(bed.pool.clone()).await,
+        MESSAGES as u64,
+        "one claim a message"
+    );
+    let aged = sqlx::query(
+        "UPDATE idem_claims SET claimed_at = claimed_at - 7200
+          WHERE key IN (SELECT key FROM idem_claims ORDER BY key LIMIT ?)",
+    )
+    .bind(AGED)
+    .execute(&bed.pool)
+    .await
+    .expect("claims are aged")
+    .rows_affected();
+    assert_eq!(aged, AGED as u64, "the ageing took");
+
+    let report = idem_runtime::retention::expiry::purge(&bed.pool)
+        .await
+        .expect("the purge runs");
+    assert_eq!(
+        (report.deleted, report.retention),
+        (AGED as u64, Some(Duration::from_secs(3600))),
+        "the aged claims were deleted: {report:?}"
+    );
+    assert_eq!(
+        claims(bed.pool.clone()).await,
+        MESSAGES as u64 - AGED as u64,
+        "the young claims are kept"
+    );
+    let again = idem_runtime::retention::expiry::purge(&bed.pool)
+        .await
+        .expect("the purge runs");
+    assert_eq!(again.deleted, 0, "nothing more to delete");
+    assert_eq!(
+        bed.ledger("kept-an-hour").await,
+        (MESSAGES as i64, MESSAGES as i64),
+        "effects untouched"
+    );
+}
+
+#[idempotent(name = "priced")]
+async fn priced(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<i64, sqlx::Error> {
+    record(tx, "priced", delivery, &d).await?;
+    Ok(d.amount * 100)
+}
+
+/// A handler's value is stored with its claim, in the same transaction,
+/// and read back by message id; a message never processed has none.
+#[tokio::test]
+async fn a_handlers_value_is_stored_with_its_claim() {
+    let bed = Bed::start("SQLITERESULT").await;
+    publish(&bed.js, &bed.subject, &deposit("a", 7), Some("r-1")).await;
+    let (handle, task) = spawn(
+        Router::sqlite().route(fast(Route::new(&bed.stream, "c")), priced),
+        &bed.nats,
+        &bed.pool,
+    );
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle, task).await;
+    let stored = idem_runtime::results::stored(&bed.pool, "priced", "r-1")
+        .await
+        .expect("the result reads");
+    assert_eq!(stored.as_deref(), Some(&b"700"[..]), "the value, as JSON");
+    let none = idem_runtime::results::stored(&bed.pool, "priced", "never-sent")
+        .await
+        .expect("the result reads");
+    assert_eq!(none, None, "no claim, no value");
+}
+
+// ---------------------------------------------------------------------------
+// What a handler or SQLite itself does to the transaction.
+
+/// Undoes everything back to idem's savepoint, then writes and succeeds on
+/// its first delivery, whose ack the fault hook then drops.
+#[idempotent(name = "rolls-back-to")]
+async fn rolls_back_to(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), BoxError> {
+    sqlx::raw_sql("ROLLBACK TO idem_claim")
+        .execute(&mut **tx)
+        .await?;
+    record(tx, "rolls-back-to", delivery, &d).await?;
+    Ok(())
+}
+
+/// A handler that rolls back to idem's own savepoint cannot undo its claim
+/// (the savepoint is opened after the claim): the redelivery of the
+/// committed but unacked message finds it and is acked as a duplicate.
+#[tokio::test]
+async fn a_rollback_to_idems_savepoint_keeps_the_claim() {
+    let bed = Bed::start("SQLITEROLLBACKTO").await;
+    bed.publish(["t-1".to_owned()]).await;
+    let route = || {
+        fast(Route::new(&bed.stream, "c"))
+            .per_message()
+            .ack_wait(Duration::from_secs(1))
+    };
+    let faulted = Router::sqlite().route(route(), rolls_back_to).fault_hooks(
+        FaultHooks::default().after_commit(|delivery| {
+            if delivery.delivered() == 1 {
+                AfterCommit::DropWithoutAck
+            } else {
+                AfterCommit::Ack
+            }
+        }),
+    );
+    let (handle, task) = spawn(faulted, &bed.nats, &bed.pool);
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(
+        (stats.dropped_by_fault(), stats.duplicates()),
+        (1, 1),
+        "the first delivery committed and was dropped; the redelivery found its claim"
+    );
+    assert_eq!(bed.ledger("rolls-back-to").await, (1, 1), "applied once");
+}
+
+/// Writes into `guarded`, whose trigger makes SQLite roll back the whole
+/// transaction (`RAISE(ROLLBACK)`) on the first delivery.
+#[idempotent(name = "guarded")]
+async fn guarded(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), BoxError> {
+    record(tx, "guarded", delivery, &d).await?;
+    sqlx::query("INSERT INTO guarded (delivered) VALUES (?)")
+        .bind(delivery.delivered() as i64)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// SQLite rolls back a whole transaction by itself on a trigger's
+/// `RAISE(ROLLBACK)` (also on an `ON CONFLICT ROLLBACK` column or a full
+/// disk), taking idem's savepoint with it. Nothing committed, so it is an
+/// ordinary failure: retried and applied once, not dead-lettered as a claim
+/// lost.
+#[tokio::test]
+async fn a_transaction_sqlite_rolls_back_by_itself_is_retried_not_dead_lettered() {
+    let bed = Bed::start("SQLITERAISE").await;
+    sqlx::raw_sql(
+        "CREATE TABLE guarded (delivered INTEGER NOT NULL);
+         CREATE TRIGGER first_delivery_refused BEFORE INSERT ON guarded
+         WHEN NEW.delivered = 1 BEGIN SELECT RAISE(ROLLBACK, 'refused on the first delivery'); END;",
+    )
+    .execute(&bed.pool)
+    .await
+    .expect("the guarded table is made");
+    bed.publish(["g-1".to_owned()]).await;
+    let (handle, task) = spawn(
+        Router::sqlite().route(fast(Route::new(&bed.stream, "c")).per_message(), guarded),
+        &bed.nats,
+        &bed.pool,
+    );
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(
+        (
+            stats.failed(),
+            stats.processed(),
+            dead_letters(&bed.js, &bed.stream).await.len()
+        ),
+        (1, 1, 0),
+        "failed once (the trigger's rollback), then applied; nothing dead-lettered"
+    );
+    assert_eq!(bed.ledger("guarded").await, (1, 1), "applied once");
+}
+
+/// Runs a statement that never ends on its first delivery.
+#[idempotent(name = "runaway")]
+async fn runaway(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), BoxError> {
+    record(tx, "runaway", delivery, &d).await?;
+    if d.account == "runaway" && delivery.delivered() == 1 {
+        sqlx::query_scalar::<_, i64>(
+            "WITH RECURSIVE forever(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM forever)
+             SELECT max(n) FROM forever",
+        )
+        .fetch_one(&mut **tx)
+        .await?;
+    }
+    Ok(())
+}
+
+/// A statement left running past the handler timeout would hold SQLite's
+/// write lock for ever, and stop every message behind it. It is
+/// interrupted once its transaction has run as long as one can (three
+/// handler timeouts), its transaction rolls back, and the messages behind
+/// it go through: each applied once.
+#[tokio::test]
+async fn a_statement_left_running_past_the_handler_timeout_is_interrupted() {
+    let bed = Bed::start("SQLITERUNAWAY").await;
+    publish(
+        &bed.js,
+        &bed.subject,
+        &deposit("runaway", 1),
+        Some("runaway"),
+    )
+    .await;
+    for i in 0..3 {
+        publish(
+            &bed.js,
+            &bed.subject,
+            &deposit("behind", 1),
+            Some(&format!("behind-{i}")),
+        )
+        .await;
+    }
+    let route = fast(Route::new(&bed.stream, "c"))
+        .per_message()
+        .handler_timeout(Duration::from_secs(1));
+    let (handle, task) = spawn(Router::sqlite().route(route, runaway), &bed.nats, &bed.pool);
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert!(stats.failed() >= 1, "the runaway attempt failed");
+    assert_eq!(
+        bed.ledger("runaway").await,
+        (4, 4),
+        "every message applied once, the runaway one too"
+    );
+}
+
+/// A worker starting while another connection holds SQLite's write lock
+/// longer than its `busy_timeout` does not fail: start-up says what holds
+/// it back and tries again, and runs once the lock is free.
+#[tokio::test]
+async fn start_up_waits_out_a_write_lock_held_elsewhere() {
+    let logs = idem_tests::capture_logs();
+    let bed = Bed::start("SQLITELOCKED").await;
+    bed.publish(["l-1".to_owned()]).await;
+    let mut holder = bed.second_pool.acquire().await.expect("a connection");
+    sqlx::raw_sql("BEGIN IMMEDIATE")
+        .execute(&mut *holder)
+        .await
+        .expect("the lock is taken");
+    let impatient = pool_waiting(&bed.path, Duration::from_millis(300)).await;
+    let (handle, task) = spawn(
+        Router::sqlite().route(fast(Route::new(&bed.stream, "c")), credit),
+        &bed.nats,
+        &impatient,
+    );
+    eventually(
+        "start-up says what holds it back",
+        Duration::from_secs(30),
+        || async {
+            !logs
+                .matching(&["WARN", "SQLite's write lock", "cannot be registered"])
+                .is_empty()
+        },
+    )
+    .await;
+    assert!(!task.is_finished(), "start-up did not give up");
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut *holder)
+        .await
+        .expect("the lock is freed");
+    drop(holder);
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(
+        bed.ledger("credit").await,
+        (1, 1),
+        "applied once, after the lock was freed"
     );
 }

@@ -92,25 +92,27 @@ impl Backend for Sqlite {
         tables::verify(pool).await
     }
 
-    fn begin_for(_handler_timeout: Option<Duration>, _session: Session) -> Begin {
-        Begin
+    fn begin_for(handler_timeout: Option<Duration>, _session: Session) -> Begin {
+        Begin {
+            at_most: handler_timeout.map(crate::store::transaction::longest),
+        }
     }
 
     async fn begin<'c>(
         connection: &'c mut Leased<'_, Self>,
-        _begin: &Begin,
+        begin: &Begin,
         claim: Option<Claim<'_>>,
     ) -> Result<Transaction<'c, Self>, sqlx::Error> {
-        transaction::begin(connection, claim).await
+        transaction::begin(connection, begin, claim).await
     }
 
     async fn begin_batch<'c>(
         connection: &'c mut Leased<'_, Self>,
-        _begin: &Begin,
+        begin: &Begin,
         _lock_wait: Option<Duration>,
     ) -> Result<Transaction<'c, Self>, sqlx::Error> {
         // One writer at a time: batches cannot deadlock each other.
-        transaction::begin(connection, None).await
+        transaction::begin_batch(connection, begin).await
     }
 
     fn is_duplicate_claim(error: &sqlx::Error) -> bool {
@@ -142,8 +144,8 @@ impl Backend for Sqlite {
         transaction::committed(connection, id).await
     }
 
-    async fn claims_still_pending(tx: &mut Transaction<'_, Self>) -> bool {
-        transaction::claims_still_pending(tx).await
+    async fn claims_still_pending(tx: &mut Transaction<'_, Self>, keys: &[&str]) -> bool {
+        transaction::claims_still_pending(tx, keys).await
     }
 
     async fn finish(tx: Transaction<'_, Self>, _begin: &Begin) -> (Ended, bool) {
