@@ -34,9 +34,11 @@ mod validate;
 /// [`Router::with_state`]; a router whose handlers take no state is
 /// [`Router::new`], a `Router<()>`.
 ///
-/// `DB` is the database its handlers' transactions run on: PostgreSQL, the
-/// only one so far, so leave it out. Routes are added on any database;
-/// constructing and running a router are PostgreSQL's for now.
+/// `DB` is the database its handlers' transactions run on: PostgreSQL by
+/// default, so leave it out; SQLite with the `sqlite` feature (a router
+/// made by `Router::sqlite()`). A route's handler must run on its router's
+/// database (the handler's first parameter decides), or the code does not
+/// compile.
 ///
 /// ```no_run
 /// # use idem_runtime::{Route, Router, idempotent};

@@ -54,7 +54,7 @@ pub const APPLICATION_NAME: &str = "idem purge";
 /// if shorter) is warned about.
 const TRANSITION_WARN_AFTER: Duration = Duration::from_secs(60);
 
-/// What one [`purge`] run did.
+/// What one [`purge`](crate::retention::expiry::purge) run did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PurgeReport {
@@ -134,7 +134,7 @@ pub async fn purge(pool: &PgPool) -> Result<PurgeReport, Error> {
     purge_with(pool, &Stop::default()).await
 }
 
-/// Runs [`purge`] and ends its session, with `pg_terminate_backend` from
+/// Runs [`purge`](crate::retention::expiry::purge) and ends its session, with `pg_terminate_backend` from
 /// another session, when it reaches `step`: what a SIGKILL, a failover or a
 /// cancelled task does to a purge at that point. The purge then fails at
 /// its next statement, as it would.

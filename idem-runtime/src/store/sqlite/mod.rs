@@ -1,18 +1,23 @@
 //! SQLite's store (feature `sqlite`): [`Backend`] for [`sqlx::Sqlite`].
 //!
-//! - **The claim** is `BEGIN IMMEDIATE; SAVEPOINT idem_claim; INSERT ...`
+//! - **The claim** is `BEGIN IMMEDIATE; INSERT ...; SAVEPOINT idem_claim`
 //!   in one call, so that a racing redelivery waits on the write lock and
 //!   then finds the claim (`transaction.rs`).
 //! - **The check before COMMIT** is the savepoint's RELEASE, which fails
 //!   once a handler has ended the transaction itself (`transaction.rs`).
+//! - **The bound** on a transaction is a progress handler that interrupts
+//!   its statements once it has run as long as one can: SQLite has no
+//!   server to end them, and a statement left running would keep the
+//!   write lock (`transaction.rs`).
 //! - **Expiry** deletes claims older than their handler's retention, in
 //!   chunks (`tables.rs`): there are no generations.
 //! - **Not here yet**: the outbox and its relay (a router on SQLite runs
-//!   none), and stopping a purge or registration that another process
-//!   holds back (SQLite's `busy_timeout` bounds every wait for the lock).
+//!   none), the `idem` command, and naming who holds the write lock
+//!   (SQLite does not say).
 //!
 //! One database file, on a local disk, shared by the processes of one
-//! machine: SQLite's locks do not hold over a network filesystem.
+//! machine: SQLite's locks do not hold over a network filesystem. The
+//! guide's SQLite chapter says what differs from PostgreSQL, and why.
 
 mod tables;
 mod transaction;
