@@ -20,6 +20,7 @@ mod retention;
 mod run;
 mod scale;
 mod servers;
+mod sqlite;
 mod stalls;
 
 use std::fmt;
@@ -137,6 +138,8 @@ enum Command {
     /// One worker process of `scale`, which starts it
     #[command(hide = true)]
     ScaleWorker(scale::WorkerArgs),
+    /// naive, idem and idem-batch-handler on a SQLite file (feature `sqlite`): msgs/s and ratios
+    Sqlite(sqlite::SqliteArgs),
     /// Every mode and scenario, small, with duplicates: checks correctness only (CI)
     #[command(after_help = SMOKE)]
     Smoke(SmokeArgs),
@@ -792,8 +795,10 @@ impl From<Command> for Options {
                 )
                 .with_scale(a)
             },
-            Command::ScaleWorker(_) => {
-                unreachable!("main runs a scale worker before it reads options")
+            Command::ScaleWorker(_) | Command::Sqlite(_) => {
+                unreachable!(
+                    "main runs a scale worker and the SQLite bench before it reads options"
+                )
             }
             Command::Smoke(a) => Options {
                 duplicates: a.duplicates,
@@ -839,6 +844,7 @@ fn main() -> ExitCode {
         .init();
     let cli = match cli.command {
         Command::ScaleWorker(args) => return scale::worker(args),
+        Command::Sqlite(args) => return sqlite_main(args, cli.data_dir, cli.nats_sync),
         command => Cli { command, ..cli },
     };
     let options = Options::from(cli);
@@ -857,6 +863,34 @@ fn main() -> ExitCode {
             _ = interrupted() => Err(BenchError::Interrupted),
         };
         // Stop and remove our servers before the runtime goes away.
+        drop(servers);
+        result
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("idem-bench: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// `idem-bench sqlite`: a nats-server of its own, no PostgreSQL.
+fn sqlite_main(
+    args: sqlite::SqliteArgs,
+    data_dir: Option<PathBuf>,
+    nats_sync: servers::NatsSync,
+) -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let result = runtime.block_on(async {
+        let servers = Servers::start(false, data_dir.as_deref(), &[], nats_sync).await?;
+        let result = tokio::select! {
+            result = sqlite::run(args, &servers) => result,
+            _ = interrupted() => Err(BenchError::Interrupted),
+        };
         drop(servers);
         result
     });

@@ -115,7 +115,9 @@ impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
         // that messages that keep the pool busy never starve those.
         let reserved = beside.relay_connections + super::poll::CONNECTIONS;
         let pool_size = pool.options().get_max_connections() as usize;
-        let connections = Connections::start(pool.clone(), pool_size.saturating_sub(reserved));
+        let turns = pool_size.saturating_sub(reserved);
+        let turns = DB::WRITERS_AT_ONCE.map_or(turns, |writers| turns.min(writers));
+        let connections = Connections::start(pool.clone(), turns);
         let bound: Vec<_> = self.routes.into_iter().zip(sources).collect();
         let serving: Vec<_> = self.replies.into_iter().zip(requests).collect();
         // The consumers' and the outbox's gauges, polled beside the routes;

@@ -67,6 +67,12 @@ pub trait Backend: sqlx::Database {
     /// route, by [`Backend::begin_for`].
     type Begin: Clone + Send + Sync + std::fmt::Debug + 'static;
 
+    /// At most this many of a router's transactions run at once (`None`:
+    /// as many as its pool allows). A database that runs one writer at a
+    /// time says 1: more would only wait for its lock, each in the
+    /// database's own busy wait.
+    const WRITERS_AT_ONCE: Option<usize> = None;
+
     // A router's start-up.
 
     /// Asks the server what [`Backend::Session`] holds, and warns, if
