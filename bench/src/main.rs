@@ -866,13 +866,7 @@ fn main() -> ExitCode {
         drop(servers);
         result
     });
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("idem-bench: {e}");
-            ExitCode::from(e.exit_code())
-        }
-    }
+    exit_code(result)
 }
 
 /// `idem-bench sqlite`: a nats-server of its own, no PostgreSQL.
@@ -894,6 +888,11 @@ fn sqlite_main(
         drop(servers);
         result
     });
+    exit_code(result)
+}
+
+/// How the bench exits: 0, or the error's code after printing it.
+fn exit_code(result: Result<(), BenchError>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -52,7 +52,13 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
 ];
 
 fn migrator() -> Migrator {
-    let migrations = MIGRATIONS
+    migrator_of(MIGRATIONS)
+}
+
+/// A migrator of `migrations` ((version, description, SQL), oldest first)
+/// that records them in [`HISTORY_TABLE`]: every database's.
+pub(crate) fn migrator_of(migrations: &[(i64, &'static str, &'static str)]) -> Migrator {
+    let migrations = migrations
         .iter()
         .map(|&(version, description, sql)| {
             Migration::new(

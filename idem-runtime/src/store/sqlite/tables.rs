@@ -6,17 +6,15 @@
 //! older than its retention, in chunks, each chunk a transaction of its own
 //! so that the write lock is held for moments only.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::sqlite::SqliteConnection;
 use sqlx::{Sqlite, SqlitePool, Transaction};
 
 use crate::error::{Error, HandlerError};
-use crate::store::migrations::HISTORY_TABLE;
+use crate::store::migrations::{HISTORY_TABLE, migrator_of};
 use crate::store::purge::{Figures, PurgeReport};
 use crate::store::reads::HandlerRow;
 
@@ -42,27 +40,9 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[(
 /// Claims deleted per transaction by the purge.
 const PURGE_CHUNK: i64 = 1_000;
 
-fn migrator() -> Migrator {
-    let migrations = MIGRATIONS
-        .iter()
-        .map(|&(version, description, sql)| {
-            Migration::new(
-                version,
-                Cow::Borrowed(description),
-                MigrationType::Simple,
-                sqlx::SqlSafeStr::into_sql_str(sql),
-                false,
-            )
-        })
-        .collect();
-    let mut migrator = Migrator::with_migrations(migrations);
-    migrator.dangerous_set_table_name(HISTORY_TABLE);
-    migrator
-}
-
 /// Applies the migrations.
 pub(crate) async fn migrate(pool: &SqlitePool) -> Result<(), Error> {
-    migrator().run(pool).await?;
+    migrator_of(MIGRATIONS).run(pool).await?;
     Ok(())
 }
 
