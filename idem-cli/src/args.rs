@@ -7,10 +7,11 @@ use time::OffsetDateTime;
 /// Operate an idem deployment: the state of its consumers and dedup
 /// tables, its dead letters, its retention and its schema.
 ///
-/// Connects with the same NATS_URL and DATABASE_URL as the services. Prints
-/// tables for people, or JSON with --json. Exits 0 on success, 1 when the
-/// operation failed or did not apply to everything it selected, 2 on a bad
-/// command line.
+/// Connects with the same NATS_URL and DATABASE_URL as the services; the
+/// database URL's scheme chooses PostgreSQL (postgres://) or a SQLite file
+/// (sqlite:). Prints tables for people, or JSON with --json. Exits 0 on
+/// success, 1 when the operation failed or did not apply to everything it
+/// selected, 2 on a bad command line.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, max_term_width = 100)]
 pub struct Cli {
@@ -24,8 +25,11 @@ pub struct Cli {
     )]
     pub nats_url: Option<String>,
 
-    /// The PostgreSQL database with idem's dedup schema, e.g.
-    /// postgres://user@host/db.
+    /// The database with idem's dedup schema: PostgreSQL
+    /// (postgres://user@host/db or postgresql://...) or a SQLite file on this
+    /// machine (sqlite:///absolute/path.db, sqlite://relative/path.db). MySQL
+    /// and MariaDB are not supported yet. A SQLite file is never created,
+    /// except by `idem migrate` when the URL ends in ?mode=rwc.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -50,6 +54,14 @@ pub enum Command {
     /// its handler's claims; per handler: claims and the oldest; the
     /// outbox's pending rows, and those that keep failing with why. Needs
     /// NATS and the database.
+    ///
+    /// On SQLite there is no outbox ("outbox": null with --json); expiry
+    /// names the handlers whose claims outlived their retention; durability
+    /// shows journal_mode and synchronous (synchronous as this command's
+    /// connections have it: each connection sets its own); and "write_lock"
+    /// says whether SQLite's write lock could be taken within 5 s, since
+    /// while another connection holds it no router on the file makes
+    /// progress.
     Status,
 
     /// List, show, replay and discard dead letters. Needs NATS.
@@ -60,15 +72,20 @@ pub enum Command {
     #[command(subcommand)]
     Dedup(Dedup),
 
-    /// Act on the transactional outbox's rows. Needs the database.
+    /// Act on the transactional outbox's rows. Needs the database:
+    /// PostgreSQL, since SQLite has no outbox in this idem.
     #[command(subcommand)]
     Outbox(OutboxAction),
 
-    /// Run the retention purge now: end a generation transition, rotate,
-    /// drop expired generations. Needs the database.
+    /// Run the retention purge now. On PostgreSQL: end a generation
+    /// transition, rotate, drop expired generations. On SQLite: delete each
+    /// handler's claims older than its retention (--json: "deleted"). Needs
+    /// the database.
     Purge,
 
-    /// Create or upgrade idem's dedup schema. Needs the database.
+    /// Create or upgrade idem's dedup schema. Needs the database. A SQLite
+    /// file that does not exist is created only when the URL ends in
+    /// ?mode=rwc.
     Migrate,
 
     /// Check that idem's dedup schema is applied and current. Needs the
@@ -279,7 +296,7 @@ pub enum OutboxAction {
     /// they failed), and restart their back-off: once the cause is fixed
     /// (the stream created, the permission granted, the stream's
     /// max_msg_size raised). A running relay publishes them within about a
-    /// second.
+    /// second. PostgreSQL only: on SQLite it fails and changes nothing.
     Retry {
         /// Only the rows of this subject.
         #[arg(long, value_name = "SUBJECT")]

@@ -1,5 +1,11 @@
-//! Connections to NATS and PostgreSQL, each made only by the commands that
-//! need it, with errors that say which setting to check.
+//! Connections to NATS and the database, each made only by the commands
+//! that need it, with errors that say which setting to check.
+//!
+//! The database URL's scheme chooses the database ([`Database`]):
+//! `postgres://` or `postgresql://` is PostgreSQL, `sqlite:` a SQLite file
+//! on this machine. A SQLite file is never created, except by `idem
+//! migrate` when the URL asks for it (`?mode=rwc`): a mistyped path fails
+//! instead of reading an empty database.
 //!
 //! A URL may hold credentials (`nats://user:password@host`, a NATS token
 //! `nats://token@host`, `postgres://user:password@host/db`, or
@@ -7,18 +13,24 @@
 //! which replaces them with `***`, and pass through [`scrub`], which removes
 //! them from the text of the client's own error too.
 
+use std::path::Path;
+use std::str::FromStr;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use std::str::FromStr;
-
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::{Connection, PgConnection, PgPool, SqliteConnection, SqlitePool};
 
 use crate::output::CliError;
 
 /// How long a connection attempt may take before the command gives up.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What `--database-url` may name, for the hints.
+const SUPPORTED: &str = "DATABASE_URL (or --database-url) must name PostgreSQL \
+    (postgres://USER[:PASSWORD]@HOST[:PORT]/DB, or postgresql://...) or a SQLite file \
+    (sqlite:///ABSOLUTE/PATH.db, sqlite://RELATIVE/PATH.db)";
 
 /// A JetStream context on the server at `url`.
 pub async fn nats(url: Option<&str>) -> Result<jetstream::Context, CliError> {
@@ -44,15 +56,91 @@ pub async fn nats(url: Option<&str>) -> Result<jetstream::Context, CliError> {
     Ok(jetstream::new(client))
 }
 
-/// A small pool on the database at `url`, after one connection proved it
-/// reachable (so that a failure shows the real cause, not a pool timeout).
-pub async fn database(url: Option<&str>) -> Result<PgPool, CliError> {
+/// The database a command works on, as the URL's scheme chose it.
+pub enum Database {
+    /// PostgreSQL (`postgres://`, `postgresql://`).
+    Postgres(PgPool),
+    /// A SQLite file on this machine (`sqlite:`).
+    Sqlite(SqlitePool),
+}
+
+/// Runs `$body` with `$pool` bound to the pool of either database: for the
+/// runtime's functions that are generic over it (`status::handlers`,
+/// `schema::verify`, `expiry::purge`, ...), called once for both.
+macro_rules! with_pool {
+    ($database:expr, $pool:ident => $body:expr) => {
+        match $database {
+            $crate::connect::Database::Postgres($pool) => $body,
+            $crate::connect::Database::Sqlite($pool) => $body,
+        }
+    };
+}
+pub(crate) use with_pool;
+
+/// Which database a URL names, by its scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scheme {
+    Postgres,
+    Sqlite,
+}
+
+/// Whether a missing SQLite file may be created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Create {
+    /// Never: every command but `idem migrate`.
+    Never,
+    /// When the URL asks for it (`?mode=rwc`): `idem migrate`.
+    IfTheUrlAsks,
+}
+
+/// The database at `url`, after one connection proved it reachable (so
+/// that a failure shows the real cause, not a pool timeout).
+pub async fn database(url: Option<&str>, create: Create) -> Result<Database, CliError> {
     let url = url.ok_or_else(|| {
         CliError::usage(
             "this command needs the database, and none was given",
-            "set DATABASE_URL or pass --database-url postgres://USER@HOST/DB",
+            "set DATABASE_URL or pass --database-url postgres://USER@HOST/DB (or sqlite:///PATH/TO/FILE.db)",
         )
     })?;
+    match scheme(url)? {
+        Scheme::Postgres => postgres(url).await.map(Database::Postgres),
+        Scheme::Sqlite => sqlite(url, create).await.map(Database::Sqlite),
+    }
+}
+
+/// The dedup schema must be there before anything reads it.
+pub async fn verified_database(url: Option<&str>) -> Result<Database, CliError> {
+    let database = database(url, Create::Never).await?;
+    crate::maintenance::verify_schema(&database).await?;
+    Ok(database)
+}
+
+/// The database `url`'s scheme names; a usage error for any other.
+fn scheme(url: &str) -> Result<Scheme, CliError> {
+    let scheme = url
+        .split_once(':')
+        .map(|(scheme, _)| scheme.to_ascii_lowercase());
+    match scheme.as_deref() {
+        Some("postgres" | "postgresql") => Ok(Scheme::Postgres),
+        Some("sqlite") => Ok(Scheme::Sqlite),
+        Some(scheme @ ("mysql" | "mariadb")) => Err(CliError::usage(
+            format!(
+                "the database URL names {scheme}, and MySQL and MariaDB are not supported yet: idem runs on PostgreSQL and SQLite"
+            ),
+            SUPPORTED,
+        )),
+        _ => Err(CliError::usage(
+            format!(
+                "the database URL {} does not start with a scheme idem supports (postgres://, postgresql:// or sqlite:)",
+                redact(url)
+            ),
+            SUPPORTED,
+        )),
+    }
+}
+
+/// A small pool on the PostgreSQL database at `url`.
+async fn postgres(url: &str) -> Result<PgPool, CliError> {
     // The URL may hold a password: errors never print it.
     let options = PgConnectOptions::from_str(url).map_err(|error| {
         CliError::usage(
@@ -81,11 +169,88 @@ pub async fn database(url: Option<&str>) -> Result<PgPool, CliError> {
         .connect_lazy_with(options))
 }
 
-/// The dedup schema must be there before anything reads it.
-pub async fn verified_database(url: Option<&str>) -> Result<PgPool, CliError> {
-    let pool = database(url).await?;
-    crate::maintenance::verify_schema(&pool).await?;
-    Ok(pool)
+/// A small pool on the SQLite file `url` names, which must exist unless
+/// `create` allows and the URL asks (`?mode=rwc`) to create it. The file's
+/// `journal_mode` and the services' settings are left as they are.
+async fn sqlite(url: &str, create: Create) -> Result<SqlitePool, CliError> {
+    // `SqliteConnectOptions` strips a lower-case scheme only.
+    let rest = &url["sqlite:".len()..];
+    let (file, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let parameter = |name: &str| {
+        query
+            .split('&')
+            .filter_map(|pair| pair.split_once('='))
+            .find(|(key, _)| *key == name)
+            .map(|(_, value)| value)
+    };
+    if matches!(file.trim_start_matches("//"), "" | ":memory:")
+        || parameter("mode") == Some("memory")
+    {
+        return Err(CliError::usage(
+            format!(
+                "the database URL {} names no file: an in-memory SQLite database lives and dies with the process that opened it, so no other process can read it",
+                redact(url)
+            ),
+            "point DATABASE_URL (or --database-url) at the services' database file, sqlite:///ABSOLUTE/PATH.db",
+        ));
+    }
+    let creates = create == Create::IfTheUrlAsks && parameter("mode") == Some("rwc");
+    let options = SqliteConnectOptions::from_str(&format!("sqlite:{rest}"))
+        .map_err(|error| {
+            CliError::usage(
+                scrub(&format!("the database URL does not parse: {error}"), url),
+                SUPPORTED,
+            )
+        })?
+        .create_if_missing(creates);
+    let path = options.get_filename().to_owned();
+    if !creates && !path.exists() {
+        return Err(missing_file(&path, create));
+    }
+    let cannot_open = |cause: String| {
+        CliError::new(
+            scrub(
+                &format!(
+                    "cannot open the SQLite database {}: {cause}",
+                    path.display()
+                ),
+                url,
+            ),
+            "check that this user may read and write the file and its directory (in WAL mode SQLite keeps -wal and -shm files beside it)",
+        )
+    };
+    let probe = tokio::time::timeout(CONNECT_TIMEOUT, SqliteConnection::connect_with(&options))
+        .await
+        .map_err(|_| cannot_open(format!("not opened within {CONNECT_TIMEOUT:?}")))?
+        .map_err(|error| cannot_open(error.to_string()))?;
+    let _ = probe.close().await;
+    Ok(SqlitePoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(CONNECT_TIMEOUT)
+        .connect_lazy_with(options))
+}
+
+/// A SQLite file that is not there, with how to make it if that was meant.
+fn missing_file(path: &Path, create: Create) -> CliError {
+    let relative = if path.is_relative() {
+        match std::env::current_dir() {
+            Ok(dir) => format!(" (a relative path: from {})", dir.display()),
+            Err(_) => " (a relative path)".to_owned(),
+        }
+    } else {
+        String::new()
+    };
+    CliError::new(
+        format!("no such database file: {}{relative}", path.display()),
+        match create {
+            Create::Never => {
+                "check that DATABASE_URL (or --database-url) names the services' file: sqlite:///ABSOLUTE/PATH.db, or sqlite://RELATIVE/PATH.db; `idem` never creates one, except `idem migrate` with ?mode=rwc at the end of the URL"
+            }
+            Create::IfTheUrlAsks => {
+                "check the path; to create a new database there, add ?mode=rwc to the end of the URL"
+            }
+        },
+    )
 }
 
 /// Query parameters whose value is a secret.
@@ -255,6 +420,40 @@ mod tests {
             ),
         ] {
             assert_eq!(redact(url), shown, "{url}");
+        }
+    }
+
+    #[test]
+    fn the_scheme_chooses_the_database_and_names_what_is_supported() {
+        for (url, expected) in [
+            ("postgres://alice@h/db", Scheme::Postgres),
+            ("postgresql://h/db", Scheme::Postgres),
+            ("POSTGRES://h/db", Scheme::Postgres),
+            ("sqlite:///var/lib/ledger.db", Scheme::Sqlite),
+            ("sqlite://ledger.db", Scheme::Sqlite),
+            ("sqlite:ledger.db?mode=rwc", Scheme::Sqlite),
+        ] {
+            assert_eq!(scheme(url).unwrap(), expected, "{url}");
+        }
+        for url in ["mysql://alice:pw@h/db", "mariadb://h/db"] {
+            let error = scheme(url).unwrap_err();
+            assert_eq!(error.exit_code(), 2);
+            assert!(
+                error
+                    .message
+                    .contains("MySQL and MariaDB are not supported yet"),
+                "{error:?}"
+            );
+            assert!(!error.render().contains("pw"), "{error:?}");
+        }
+        for url in ["localhost/db", "alice:pw@h/db", "redis://h"] {
+            let error = scheme(url).unwrap_err();
+            assert_eq!(error.exit_code(), 2);
+            assert!(
+                error.render().contains("postgres://") && error.render().contains("sqlite:"),
+                "{error:?}"
+            );
+            assert!(!error.render().contains(":pw@"), "{error:?}");
         }
     }
 

@@ -3,7 +3,8 @@
 //! A thin layer over the runtime's public functions
 //! (`idem_runtime::status`, `idem_runtime::dead_letter`,
 //! `idem_runtime::retention::expiry`, `idem_runtime::schema`, `idem_runtime::outbox`):
-//! whatever it shows or does, a program can do with the library too. See
+//! whatever it shows or does, a program can do with the library too. The
+//! database URL's scheme chooses PostgreSQL or SQLite (`connect.rs`). See
 //! `idem --help`, and the guide's "Operating" chapter (`idem_runtime::guide::operating`).
 
 mod args;
@@ -21,6 +22,7 @@ use clap::Parser;
 use idem_runtime::dead_letter::ReplayOptions;
 
 use crate::args::{Cli, Command, DeadLetterAction, Dedup, OutboxAction};
+use crate::connect::Create;
 use crate::dead_letters::ReplaySettings;
 use crate::output::{CliError, Report};
 
@@ -75,9 +77,9 @@ async fn run(cli: Cli) -> Result<Report, CliError> {
     let database_url = cli.database_url.as_deref();
     match cli.command {
         Command::Status => {
-            let pool = connect::verified_database(database_url).await?;
+            let database = connect::verified_database(database_url).await?;
             let js = connect::nats(nats_url).await?;
-            status::status(&js, &pool).await
+            status::status(&js, &database).await
         }
         Command::DeadLetters(dead) => {
             let js = connect::nats(nats_url).await?;
@@ -121,24 +123,24 @@ async fn run(cli: Cli) -> Result<Report, CliError> {
             handler,
             message_id,
         }) => {
-            let pool = connect::verified_database(database_url).await?;
-            status::check(&pool, &handler, &message_id).await
+            let database = connect::verified_database(database_url).await?;
+            status::check(&database, &handler, &message_id).await
         }
         Command::Outbox(OutboxAction::Retry { subject }) => {
-            let pool = connect::verified_database(database_url).await?;
-            outbox::retry(&pool, subject.as_deref()).await
+            let database = connect::verified_database(database_url).await?;
+            outbox::retry(&database, subject.as_deref()).await
         }
         Command::Purge => {
-            let pool = connect::verified_database(database_url).await?;
-            maintenance::purge(&pool).await
+            let database = connect::verified_database(database_url).await?;
+            maintenance::purge(&database).await
         }
         Command::Migrate => {
-            let pool = connect::database(database_url).await?;
-            maintenance::migrate(&pool).await
+            let database = connect::database(database_url, Create::IfTheUrlAsks).await?;
+            maintenance::migrate(&database).await
         }
         Command::Verify => {
-            let pool = connect::database(database_url).await?;
-            maintenance::verify(&pool).await
+            let database = connect::database(database_url, Create::Never).await?;
+            maintenance::verify(&database).await
         }
     }
 }

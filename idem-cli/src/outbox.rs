@@ -1,15 +1,25 @@
 //! `idem outbox retry`: failing outbox rows retried now, once the cause of
 //! their failures is fixed, rather than after their back-off (up to the
-//! relay's `max_row_backoff`, 60 s by default).
+//! relay's `max_row_backoff`, 60 s by default). PostgreSQL's only: SQLite
+//! has no outbox in this idem.
 
 use idem_runtime::outbox;
 use serde_json::json;
-use sqlx::PgPool;
 
+use crate::connect::Database;
 use crate::output::{CliError, Report};
 
 /// `idem outbox retry [--subject SUBJECT]`.
-pub async fn retry(pool: &PgPool, subject: Option<&str>) -> Result<Report, CliError> {
+pub async fn retry(database: &Database, subject: Option<&str>) -> Result<Report, CliError> {
+    let pool = match database {
+        Database::Postgres(pool) => pool,
+        Database::Sqlite(_) => {
+            return Err(CliError::new(
+                "SQLite has no outbox in this idem: there are no outbox rows to retry, and nothing was changed",
+                "the outbox and its relay are PostgreSQL's only so far (a router on SQLite runs no relay); `idem status` shows the rest",
+            ));
+        }
+    };
     let rows = outbox::retry_failing(pool, subject).await.map_err(|error| {
         CliError::new(
             format!("making the failing outbox rows due failed: {error}"),

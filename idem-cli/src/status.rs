@@ -1,72 +1,166 @@
-//! `idem status` and `idem dedup check`.
+//! `idem status` and `idem dedup check`, on PostgreSQL or SQLite.
+//!
+//! Consumers (from NATS) and the handlers' claims read the same on both.
+//! The rest is each database's own: on PostgreSQL the generations' expiry,
+//! the outbox and `synchronous_commit`; on SQLite, which has no outbox,
+//! the claims past their retention, `journal_mode` and `synchronous`, and
+//! whether the write lock that every claim takes can be taken.
 
 use async_nats::jetstream;
 use idem_runtime::retention::expiry::Transition;
-use idem_runtime::status::ExpiryStatus;
+use idem_runtime::status::sqlite::WriteLock;
+use idem_runtime::status::{ExpiryStatus, HandlerStatus};
 use idem_runtime::{outbox, status};
 use serde_json::{Value, json};
-use sqlx::PgPool;
+use sqlx::{PgPool, SqlitePool};
 
+use crate::connect::{CONNECT_TIMEOUT, Database, with_pool};
 use crate::output::{self, CliError, Report, human, or_dash, retention, rfc3339_exact};
 
-/// `idem status`: the consumers (from NATS), the handlers' claims, expiry
-/// and the outbox, with the rows that keep failing and why (from the
-/// database).
-pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, CliError> {
+/// `idem status`: the consumers (from NATS), the handlers' claims, and
+/// what the database says of expiry, the outbox and durability.
+pub async fn status(js: &jetstream::Context, database: &Database) -> Result<Report, CliError> {
     let consumers = status::consumers(js).await.map_err(|error| {
         CliError::new(
             error.to_string(),
             "check that NATS_URL names the services' NATS server",
         )
     })?;
-    let handlers = status::handlers(pool).await.map_err(database_error)?;
+    let handlers =
+        with_pool!(database, pool => status::handlers(pool).await).map_err(database_error)?;
+    let claims = Claims {
+        consumers: &consumers,
+        handlers: &handlers,
+    };
+    match database {
+        Database::Postgres(pool) => postgres_status(pool, &claims).await,
+        Database::Sqlite(pool) => sqlite_status(pool, &claims).await,
+    }
+}
+
+/// What `idem status` shows the same on every database.
+struct Claims<'a> {
+    consumers: &'a [status::ConsumerStatus],
+    handlers: &'a [HandlerStatus],
+}
+
+impl Claims<'_> {
+    fn handler(&self, name: Option<&str>) -> Option<&HandlerStatus> {
+        name.and_then(|name| self.handlers.iter().find(|handler| handler.name == name))
+    }
+
+    fn consumers_json(&self) -> Vec<Value> {
+        self.consumers
+            .iter()
+            .map(|consumer| {
+                let claims = self.handler(consumer.handler.as_deref());
+                json!({
+                    "stream": consumer.stream,
+                    "durable": consumer.durable,
+                    "handler": consumer.handler,
+                    "pending": consumer.pending,
+                    "ack_pending": consumer.ack_pending,
+                    "redelivered": consumer.redelivered,
+                    "waiting": consumer.waiting,
+                    "retention_seconds": consumer.retention.map(|r| r.as_secs_f64()),
+                    "dead_letter_subject": consumer.dead_letter_subject,
+                    "dead_letters": consumer.dead_letters,
+                    "pull_batch": consumer.pull_batch,
+                    "max_batch": consumer.max_batch,
+                    "pull_capped": consumer.pull_capped(),
+                    "paused_seconds": consumer.paused_for.map(|left| left.as_secs_f64()),
+                    "claims": claims.map(|h| h.claims),
+                    "oldest_claim_age_seconds": claims.and_then(|h| h.oldest_age).map(|a| a.as_secs_f64()),
+                })
+            })
+            .collect()
+    }
+
+    fn handlers_json(&self) -> Vec<Value> {
+        self.handlers
+            .iter()
+            .map(|handler| {
+                json!({
+                    "name": handler.name,
+                    "retention_seconds": handler.retention.map(|r| r.as_secs_f64()),
+                    "claims": handler.claims,
+                    "oldest_claim": handler.oldest_claim.map(rfc3339_exact),
+                    "oldest_claim_age_seconds": handler.oldest_age.map(|a| a.as_secs_f64()),
+                })
+            })
+            .collect()
+    }
+
+    /// The consumers' table and its warnings, then the handlers' table.
+    fn text(&self) -> String {
+        let mut text = String::new();
+        if self.consumers.is_empty() {
+            text.push_str("no idem consumers on this NATS server (a route creates its consumer when its router starts)\n");
+        } else {
+            let mut table = output::table([
+                "CONSUMER",
+                "HANDLER",
+                "PENDING",
+                "ACK PENDING",
+                "REDELIVERED",
+                "DEAD LETTERS",
+                "CLAIMS",
+                "OLDEST CLAIM",
+            ]);
+            for consumer in self.consumers {
+                let claims = self.handler(consumer.handler.as_deref());
+                table.add_row([
+                    format!("{}/{}", consumer.stream, consumer.durable),
+                    or_dash(consumer.handler.as_deref()),
+                    consumer.pending.to_string(),
+                    consumer.ack_pending.to_string(),
+                    consumer.redelivered.to_string(),
+                    or_dash(consumer.dead_letters),
+                    or_dash(claims.map(|h| h.claims)),
+                    or_dash(claims.and_then(|h| h.oldest_age).map(human)),
+                ]);
+            }
+            text.push_str(&output::render(&table));
+            text.push('\n');
+            for line in pull_lines(self.consumers)
+                .into_iter()
+                .chain(pause_lines(self.consumers))
+            {
+                text.push_str(&line);
+                text.push('\n');
+            }
+            text.push('\n');
+        }
+        if self.handlers.is_empty() {
+            text.push_str("no handlers registered in the dedup schema yet\n");
+        } else {
+            let mut table = output::table(["HANDLER", "RETENTION", "CLAIMS", "OLDEST CLAIM"]);
+            for handler in self.handlers {
+                table.add_row([
+                    handler.name.clone(),
+                    retention(handler.retention),
+                    handler.claims.to_string(),
+                    or_dash(handler.oldest_age.map(human)),
+                ]);
+            }
+            text.push_str(&output::render(&table));
+            text.push_str("\n\n");
+        }
+        text
+    }
+}
+
+/// `idem status` on PostgreSQL: expiry by generations, the outbox with the
+/// rows that keep failing and why, and `synchronous_commit`.
+async fn postgres_status(pool: &PgPool, claims: &Claims<'_>) -> Result<Report, CliError> {
     let lag = outbox::lag(pool).await.map_err(database_error)?;
     let notify = status::outbox_notify(pool).await.map_err(database_error)?;
     let expiry = status::expiry(pool).await.map_err(database_error)?;
     let durability = status::durability(pool).await.map_err(database_error)?;
 
-    let handler = |name: Option<&str>| {
-        name.and_then(|name| handlers.iter().find(|handler| handler.name == name))
-    };
-    let consumers_json: Vec<Value> = consumers
-        .iter()
-        .map(|consumer| {
-            let claims = handler(consumer.handler.as_deref());
-            json!({
-                "stream": consumer.stream,
-                "durable": consumer.durable,
-                "handler": consumer.handler,
-                "pending": consumer.pending,
-                "ack_pending": consumer.ack_pending,
-                "redelivered": consumer.redelivered,
-                "waiting": consumer.waiting,
-                "retention_seconds": consumer.retention.map(|r| r.as_secs_f64()),
-                "dead_letter_subject": consumer.dead_letter_subject,
-                "dead_letters": consumer.dead_letters,
-                "pull_batch": consumer.pull_batch,
-                "max_batch": consumer.max_batch,
-                "pull_capped": consumer.pull_capped(),
-                "paused_seconds": consumer.paused_for.map(|left| left.as_secs_f64()),
-                "claims": claims.map(|h| h.claims),
-                "oldest_claim_age_seconds": claims.and_then(|h| h.oldest_age).map(|a| a.as_secs_f64()),
-            })
-        })
-        .collect();
-    let handlers_json: Vec<Value> = handlers
-        .iter()
-        .map(|handler| {
-            json!({
-                "name": handler.name,
-                "retention_seconds": handler.retention.map(|r| r.as_secs_f64()),
-                "claims": handler.claims,
-                "oldest_claim": handler.oldest_claim.map(rfc3339_exact),
-                "oldest_claim_age_seconds": handler.oldest_age.map(|a| a.as_secs_f64()),
-            })
-        })
-        .collect();
     let json = json!({
-        "consumers": consumers_json,
-        "handlers": handlers_json,
+        "consumers": claims.consumers_json(),
+        "handlers": claims.handlers_json(),
         "outbox": {
             "pending": lag.pending,
             "oldest_age_seconds": lag.oldest.as_secs_f64(),
@@ -94,59 +188,7 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
         },
     });
 
-    let mut text = String::new();
-    if consumers.is_empty() {
-        text.push_str("no idem consumers on this NATS server (a route creates its consumer when its router starts)\n");
-    } else {
-        let mut table = output::table([
-            "CONSUMER",
-            "HANDLER",
-            "PENDING",
-            "ACK PENDING",
-            "REDELIVERED",
-            "DEAD LETTERS",
-            "CLAIMS",
-            "OLDEST CLAIM",
-        ]);
-        for consumer in &consumers {
-            let claims = handler(consumer.handler.as_deref());
-            table.add_row([
-                format!("{}/{}", consumer.stream, consumer.durable),
-                or_dash(consumer.handler.as_deref()),
-                consumer.pending.to_string(),
-                consumer.ack_pending.to_string(),
-                consumer.redelivered.to_string(),
-                or_dash(consumer.dead_letters),
-                or_dash(claims.map(|h| h.claims)),
-                or_dash(claims.and_then(|h| h.oldest_age).map(human)),
-            ]);
-        }
-        text.push_str(&output::render(&table));
-        text.push('\n');
-        for line in pull_lines(&consumers)
-            .into_iter()
-            .chain(pause_lines(&consumers))
-        {
-            text.push_str(&line);
-            text.push('\n');
-        }
-        text.push('\n');
-    }
-    if handlers.is_empty() {
-        text.push_str("no handlers registered in the dedup schema yet\n");
-    } else {
-        let mut table = output::table(["HANDLER", "RETENTION", "CLAIMS", "OLDEST CLAIM"]);
-        for handler in &handlers {
-            table.add_row([
-                handler.name.clone(),
-                retention(handler.retention),
-                handler.claims.to_string(),
-                or_dash(handler.oldest_age.map(human)),
-            ]);
-        }
-        text.push_str(&output::render(&table));
-        text.push_str("\n\n");
-    }
+    let mut text = claims.text();
     for line in expiry_lines(&expiry) {
         text.push_str(&line);
         text.push('\n');
@@ -221,6 +263,92 @@ pub async fn status(js: &jetstream::Context, pool: &PgPool) -> Result<Report, Cl
     Ok(Report::done(json, text))
 }
 
+/// `idem status` on SQLite: no outbox; the handlers whose claims outlived
+/// their retention; `journal_mode` and `synchronous`; and whether SQLite's
+/// write lock can be taken, since while another connection holds it no
+/// router on the file makes progress.
+async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report, CliError> {
+    let durability = status::sqlite::durability(pool)
+        .await
+        .map_err(database_error)?;
+    let write_lock = status::sqlite::write_lock(pool, CONNECT_TIMEOUT)
+        .await
+        .map_err(database_error)?;
+    let longest = claims
+        .handlers
+        .iter()
+        .filter_map(|handler| handler.retention)
+        .max();
+    let overdue = status::sqlite::overdue(claims.handlers);
+
+    let json = json!({
+        "consumers": claims.consumers_json(),
+        "handlers": claims.handlers_json(),
+        "outbox": null,
+        "expiry": {
+            "retention_seconds": longest.map(|r| r.as_secs_f64()),
+            "behind": !overdue.is_empty(),
+            "overdue": overdue.iter().map(|late| json!({
+                "handler": late.handler,
+                "retention_seconds": late.retention.as_secs_f64(),
+                "oldest_claim_age_seconds": late.oldest_age.as_secs_f64(),
+                "overdue_seconds": late.overdue.as_secs_f64(),
+            })).collect::<Vec<_>>(),
+        },
+        "database_durability": {
+            "journal_mode": durability.journal_mode,
+            "synchronous": durability.synchronous,
+            "warnings": durability.warnings,
+        },
+        "write_lock": match &write_lock {
+            WriteLock::Free => json!({ "state": "free" }),
+            WriteLock::Held { waited } => {
+                json!({ "state": "held", "waited_seconds": waited.as_secs_f64() })
+            }
+            WriteLock::NotChecked(reason) => json!({ "state": "not-checked", "reason": reason }),
+            _ => json!({ "state": "unknown" }),
+        },
+    });
+
+    let mut text = claims.text();
+    if longest.is_none() {
+        text.push_str("expiry: no handler lets its claims expire\n");
+    } else if overdue.is_empty() {
+        text.push_str(&format!(
+            "expiry: each purge deletes the claims past their handler's retention (SQLite has no generations), on time; the longest retention {}\n",
+            retention(longest)
+        ));
+    }
+    for late in &overdue {
+        text.push_str(&format!(
+            "expiry behind: `{}`'s oldest claim is {} old, {} past its retention {}: is a router with a retention, or a cron job of `idem purge`, running?\n",
+            late.handler,
+            human(late.oldest_age),
+            human(late.overdue),
+            retention(Some(late.retention)),
+        ));
+    }
+    text.push_str("outbox: none (SQLite has no outbox in this idem)");
+    text.push_str(&format!(
+        "\ndatabase durability: journal_mode {}, synchronous {} (this command's connections: each connection sets its own, and a service's start-up warns when its own is below FULL)",
+        durability.journal_mode, durability.synchronous,
+    ));
+    for warning in &durability.warnings {
+        text.push_str(&format!("\n  warning: {warning}"));
+    }
+    text.push_str(&match &write_lock {
+        WriteLock::Free => "\nwrite lock: free (taken and given back at once)".to_owned(),
+        WriteLock::Held { waited } => format!(
+            "\nwrite lock: held by another connection for the {} this command waited\n  warning: every message's transaction takes SQLite's write lock at BEGIN, so while it is held no router on this file makes progress and messages are held; a transaction left open elsewhere (another process, an sqlite3 shell) or a handler that runs this long holds it (SQLite does not say which)",
+            human(*waited)
+        ),
+        WriteLock::NotChecked(reason) => {
+            format!("\nwrite lock: not checked: this command cannot write to the file (mode=ro in the URL, or the file is read-only to this user): {reason}")
+        }
+        _ => "\nwrite lock: unknown".to_owned(),
+    });
+    Ok(Report::done(json, text))
+}
 /// A line for each consumer an operator paused: its route gets nothing
 /// until the pause ends.
 fn pause_lines(consumers: &[status::ConsumerStatus]) -> Vec<String> {
@@ -372,8 +500,13 @@ pub(crate) fn transition_lines(transition: &Transition) -> Vec<String> {
 }
 
 /// `idem dedup check <handler> <message-id>`.
-pub async fn check(pool: &PgPool, handler: &str, message_id: &str) -> Result<Report, CliError> {
-    let names = status::handler_names(pool).await.map_err(database_error)?;
+pub async fn check(
+    database: &Database,
+    handler: &str,
+    message_id: &str,
+) -> Result<Report, CliError> {
+    let names =
+        with_pool!(database, pool => status::handler_names(pool).await).map_err(database_error)?;
     if !names.iter().any(|name| name == handler) {
         return Err(CliError::new(
             format!("no handler named `{handler}` has ever run against this database"),
@@ -385,16 +518,20 @@ pub async fn check(pool: &PgPool, handler: &str, message_id: &str) -> Result<Rep
             },
         ));
     }
-    let claim = status::processed(pool, handler, message_id)
-        .await
+    let claim = with_pool!(database, pool => status::processed(pool, handler, message_id).await)
         .map_err(database_error)?;
+    // SQLite keeps its claims in one table: no generation to name.
+    let generation = claim
+        .as_ref()
+        .filter(|_| matches!(database, Database::Postgres(_)))
+        .map(|c| c.generation);
     let json = json!({
         "handler": handler,
         "message_id": message_id,
         "processed": claim.is_some(),
         "claimed_at": claim.as_ref().map(|c| rfc3339_exact(c.claimed_at)),
         "age_seconds": claim.as_ref().map(|c| c.age.as_secs_f64()),
-        "generation": claim.as_ref().map(|c| c.generation),
+        "generation": generation,
         "has_result": claim.as_ref().map(|c| c.has_result),
     });
     let text = match &claim {

@@ -314,3 +314,191 @@ pub async fn durability(pool: &PgPool) -> Result<Durability, sqlx::Error> {
         standbys: settings.standbys,
     })
 }
+
+/// What `idem status` reads of a SQLite database besides its claims
+/// (feature `sqlite`): how durable its commits are, whether its write lock
+/// can be taken, which migration it is at, and the handlers whose claims
+/// the purge is late to delete. SQLite has no server: these are read through
+/// the pool's own connections, and what is a setting of each connection
+/// (`synchronous`) is this pool's, not a service's.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+/// use std::time::Duration;
+/// use idem_runtime::status::sqlite::{self, WriteLock};
+///
+/// for warning in sqlite::durability(&pool).await?.warnings {
+///     eprintln!("{warning}");
+/// }
+/// if let WriteLock::Held { waited } = sqlite::write_lock(&pool, Duration::from_secs(5)).await? {
+///     eprintln!("the write lock stayed taken for {waited:?}: every claim waits");
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "sqlite")]
+pub mod sqlite {
+    use std::time::Duration;
+
+    use sqlx::SqlitePool;
+
+    use super::HandlerStatus;
+    use crate::store::sqlite::Settings;
+    pub use crate::store::sqlite::WriteLock;
+
+    /// How durable SQLite makes the commits idem acks after, with the
+    /// warnings a router's start-up gives about the same settings.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    #[non_exhaustive]
+    pub struct Durability {
+        /// `journal_mode`, lower case: `wal` is kept in the file, so it is
+        /// every connection's; any other mode is this pool's connections'.
+        pub journal_mode: String,
+        /// `synchronous` of this pool's connections: `off`, `normal`,
+        /// `full` or `extra`. Each connection sets its own, so a service's
+        /// may differ (its start-up warns when its own is below `full`).
+        pub synchronous: String,
+        /// What can lose acked commits, or slow them: empty when nothing.
+        pub warnings: Vec<String>,
+    }
+
+    /// Reads [`Durability`] on one of `pool`'s connections.
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+    /// let durability = idem_runtime::status::sqlite::durability(&pool).await?;
+    /// println!("journal_mode {}, synchronous {}", durability.journal_mode, durability.synchronous);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn durability(pool: &SqlitePool) -> Result<Durability, sqlx::Error> {
+        let mut connection = pool.acquire().await?;
+        let settings = Settings::read(&mut connection).await?;
+        Ok(Durability {
+            warnings: settings.warnings("this command's"),
+            synchronous: settings.synchronous_name(),
+            journal_mode: settings.journal_mode,
+        })
+    }
+
+    /// Takes SQLite's write lock (`BEGIN IMMEDIATE`) on one of `pool`'s
+    /// connections, waiting up to `wait` for it, and rolls back at once:
+    /// nothing is written. A read-only connection's `BEGIN IMMEDIATE`
+    /// takes no lock, so a write that changes nothing (`DELETE FROM
+    /// idem_claims WHERE false`) tells one apart: the pool must be on a
+    /// database with idem's schema. The connection is closed afterwards,
+    /// since its busy timeout was changed for the probe.
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+    /// use idem_runtime::status::sqlite::{WriteLock, write_lock};
+    ///
+    /// let free = write_lock(&pool, std::time::Duration::from_secs(1)).await? == WriteLock::Free;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn write_lock(pool: &SqlitePool, wait: Duration) -> Result<WriteLock, sqlx::Error> {
+        crate::store::sqlite::write_lock(pool, wait).await
+    }
+
+    /// The newest idem migration applied to the SQLite database, from
+    /// idem's history table; `None` before the first.
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+    /// let version = idem_runtime::status::sqlite::schema_version(&pool).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn schema_version(pool: &SqlitePool) -> Result<Option<i64>, sqlx::Error> {
+        crate::store::sqlite::schema_version(pool).await
+    }
+
+    /// A handler whose oldest claim outlived its retention by more than a
+    /// router's purge lets it: the purge is failing, or no router with a
+    /// retention (and no `idem purge`) runs.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    #[non_exhaustive]
+    pub struct Overdue {
+        /// The handler's name.
+        pub handler: String,
+        /// How long it keeps claims.
+        pub retention: Duration,
+        /// How old its oldest claim is.
+        pub oldest_age: Duration,
+        /// How long past its retention that claim is.
+        pub overdue: Duration,
+    }
+
+    /// The handlers of `handlers` (as [`handlers`](super::handlers) reads
+    /// them) whose oldest claim is past its retention by more than two runs
+    /// of a router's purge and a second: on SQLite, where each purge deletes
+    /// the claims past their handler's retention, expiry is then behind (as
+    /// [`ExpiryStatus::behind`](super::ExpiryStatus::behind) says on
+    /// PostgreSQL). A router purges as often as its longest retention asks;
+    /// the longest of all handlers gives the most slack.
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+    /// let handlers = idem_runtime::status::handlers(&pool).await?;
+    /// for late in idem_runtime::status::sqlite::overdue(&handlers) {
+    ///     eprintln!("{}: claims {:?} past their retention", late.handler, late.overdue);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn overdue(handlers: &[HandlerStatus]) -> Vec<Overdue> {
+        let Some(longest) = handlers
+            .iter()
+            .filter_map(|handler| handler.retention)
+            .max()
+        else {
+            return Vec::new();
+        };
+        let slack = 2 * crate::store::purge::purge_interval(longest) + Duration::from_secs(1);
+        handlers
+            .iter()
+            .filter_map(|handler| {
+                let retention = handler.retention?;
+                let oldest_age = handler.oldest_age?;
+                let overdue = oldest_age.checked_sub(retention)?;
+                (overdue > slack).then(|| Overdue {
+                    handler: handler.name.clone(),
+                    retention,
+                    oldest_age,
+                    overdue,
+                })
+            })
+            .collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        fn handler(name: &str, retention: Option<u64>, oldest: Option<u64>) -> HandlerStatus {
+            HandlerStatus {
+                name: name.to_owned(),
+                retention: retention.map(Duration::from_secs),
+                claims: u64::from(oldest.is_some()),
+                oldest_claim: None,
+                oldest_age: oldest.map(Duration::from_secs),
+            }
+        }
+
+        #[test]
+        fn overdue_handlers_are_those_past_their_retention_and_the_purges_slack() {
+            // An hour's retention: a purge every 60 s, so 121 s of slack.
+            let handlers = [
+                handler("kept", None, Some(100_000)),
+                handler("empty", Some(3600), None),
+                handler("young", Some(3600), Some(3600 + 121)),
+                handler("late", Some(60), Some(60 + 122)),
+            ];
+            let late = overdue(&handlers);
+            assert_eq!(late.len(), 1, "{late:?}");
+            assert_eq!(late[0].handler, "late");
+            assert_eq!(late[0].overdue, Duration::from_secs(122));
+        }
+    }
+}

@@ -11,14 +11,17 @@
 //!   write lock (`transaction.rs`).
 //! - **Expiry** deletes claims older than their handler's retention, in
 //!   chunks (`tables.rs`): there are no generations.
+//! - **What operators read** besides the claims: its durability settings,
+//!   whether its write lock can be taken (`settings.rs`; start-up warns by
+//!   the same rule `idem status` shows).
 //! - **Not here yet**: the outbox and its relay (a router on SQLite runs
-//!   none), the `idem` command, and naming who holds the write lock
-//!   (SQLite does not say).
+//!   none), and naming who holds the write lock (SQLite does not say).
 //!
 //! One database file, on a local disk, shared by the processes of one
 //! machine: SQLite's locks do not hold over a network filesystem. The
 //! guide's SQLite chapter says what differs from PostgreSQL, and why.
 
+mod settings;
 mod tables;
 mod transaction;
 
@@ -34,6 +37,9 @@ use crate::store::connections::Leased;
 use crate::store::purge::{Figures, PurgeReport};
 use crate::store::reads::HandlerRow;
 
+pub use settings::WriteLock;
+pub(crate) use settings::{Settings, write_lock};
+pub(crate) use tables::schema_version;
 pub use transaction::{Begin, Session};
 
 impl Backend for Sqlite {
@@ -47,31 +53,13 @@ impl Backend for Sqlite {
 
     async fn probe(pool: &Pool<Self>, warn: bool) -> Result<Session, sqlx::Error> {
         let mut connection = pool.acquire().await?;
-        let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
-            .fetch_one(&mut *connection)
-            .await?;
-        let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
-            .fetch_one(&mut *connection)
-            .await?;
-        let wal = journal.eq_ignore_ascii_case("wal");
+        let settings = Settings::read(&mut connection).await?;
         if warn {
-            // 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA. NORMAL is durable in a
-            // rollback journal's place only with WAL off; in WAL mode it
-            // can lose the last commits on power loss.
-            if synchronous == 0 || (wal && synchronous < 2) {
+            for warning in settings.warnings("this router's") {
                 tracing::warn!(
-                    synchronous,
-                    journal_mode = %journal,
-                    "SQLite's `synchronous` is below FULL: a power loss can lose commits whose \
-                     messages were acked, and their effects are gone while JetStream redelivers \
-                     nothing; set `SqliteConnectOptions::synchronous(SqliteSynchronous::Full)`"
-                );
-            }
-            if !wal {
-                tracing::warn!(
-                    journal_mode = %journal,
-                    "SQLite is not in WAL mode: readers wait for the writer; set \
-                     `SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal)`"
+                    journal_mode = %settings.journal_mode,
+                    synchronous = %settings.synchronous_name(),
+                    "{warning}"
                 );
             }
         }

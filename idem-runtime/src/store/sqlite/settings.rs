@@ -1,0 +1,160 @@
+//! What a router's start-up and `idem status` read of a SQLite file besides
+//! its claims: the settings that decide whether an acked commit survives a
+//! power loss (one rule for both), and its one write lock.
+
+use std::time::{Duration, Instant};
+
+use sqlx::{AssertSqlSafe, Connection, SqliteConnection, SqlitePool};
+
+/// `journal_mode` and `synchronous`, as one connection sees them: WAL mode
+/// is kept in the file, `synchronous` is each connection's own.
+pub(crate) struct Settings {
+    /// Lower case: `wal`, `delete`, ...
+    pub(crate) journal_mode: String,
+    /// 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA.
+    pub(crate) synchronous: i64,
+}
+
+impl Settings {
+    /// Reads them on `connection`.
+    pub(crate) async fn read(connection: &mut SqliteConnection) -> Result<Settings, sqlx::Error> {
+        let journal_mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+            .fetch_one(&mut *connection)
+            .await?;
+        let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
+            .fetch_one(&mut *connection)
+            .await?;
+        Ok(Settings {
+            journal_mode: journal_mode.to_ascii_lowercase(),
+            synchronous,
+        })
+    }
+
+    /// `synchronous` by name: `off`, `normal`, `full` or `extra`.
+    pub(crate) fn synchronous_name(&self) -> String {
+        match self.synchronous {
+            0 => "off".to_owned(),
+            1 => "normal".to_owned(),
+            2 => "full".to_owned(),
+            3 => "extra".to_owned(),
+            other => other.to_string(),
+        }
+    }
+
+    /// What can lose acked commits, or slow them, as said of `whose`
+    /// connections ("this router's", "this command's"): `synchronous` OFF,
+    /// or below FULL in WAL mode (NORMAL is durable with a rollback journal,
+    /// but in WAL mode a power loss can take the last commits), and a
+    /// journal other than WAL, under which readers wait for the writer.
+    pub(crate) fn warnings(&self, whose: &str) -> Vec<String> {
+        let wal = self.journal_mode == "wal";
+        let mut warnings = Vec::new();
+        if self.synchronous == 0 || (wal && self.synchronous < 2) {
+            warnings.push(format!(
+                "SQLite's `synchronous` is {} on {whose} connections: a power loss can lose \
+                 commits whose messages were acked, and their effects are gone while JetStream \
+                 redelivers nothing; set `SqliteConnectOptions::synchronous(SqliteSynchronous::Full)`",
+                self.synchronous_name().to_ascii_uppercase()
+            ));
+        }
+        if !wal {
+            warnings.push(format!(
+                "SQLite is not in WAL mode (journal_mode {}): readers wait for the writer; set \
+                 `SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal)`",
+                self.journal_mode
+            ));
+        }
+        warnings
+    }
+}
+
+/// Whether SQLite's write lock, one for the whole file, could be taken:
+/// every message's transaction takes it at BEGIN, so while another
+/// connection holds it no router on the file makes progress.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WriteLock {
+    /// Taken and released at once: nothing held it past the wait.
+    Free,
+    /// Still taken by another connection after `waited` (SQLite does not
+    /// say which): a transaction left open in another process or shell, or
+    /// a handler that runs that long.
+    Held {
+        /// How long the probe waited for it.
+        waited: Duration,
+    },
+    /// Not tried: this pool cannot write (opened with `mode=ro`, or the
+    /// file is read-only to this user). SQLite's message.
+    NotChecked(String),
+}
+
+/// Takes the write lock (`BEGIN IMMEDIATE`) on one of `pool`'s
+/// connections, waiting up to `wait`, and rolls back at once: nothing is
+/// written. A read-only connection's `BEGIN IMMEDIATE` takes no lock, so a
+/// write that changes nothing (`DELETE FROM idem_claims WHERE false`) tells
+/// one apart: the file must hold idem's schema. The connection is closed
+/// afterwards, since its busy timeout was changed for the probe.
+pub(crate) async fn write_lock(
+    pool: &SqlitePool,
+    wait: Duration,
+) -> Result<WriteLock, sqlx::Error> {
+    let mut connection = pool.acquire().await?;
+    connection.close_on_drop();
+    let millis = wait.as_millis().min(i32::MAX as u128);
+    sqlx::raw_sql(AssertSqlSafe(format!("PRAGMA busy_timeout = {millis}")))
+        .execute(&mut *connection)
+        .await?;
+    let started = Instant::now();
+    let taken = match connection.begin_with("BEGIN IMMEDIATE").await {
+        Ok(mut tx) => {
+            let wrote = sqlx::query("DELETE FROM idem_claims WHERE false")
+                .execute(&mut *tx)
+                .await;
+            tx.rollback().await?;
+            wrote.map(|_| ())
+        }
+        Err(error) => Err(error),
+    };
+    match taken {
+        Ok(()) => Ok(WriteLock::Free),
+        Err(error) if crate::error::class::is_lock_timeout(&error) => Ok(WriteLock::Held {
+            waited: started.elapsed(),
+        }),
+        Err(sqlx::Error::Database(error)) if is_read_only(error.code().as_deref()) => {
+            Ok(WriteLock::NotChecked(error.message().to_owned()))
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// SQLITE_READONLY and its extended codes.
+fn is_read_only(code: Option<&str>) -> bool {
+    code.and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| code & 0xff == 8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warnings(journal_mode: &str, synchronous: i64) -> Vec<String> {
+        Settings {
+            journal_mode: journal_mode.to_owned(),
+            synchronous,
+        }
+        .warnings("these")
+    }
+
+    #[test]
+    fn synchronous_below_full_in_wal_mode_and_other_journals_are_warned_about() {
+        assert!(warnings("wal", 2).is_empty());
+        assert!(warnings("wal", 3).is_empty());
+        assert!(warnings("wal", 1)[0].contains("`synchronous` is NORMAL on these connections"));
+        assert!(warnings("wal", 0)[0].contains("`synchronous` is OFF"));
+        // NORMAL is durable with a rollback journal; only the journal warns.
+        let delete = warnings("delete", 1);
+        assert_eq!(delete.len(), 1, "{delete:?}");
+        assert!(delete[0].contains("not in WAL mode (journal_mode delete)"));
+        assert_eq!(warnings("delete", 0).len(), 2);
+    }
+}
