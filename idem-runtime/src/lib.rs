@@ -1,4 +1,4 @@
-//! # idem: effectively-once message handling for JetStream and PostgreSQL
+//! # idem: effectively-once JetStream message handling on PostgreSQL or SQLite
 //!
 //! A consumer takes a message from JetStream, writes to its database,
 //! commits, and then crashes before it acks. JetStream redelivers the
@@ -6,9 +6,9 @@
 //! the first attempt is still running, because `ack_wait` expired. idem
 //! closes both gaps.
 //!
-//! A handler runs inside one PostgreSQL transaction whose first statement
-//! *claims* the message: it inserts `(handler, message id)` into a dedup
-//! table with a unique key.
+//! A handler runs inside one PostgreSQL transaction (or SQLite, with the
+//! feature `sqlite`) whose first statement *claims* the message: it inserts
+//! `(handler, message id)` into a dedup table with a unique key.
 //!
 //! - The claim and the business writes commit together, or not at all.
 //! - The message is acked only after the commit.
@@ -16,7 +16,8 @@
 //!   and the message acked.
 //! - A redelivery that races the first attempt waits on the unique key until
 //!   the first attempt commits, then skips. (If the first attempt rolls back,
-//!   the second proceeds.) It never double-applies.
+//!   the second proceeds.) It never double-applies. On SQLite it waits for
+//!   the database's one write lock instead.
 //!
 //! # A handler
 //!
@@ -73,6 +74,7 @@
 //! | [Running at scale](guide::running_at_scale) | many workers, clusters, per-key ordering |
 //! | [Operating](guide::operating) | counters, the `idem` command, metrics, tracing |
 //! | [Performance](guide::performance) | the benchmarks |
+//! | [SQLite](guide/sqlite/index.html) (feature `sqlite`) | handlers on a SQLite file with `Router::sqlite`, and what differs from PostgreSQL |
 //!
 //! # A map of the crate
 //!
@@ -119,6 +121,7 @@
 //! |---|---|---|
 //! | `prost` | off | `codec = protobuf`: `codec::Protobuf` for any `prost::Message` |
 //! | `otel` | off | trace context across services, through the outbox too (`idem_runtime::trace`) |
+//! | `sqlite` | off | handlers on a SQLite file: `Router::sqlite`, `status::sqlite` and the guide's SQLite chapter; no outbox there yet |
 //! | `fault-injection` | off | hooks the integration tests use to inject faults; never in production |
 //!
 //! idem re-exports the [`sqlx`] and [`async_nats`] it is built on, so that

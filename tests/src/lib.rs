@@ -45,6 +45,9 @@
 //! - [`pg_proxy`] and [`fault_proxy`]: proxies that cut a COMMIT, or pause,
 //!   drop and reset connections.
 //! - [`ack_events`]: every ack JetStream receives, parsed, with a probe.
+//! - [`sqlite`]: SQLite files opened as the guide asks.
+//! - [`worker_process`]: a worker binary run as a child process, its
+//!   journal read back, SIGKILLed or held between COMMIT and ack.
 //! - [`eventually`]: the one way to wait for a condition.
 //!
 //! # Environment
@@ -71,6 +74,8 @@ pub mod fault_proxy;
 mod logs;
 pub mod scenario;
 pub mod seeded;
+pub mod sqlite;
+pub mod worker_process;
 
 use async_nats::jetstream;
 use tokio::sync::OnceCell;

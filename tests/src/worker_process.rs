@@ -1,4 +1,5 @@
-//! The `chaos_worker` binary as a child process of the test: start it, read
+//! A worker binary as a child process of the test (`chaos_worker` for the
+//! chaos suite, `sqlite_worker` for the SQLite kill run): start it, read
 //! the JSON lines it prints (stats, and the journal of its messages), hold a
 //! commit before its ack, SIGKILL or SIGTERM it.
 
@@ -13,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-/// One line the worker printed (see `src/bin/chaos_worker.rs`): a stats
+/// One line the worker printed (see `src/bin/chaos_worker.rs`; fields a
+/// worker does not print stay zero): a stats
 /// report, or a journal line (`begin`, `committed`, `held`) with `id`,
 /// `delivered` and `seq` set.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -128,7 +130,7 @@ struct Seen {
     garbage: Vec<String>,
 }
 
-/// A running `chaos_worker`. Dropping it SIGKILLs it, so no worker outlives
+/// A running worker process. Dropping it SIGKILLs it, so no worker outlives
 /// its test; if the test process dies first, the kernel kills the worker
 /// (`PR_SET_PDEATHSIG`).
 pub struct Worker {
@@ -155,21 +157,27 @@ pub struct Ended {
 }
 
 impl Worker {
-    /// Starts the worker binary with `env`, its stderr (the logs) going to
+    /// Starts the worker `binary` (a test's `env!("CARGO_BIN_EXE_<name>")`)
+    /// with `env`, its stderr (the logs) going to
     /// `<log_dir>/worker-<ordinal>.log`.
-    pub fn spawn(ordinal: usize, env: &[(String, String)], log_dir: &Path) -> Worker {
+    pub fn spawn(
+        binary: &Path,
+        ordinal: usize,
+        env: &[(String, String)],
+        log_dir: &Path,
+    ) -> Worker {
         let log = log_dir.join(format!("worker-{ordinal:03}.log"));
         let stderr = std::fs::File::create(&log)
             .unwrap_or_else(|e| panic!("cannot create {}: {e}", log.display()));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_chaos_worker"));
+        let mut cmd = Command::new(binary);
         cmd.envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr);
-        idem_tests::die_with_test(&mut cmd);
+        crate::die_with_test(&mut cmd);
         let mut child = cmd
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start the chaos worker: {e}"));
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
         let stdout = child.stdout.take().expect("stdout is piped");
         // Every report is also kept, next to the log, for a post-mortem.
         let reports_path = log.with_extension("jsonl");

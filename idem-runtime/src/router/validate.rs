@@ -113,6 +113,9 @@ impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
             .map(|bound| bound.route().concurrency)
             .chain(self.replies.iter().map(|reply| reply.route().concurrency))
             .sum();
+        // On SQLite the router's transactions take turns: one connection
+        // serves them all.
+        let in_flight = DB::WRITERS_AT_ONCE.map_or(in_flight, |writers| in_flight.min(writers));
         let poll_connections = super::poll::CONNECTIONS;
         let pool_size = pool.options().get_max_connections() as usize;
         if pool_size < in_flight + relay_connections + poll_connections {

@@ -33,7 +33,9 @@ pub fn latest_version() -> i64 {
 }
 
 /// Creates or upgrades the dedup schema. Safe to call from every worker at
-/// start-up.
+/// start-up, also from several at once: on PostgreSQL sqlx takes an
+/// advisory lock around the migrations; on SQLite, which has none, a worker
+/// that loses the race to apply a migration finds it applied and goes on.
 pub async fn migrate<DB: Backend>(pool: &Pool<DB>) -> Result<(), Error> {
     DB::migrate(pool).await
 }

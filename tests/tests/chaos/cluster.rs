@@ -64,12 +64,12 @@ use async_nats::jetstream::{self, stream};
 use idem_tests::{ClusterEnv, create_idem_streams_r3, unique_name};
 use sqlx::PgPool;
 
-use super::worker::{Ended, Report, Worker};
 use super::{
     ConsumerState, DURABLE, Expected, LogDir, Published, Rng, SIGTERM_GRACE, STALL_TIMEOUT,
     START_TIMEOUT, check_ledger, consumer_state, env_or, ledger_rows, place, publish_all,
     publish_rate, read_ledger, seed,
 };
+use idem_tests::worker_process::{Ended, Report, Worker};
 
 /// Worker processes sharing the durable.
 const WORKERS: usize = 3;
@@ -242,7 +242,12 @@ impl ClusterRun {
     /// Starts a worker in `slot` and waits for its `started` line.
     async fn start_worker(&mut self, slot: usize) {
         self.workers_started += 1;
-        let mut worker = Worker::spawn(self.workers_started, &self.worker_env, self.logs.path());
+        let mut worker = Worker::spawn(
+            super::CHAOS_WORKER.as_ref(),
+            self.workers_started,
+            &self.worker_env,
+            self.logs.path(),
+        );
         if let Err(e) = worker
             .wait_for("print its started line", START_TIMEOUT, |_| true)
             .await

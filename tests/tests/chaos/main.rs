@@ -119,7 +119,6 @@ mod cluster;
 mod day_two;
 mod network;
 mod pipeline;
-mod worker;
 
 use idem_tests::seeded::{Rng, env_or};
 use std::collections::{BTreeMap, HashMap};
@@ -133,9 +132,11 @@ use idem_tests::{TestEnv, unique_name};
 use sqlx::PgPool;
 
 use acks::{AckTap, Settled};
+use idem_tests::worker_process::{self as worker, Ended, Report, Worker};
 use network::{NetFault, Proxies};
-use worker::{Ended, Report, Worker};
 
+/// The worker binary.
+const CHAOS_WORKER: &str = env!("CARGO_BIN_EXE_chaos_worker");
 /// The worker's handler name (`#[idempotent(name = ..)]` in the binary).
 const HANDLER: &str = "chaos-credit-v1";
 const DURABLE: &str = "chaos-credit";
@@ -335,7 +336,12 @@ async fn setup(test: &str, extra_worker_env: &[(&str, &str)], route: Route) -> O
 
 impl Setup {
     fn spawn_worker(&self, ordinal: usize) -> Worker {
-        Worker::spawn(ordinal, &self.worker_env, self.logs.path())
+        Worker::spawn(
+            CHAOS_WORKER.as_ref(),
+            ordinal,
+            &self.worker_env,
+            self.logs.path(),
+        )
     }
 
     /// Spawns a worker and waits for its `started` line.

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use bytes::Bytes;
+use sqlx::migrate::MigrateError;
 use sqlx::sqlite::SqliteConnection;
 use sqlx::{Sqlite, SqlitePool, Transaction};
 
@@ -40,27 +41,76 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[(
 /// Claims deleted per transaction by the purge.
 const PURGE_CHUNK: i64 = 1_000;
 
-/// Applies the migrations.
+/// How often a worker that lost a race to apply a migration tries again.
+const MIGRATION_RACES: u32 = 20;
+
+/// Applies the migrations. Several workers may run this at once on one file:
+/// sqlx takes no lock on SQLite, so two can both find a migration missing
+/// and both apply it. A migration and its history row commit together, and
+/// SQLite's DDL is transactional, so the second apply fails whole ("table
+/// ... already exists", the history row's key, or the write lock still
+/// held) and changes nothing; that worker then reads the history again and
+/// finds the migration applied.
 pub(crate) async fn migrate(pool: &SqlitePool) -> Result<(), Error> {
-    migrator_of(MIGRATIONS).run(pool).await?;
-    Ok(())
+    let migrator = migrator_of(MIGRATIONS);
+    let mut lost = 0;
+    loop {
+        match migrator.run(pool).await {
+            Ok(()) => return Ok(()),
+            Err(error) if lost < MIGRATION_RACES && lost_a_race(&error) => {
+                lost += 1;
+                tracing::info!(
+                    %error,
+                    "another worker applied idem's migration first; reading the history again"
+                );
+                tokio::time::sleep(Duration::from_millis(10 * u64::from(lost))).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
 }
 
-/// Checks that every migration ran.
-pub(crate) async fn verify(pool: &SqlitePool) -> Result<(), Error> {
-    let history_exists: bool = sqlx::query_scalar(
+/// Whether a failed migration is one another worker applied meanwhile, or
+/// is applying: the table exists, the history row is there, or the write
+/// lock stayed taken past the busy timeout.
+fn lost_a_race(error: &MigrateError) -> bool {
+    let (MigrateError::Execute(sqlx::Error::Database(error))
+    | MigrateError::ExecuteMigration(sqlx::Error::Database(error), _)) = error
+    else {
+        return false;
+    };
+    let code = error
+        .code()
+        .and_then(|code| code.parse::<i32>().ok())
+        .unwrap_or(0);
+    // Primary result codes: 1 SQLITE_ERROR, 5 BUSY, 6 LOCKED, 19 CONSTRAINT.
+    match code & 0xff {
+        5 | 6 | 19 => true,
+        1 => error.message().contains("already exists"),
+        _ => false,
+    }
+}
+
+/// The newest migration applied to the file, from idem's history table;
+/// `None` before the first.
+pub(crate) async fn schema_version(pool: &SqlitePool) -> Result<Option<i64>, sqlx::Error> {
+    let history: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?)",
     )
     .bind(HISTORY_TABLE)
     .fetch_one(pool)
     .await?;
-    let found: Option<i64> = if history_exists {
-        sqlx::query_scalar("SELECT max(version) FROM _idem_migrations WHERE success")
-            .fetch_one(pool)
-            .await?
-    } else {
-        None
-    };
+    if !history {
+        return Ok(None);
+    }
+    sqlx::query_scalar("SELECT max(version) FROM _idem_migrations WHERE success")
+        .fetch_one(pool)
+        .await
+}
+
+/// Checks that every migration ran.
+pub(crate) async fn verify(pool: &SqlitePool) -> Result<(), Error> {
+    let found = schema_version(pool).await?;
     let expected = MIGRATIONS.last().map_or(0, |&(version, _, _)| version);
     match found {
         Some(version) if version >= expected => Ok(()),

@@ -1,0 +1,40 @@
+//! The compliance suite: idem's promise, tested the same way on every
+//! database it supports (issue 22). The suite is written once
+//! ([`suite::compliance_suite!`]) and expanded for each store
+//! (`stores/<store>.rs`: how its server or file is started, its pool and
+//! transaction types, its router, and the two things that cannot be said
+//! in portable SQL: a statement that never ends, and whether a session
+//! waits on a lock). Its tests are `<store>::<test>`, and
+//! `<store>::{per_message,batched,adaptive}::<test>` for those run in each
+//! batching mode.
+//!
+//! Every test runs a real nats-server and a real database (a PostgreSQL
+//! server of its own, or a SQLite file in WAL mode with `synchronous =
+//! FULL`), and asserts effects = inputs with no duplicates, or that what
+//! was not applied was dead-lettered, besides its own invariant.
+//!
+//! # What is not in the suite, and why
+//!
+//! | Not here | Because | Where instead |
+//! |---|---|---|
+//! | An ambiguous COMMIT (the connection cut while COMMIT is in flight) | PostgreSQL only: SQLite is a library in the worker's process, so its COMMIT has no connection to lose; it returns, or the process dies (the crash tests) | `commit_ack/ambiguous.rs` |
+//! | The outbox | SQLite has no outbox in this idem yet | `outbox/` |
+//! | Expiry | The stores expire differently: PostgreSQL drops generations of partitions, SQLite deletes claims past their retention | `retention/`, `sqlite/` |
+//! | Database restarts and outages | A SQLite file cannot go away and come back as a server does | `outages/` |
+//! | Scale-out across processes and the chaos suite's kill mode | Not written generic yet (it runs its worker as a process on PostgreSQL) | `chaos/`, `cluster.rs` |
+//! | `ROLLBACK TO` idem's savepoint, a trigger's `RAISE(ROLLBACK)`, a write lock held at start-up | Ways SQLite alone ends or blocks a transaction | `sqlite/` |
+//! | A swallowed error, a deferred constraint, a lost claim in a batch | PostgreSQL's aborted-transaction and COMMIT-time behaviours | `commit_ack/commit_check.rs` |
+
+mod bed;
+mod stores;
+mod suite;
+
+/// The suite on PostgreSQL.
+mod postgres {
+    crate::suite::compliance_suite!(postgres);
+}
+
+/// The suite on SQLite.
+mod sqlite {
+    crate::suite::compliance_suite!(sqlite);
+}

@@ -1,0 +1,6 @@
+//! One module per database the suite runs on, each with the same items:
+//! `Pool`, `Tx`, `RUNAWAY`, `bed`, `router_with_state` and
+//! `someone_waits_for_a_lock`.
+
+pub mod postgres;
+pub mod sqlite;
