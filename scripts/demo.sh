@@ -8,18 +8,75 @@
 #                                      the orders and payments services, each
 #                                      its own process, driven by pipeline-demo
 #   scripts/demo.sh --credits N ...    the ledger only, with these ARGS
+#   scripts/demo.sh --database sqlite  the ledger only, on a SQLite file
 #
-# ARGS go to the ledger-example or pipeline-demo binary (--help lists them).
+# --database sqlite|postgres (default postgres), anywhere among the ARGS,
+# chooses the database: sqlite runs the ledger on a file in the temp dir and
+# starts no PostgreSQL. The pipeline needs PostgreSQL: its services use the
+# transactional outbox, which idem does not have on SQLite yet.
 #
-# Uses NATS_URL and DATABASE_URL when they are set; otherwise starts a
-# throwaway nats-server (JetStream) and PostgreSQL on 127.0.0.1 with random
-# ports, and stops them and deletes their files on exit.
+# The other ARGS go to the ledger-example or pipeline-demo binary (--help
+# lists them).
+#
+# Uses NATS_URL and DATABASE_URL when they are set (DATABASE_URL's scheme
+# then names the database); otherwise starts a throwaway nats-server
+# (JetStream), and PostgreSQL unless --database sqlite, on 127.0.0.1 with
+# random ports, and stops them and deletes their files on exit.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-scripts/setup.sh
 # shellcheck source=lib/servers.sh
 source scripts/lib/servers.sh
+
+demos=(ledger pipeline)
+case "${1:-}" in
+ledger | pipeline)
+    demos=("$1")
+    shift
+    ;;
+-*) demos=(ledger) ;;
+esac
+
+# --database is this script's; the binaries get the other ARGS.
+database=
+args=()
+while [ "$#" -gt 0 ]; do
+    case "$1" in
+    --database)
+        [ "$#" -ge 2 ] || die "--database needs a value: sqlite or postgres"
+        database=$2
+        shift 2
+        ;;
+    --database=*)
+        database=${1#--database=}
+        shift
+        ;;
+    *)
+        args+=("$1")
+        shift
+        ;;
+    esac
+done
+case "$database" in
+"" | sqlite | postgres) ;;
+*) die "--database $database: expected sqlite or postgres" ;;
+esac
+if [ -n "${DATABASE_URL:-}" ]; then
+    case "$DATABASE_URL" in
+    sqlite:*) url_database=sqlite ;;
+    *) url_database=postgres ;;
+    esac
+    if [ -n "$database" ] && [ "$database" != "$url_database" ]; then
+        die "--database $database, but DATABASE_URL=$DATABASE_URL names a $url_database database; unset DATABASE_URL to run on a throwaway one"
+    fi
+    database=$url_database
+fi
+database=${database:-postgres}
+if [ "$database" = sqlite ] && [[ " ${demos[*]} " == *" pipeline "* ]]; then
+    die "the pipeline demo runs on PostgreSQL only: its services use the transactional outbox, which idem does not have on SQLite yet; for the ledger on SQLite, run scripts/demo.sh ledger --database sqlite"
+fi
+
+scripts/setup.sh
 
 workdir=$(mktemp -d -t idem-demo.XXXXXX)
 # mktemp makes the dir 0700; as root, PostgreSQL runs as the postgres user
@@ -43,21 +100,17 @@ if [ -z "${NATS_URL:-}" ]; then
 else
     log "using NATS_URL=$NATS_URL"
 fi
-if [ -z "${DATABASE_URL:-}" ]; then
-    start_postgres "$workdir/postgres"
-else
+if [ -n "${DATABASE_URL:-}" ]; then
     log "using DATABASE_URL=$DATABASE_URL"
+elif [ "$database" = sqlite ]; then
+    # workdir is absolute, so the URL has three slashes: an absolute path.
+    # The example creates the file.
+    DATABASE_URL="sqlite://$workdir/ledger.db"
+    log "SQLite on $DATABASE_URL"
+else
+    start_postgres "$workdir/postgres"
 fi
 export NATS_URL DATABASE_URL
-
-demos=(ledger pipeline)
-case "${1:-}" in
-ledger | pipeline)
-    demos=("$1")
-    shift
-    ;;
--*) demos=(ledger) ;;
-esac
 
 # Not `exec`: the trap must run after the examples exit.
 run_ledger() {
@@ -107,5 +160,5 @@ run_pipeline() {
 
 for demo in "${demos[@]}"; do
     [ "$demo" = "${demos[0]}" ] || printf '\n'
-    "run_$demo" "$@"
+    "run_$demo" "${args[@]}"
 done

@@ -297,13 +297,16 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
         },
         "database_durability": {
             "journal_mode": durability.journal_mode,
-            "synchronous": durability.synchronous,
+            "command_synchronous": durability.synchronous,
             "warnings": durability.warnings,
         },
         "write_lock": match &write_lock {
             WriteLock::Free => json!({ "state": "free" }),
             WriteLock::Held { waited } => {
                 json!({ "state": "held", "waited_seconds": waited.as_secs_f64() })
+            }
+            WriteLock::Busy { waited } => {
+                json!({ "state": "busy", "waited_seconds": waited.as_secs_f64() })
             }
             WriteLock::NotChecked(reason) => json!({ "state": "not-checked", "reason": reason }),
             _ => json!({ "state": "unknown" }),
@@ -340,6 +343,10 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
         WriteLock::Free => "\nwrite lock: free (taken and given back at once)".to_owned(),
         WriteLock::Held { waited } => format!(
             "\nwrite lock: held by another connection for the {} this command waited\n  warning: every message's transaction takes SQLite's write lock at BEGIN, so while it is held no router on this file makes progress and messages are held; a transaction left open elsewhere (another process, an sqlite3 shell) or a handler that runs this long holds it (SQLite does not say which)",
+            human(*waited)
+        ),
+        WriteLock::Busy { waited } => format!(
+            "\nwrite lock: busy: other connections committed during the {} this command waited for a turn, so work goes on",
             human(*waited)
         ),
         WriteLock::NotChecked(reason) => {

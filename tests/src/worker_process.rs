@@ -94,6 +94,9 @@ pub struct Journal {
     /// Messages held between COMMIT and ack after SIGUSR1: id and stream
     /// sequence.
     pub held: Vec<(String, u64)>,
+    /// Messages whose handler paused inside its transaction after SIGUSR2
+    /// (`sqlite_worker`).
+    pub paused: Vec<String>,
     /// How many `begin` lines, and the latest one's message.
     begins: u64,
     last_begun: Option<String>,
@@ -202,6 +205,7 @@ impl Worker {
                                 seen.journal.committed.insert(report.id);
                             }
                             "held" => seen.journal.held.push((report.id, report.seq)),
+                            "paused" => seen.journal.paused.push(report.id),
                             event => {
                                 match event {
                                     "started" => seen.started = true,
@@ -298,6 +302,35 @@ impl Worker {
             if Instant::now() >= deadline {
                 return Err(format!(
                     "worker #{} held no commit within {timeout:?} of SIGUSR1; last report {:?}",
+                    self.ordinal,
+                    self.last()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Makes the worker's next handler call pause inside its transaction
+    /// (SIGUSR2, `sqlite_worker`), and waits until it journals `paused`;
+    /// returns its message id. A SIGKILL then lands mid-transaction for
+    /// certain.
+    pub async fn pause_next_transaction(&mut self, timeout: Duration) -> Result<String, String> {
+        // SAFETY: plain kill(2) on our own child, not yet reaped.
+        unsafe { libc::kill(self.pid() as libc::pid_t, libc::SIGUSR2) };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(id) = self.seen.lock().expect("reader lock").journal.paused.last() {
+                return Ok(id.clone());
+            }
+            if let Some(status) = self.exited() {
+                return Err(format!(
+                    "worker #{} ended ({status}) before it paused a transaction",
+                    self.ordinal
+                ));
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "worker #{} paused no transaction within {timeout:?} of SIGUSR2; last report {:?}",
                     self.ordinal,
                     self.last()
                 ));

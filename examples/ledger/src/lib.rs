@@ -4,8 +4,11 @@
 //! The handler takes the fee schedule from the service's state
 //! ([`Router::with_state`], [`State`]): loaded from the database once at
 //! start-up and shared by every delivery, rather than kept in a `static`.
-//! `src/main.rs` runs it as a demo (`scripts/demo.sh`); `tests/` proves it
-//! exactly-once under idem-test's faults.
+//! The service runs on PostgreSQL (here) or on a SQLite file ([`sqlite`]):
+//! the message, the state, the route and the handler's statements are the
+//! same, only the handler's transaction type differs. `src/main.rs` runs it
+//! as a demo (`scripts/demo.sh`, or `scripts/demo.sh --database sqlite`);
+//! `tests/` proves it exactly-once under idem-test's faults, on PostgreSQL.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -15,6 +18,8 @@ use async_nats::jetstream::stream;
 use idem_runtime::error::{Classify, ErrorClass};
 use idem_runtime::{FromRef, Route, Router, State, idempotent};
 use serde::{Deserialize, Serialize};
+
+pub mod sqlite;
 
 /// The stream that stores `ledger.>`.
 pub const STREAM: &str = "LEDGER";
@@ -72,13 +77,26 @@ pub struct Ledger {
 #[derive(Debug, Clone)]
 pub struct Fees(Arc<BTreeMap<i64, i64>>);
 
+/// The fee schedule's rates, by account, on either database.
+const FEE_SCHEDULE: &str = "SELECT account, percent FROM fee_schedule";
+
 impl Fees {
     /// Reads the schedule from the `fee_schedule` table.
     pub async fn load(pool: &sqlx::PgPool) -> Result<Fees, sqlx::Error> {
-        let rates = sqlx::query_as::<_, (i64, i64)>("SELECT account, percent FROM fee_schedule")
-            .fetch_all(pool)
-            .await?;
-        Ok(Fees(Arc::new(rates.into_iter().collect())))
+        Ok(Fees::from_rates(
+            sqlx::query_as(FEE_SCHEDULE).fetch_all(pool).await?,
+        ))
+    }
+
+    /// Reads the schedule from the `fee_schedule` table of a SQLite file.
+    pub async fn load_sqlite(pool: &sqlx::SqlitePool) -> Result<Fees, sqlx::Error> {
+        Ok(Fees::from_rates(
+            sqlx::query_as(FEE_SCHEDULE).fetch_all(pool).await?,
+        ))
+    }
+
+    fn from_rates(rates: Vec<(i64, i64)>) -> Fees {
+        Fees(Arc::new(rates.into_iter().collect()))
     }
 
     /// The fee on a credit of `amount` to `account`, in whole units rounded
@@ -88,6 +106,37 @@ impl Fees {
     }
 }
 
+/// The statements of both `credit` handlers, PostgreSQL's ([`credit()`])
+/// and SQLite's ([`sqlite::credit()`]): only the transaction's type differs,
+/// and sqlx's `$1` placeholders work on both databases. A macro, because a
+/// function generic over the database would need more lines of sqlx bounds
+/// than it has statements, and `rows_affected` is on each database's own
+/// result type.
+macro_rules! credit_body {
+    ($tx:ident, $fees:ident, $cmd:ident) => {{
+        let fee = $fees.on($cmd.account, $cmd.amount);
+        let updated = ::sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+            .bind($cmd.amount - fee)
+            .bind($cmd.account)
+            .execute(&mut **$tx)
+            .await?;
+        if updated.rows_affected() == 0 {
+            return Err($crate::LedgerError::UnknownAccount($cmd.account));
+        }
+        ::sqlx::query(
+            "INSERT INTO ledger_entries (transfer_id, account, amount, fee) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(&$cmd.transfer_id)
+        .bind($cmd.account)
+        .bind($cmd.amount)
+        .bind(fee)
+        .execute(&mut **$tx)
+        .await?;
+        Ok(())
+    }};
+}
+use credit_body;
+
 /// Credits an account, less its fee. The dedup key is the transfer id, so a
 /// credit republished under any `Nats-Msg-Id` is still applied once.
 #[idempotent(name = "ledger.credit.v1", key = cmd.transfer_id)]
@@ -96,42 +145,27 @@ pub async fn credit(
     State(fees): State<Fees>,
     cmd: Credit,
 ) -> Result<(), LedgerError> {
-    let fee = fees.on(cmd.account, cmd.amount);
-    let updated = sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
-        .bind(cmd.amount - fee)
-        .bind(cmd.account)
-        .execute(&mut **tx)
-        .await?;
-    if updated.rows_affected() == 0 {
-        return Err(LedgerError::UnknownAccount(cmd.account));
-    }
-    sqlx::query(
-        "INSERT INTO ledger_entries (transfer_id, account, amount, fee) VALUES ($1, $2, $3, $4)",
-    )
-    .bind(&cmd.transfer_id)
-    .bind(cmd.account)
-    .bind(cmd.amount)
-    .bind(fee)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
+    credit_body!(tx, fees, cmd)
+}
+
+/// The route [`credit()`] is bound to, on either database: durable consumer
+/// `ledger-credit` on `ledger.credit`, creating the stream if it is missing.
+fn credit_route() -> Route {
+    Route::new(STREAM, "ledger-credit")
+        .filter_subject(SUBJECT)
+        .create_stream(stream::Config {
+            name: STREAM.into(),
+            subjects: vec!["ledger.>".into()],
+            duplicate_window: DUPLICATE_WINDOW,
+            ..Default::default()
+        })
+        .concurrency(8)
 }
 
 /// The service's router: [`credit()`] on `ledger.credit`, creating the
 /// stream if it is missing.
 pub fn router(fees: Fees) -> Router<Ledger> {
-    Router::with_state(Ledger { fees }).route(
-        Route::new(STREAM, "ledger-credit")
-            .filter_subject(SUBJECT)
-            .create_stream(stream::Config {
-                name: STREAM.into(),
-                subjects: vec!["ledger.>".into()],
-                duplicate_window: DUPLICATE_WINDOW,
-                ..Default::default()
-            })
-            .concurrency(8),
-        credit,
-    )
+    Router::with_state(Ledger { fees }).route(credit_route(), credit)
 }
 
 /// `n` unique credits spread over `accounts` accounts.
@@ -145,31 +179,41 @@ pub fn credits(n: usize, accounts: i64) -> Vec<Credit> {
         .collect()
 }
 
+/// The ledger's tables, fresh, and no claims of its handler left from a
+/// run before. Standard SQL, the same on both databases: one `DROP` per
+/// table, as SQLite takes one table at a time.
+const FRESH_LEDGER: &str = "
+    DROP TABLE IF EXISTS ledger_entries;
+    DROP TABLE IF EXISTS fee_schedule;
+    DROP TABLE IF EXISTS accounts;
+    CREATE TABLE accounts (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+    CREATE TABLE fee_schedule (
+        account bigint PRIMARY KEY REFERENCES accounts,
+        percent bigint NOT NULL CHECK (percent BETWEEN 0 AND 99));
+    CREATE TABLE ledger_entries (
+        transfer_id text NOT NULL, account bigint NOT NULL,
+        amount bigint NOT NULL, fee bigint NOT NULL);
+    DELETE FROM idem_claims WHERE handler_id IN (SELECT id FROM idem_handlers WHERE name = 'ledger.credit.v1');";
+
+/// Accounts 1 to `$1`, zeroed. A recursive query rather than PostgreSQL's
+/// `generate_series`, which SQLite does not have.
+const OPEN_ACCOUNTS: &str = "
+    WITH RECURSIVE n(id) AS (SELECT CAST(1 AS bigint) UNION ALL SELECT id + 1 FROM n WHERE id < $1)
+    INSERT INTO accounts (id) SELECT id FROM n";
+
+/// Accounts pay 0, 5 or 10 % by turns.
+const SET_FEES: &str =
+    "INSERT INTO fee_schedule (account, percent) SELECT id, 5 * (id % 3) FROM accounts";
+
 /// A fresh ledger: zeroed accounts and no entries, so each run proves
 /// itself, and a fee schedule in which accounts pay 0, 5 or 10 % by turns.
 /// idem's schema must be installed ([`idem_runtime::schema::migrate`]).
 pub async fn prepare_ledger(pool: &sqlx::PgPool, accounts: i64) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql(
-        "DROP TABLE IF EXISTS ledger_entries, fee_schedule, accounts;
-         CREATE TABLE accounts (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
-         CREATE TABLE fee_schedule (
-             account bigint PRIMARY KEY REFERENCES accounts,
-             percent bigint NOT NULL CHECK (percent BETWEEN 0 AND 99));
-         CREATE TABLE ledger_entries (
-             transfer_id text NOT NULL, account bigint NOT NULL,
-             amount bigint NOT NULL, fee bigint NOT NULL);
-         DELETE FROM idem_claims WHERE handler_id IN (SELECT id FROM idem_handlers WHERE name = 'ledger.credit.v1');",
-    )
-    .execute(pool)
-    .await?;
-    sqlx::query("INSERT INTO accounts (id) SELECT generate_series(1, $1)")
+    sqlx::raw_sql(FRESH_LEDGER).execute(pool).await?;
+    sqlx::query(OPEN_ACCOUNTS)
         .bind(accounts)
         .execute(pool)
         .await?;
-    sqlx::query(
-        "INSERT INTO fee_schedule (account, percent) SELECT id, 5 * (id % 3) FROM accounts",
-    )
-    .execute(pool)
-    .await?;
+    sqlx::query(SET_FEES).execute(pool).await?;
     Ok(())
 }

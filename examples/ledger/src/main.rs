@@ -8,15 +8,20 @@
 //! `src/lib.rs`), and checks every balance against the sum of the unique
 //! credits, less their fees.
 //!
-//! Run it with `scripts/demo.sh`, which starts nats-server and PostgreSQL on
-//! loopback unless `NATS_URL` and `DATABASE_URL` are set.
+//! `DATABASE_URL`'s scheme chooses the database: PostgreSQL (`postgres://`)
+//! or a SQLite file (`sqlite:`). Run it with `scripts/demo.sh`, which starts
+//! nats-server and PostgreSQL on loopback unless `NATS_URL` and
+//! `DATABASE_URL` are set; `scripts/demo.sh --database sqlite` runs it on a
+//! SQLite file instead.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use clap::Parser;
-use ledger_example::{Credit, DUPLICATE_WINDOW, Fees, STREAM, SUBJECT, credits, prepare_ledger};
+use idem_runtime::RouterHandle;
+use ledger_example::{Credit, DUPLICATE_WINDOW, Fees, STREAM, SUBJECT, credits, sqlite};
+use tokio::task::JoinHandle;
 
 /// Runs the ledger service against real servers, publishes credits with
 /// duplicates among them, and checks that each was applied exactly once.
@@ -50,8 +55,10 @@ window (JetStream stores those again: only idem's claim stops them). Then it
 checks every balance against the sum of its unique credits, less fees.
 
 NATS_URL and DATABASE_URL select the servers (both required): scripts/demo.sh
-starts throwaway ones and sets them. RUST_LOG sets the log filter (default:
-warn).";
+starts throwaway ones and sets them. DATABASE_URL's scheme chooses the
+database: postgres:// (or postgresql://) PostgreSQL, sqlite:///PATH.db a
+SQLite file, created if it is missing. RUST_LOG sets the log filter
+(default: warn).";
 
 fn env(name: &str) -> Result<String, String> {
     std::env::var(name).map_err(|_| {
@@ -70,14 +77,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
     let nats = async_nats::connect(env("NATS_URL")?).await?;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(10)
-        .connect(&env("DATABASE_URL")?)
-        .await?;
-
-    idem_runtime::schema::migrate(&pool).await?;
-    prepare_ledger(&pool, options.accounts).await?;
-    let fees = Fees::load(&pool).await?;
+    let database = Database::open(&env("DATABASE_URL")?).await?;
+    let fees = database.prepare(options.accounts).await?;
     let js = jetstream::new(nats.clone());
 
     // Credits: unique transfers spread over the accounts.
@@ -94,9 +95,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     expected.retain(|_, balance| *balance != 0);
 
     // Start the service first, as in production: it creates the stream.
-    let router = ledger_example::router(fees);
-    let handle = router.handle();
-    let service = tokio::spawn(router.run(nats.clone(), pool.clone()));
+    let (handle, service) = database.start(nats.clone(), fees);
     wait_for_stream(&js).await?;
 
     let started = Instant::now();
@@ -135,26 +134,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     handle.shutdown();
     service.await??;
 
-    let balances: BTreeMap<i64, i64> =
-        sqlx::query_as::<_, (i64, i64)>("SELECT id, balance FROM accounts ORDER BY id")
-            .fetch_all(&pool)
-            .await?
-            .into_iter()
-            .filter(|&(_, balance)| balance != 0)
-            .collect();
-    let entries: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger_entries")
-        .fetch_one(&pool)
-        .await?;
-    let distinct: i64 =
-        sqlx::query_scalar("SELECT count(DISTINCT transfer_id) FROM ledger_entries")
-            .fetch_one(&pool)
-            .await?;
-    let fees_charged: i64 =
-        sqlx::query_scalar("SELECT coalesce(sum(fee), 0)::bigint FROM ledger_entries")
-            .fetch_one(&pool)
-            .await?;
+    let Tally {
+        balances,
+        entries,
+        distinct,
+        fees_charged,
+    } = database.tally().await?;
 
-    println!("idem ledger example");
+    println!("idem ledger example on {}", database.name());
     println!(
         "  credits published              {published:>6}  ({} unique)",
         credits.len()
@@ -189,6 +176,123 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
              {fees_charged}, expected {expected_fees}"
         );
         Err("the ledger does not match its unique credits".into())
+    }
+}
+
+/// The database the demo runs on, chosen by DATABASE_URL's scheme.
+enum Database {
+    Postgres(sqlx::PgPool),
+    Sqlite(sqlx::SqlitePool),
+}
+
+/// What the ledger holds after the run.
+struct Tally {
+    /// The balances that are not zero, by account.
+    balances: BTreeMap<i64, i64>,
+    /// Ledger entries.
+    entries: i64,
+    /// Distinct transfers among the entries.
+    distinct: i64,
+    /// The fees of all entries.
+    fees_charged: i64,
+}
+
+/// The accounts' balances that are not zero, on either database.
+const BALANCES: &str = "SELECT id, balance FROM accounts WHERE balance <> 0 ORDER BY id";
+/// The entries, their distinct transfers and their fees, on either
+/// database: the `CAST` because PostgreSQL's `sum` of a bigint is a numeric.
+const ENTRIES: &str = "SELECT count(*), count(DISTINCT transfer_id), \
+     CAST(coalesce(sum(fee), 0) AS bigint) FROM ledger_entries";
+
+impl Database {
+    /// Connects to `url`: `postgres://` or `postgresql://` is PostgreSQL,
+    /// `sqlite:` a SQLite file, created if it is missing.
+    async fn open(url: &str) -> Result<Database, Box<dyn std::error::Error>> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(10)
+                .connect(url)
+                .await?;
+            Ok(Database::Postgres(pool))
+        } else if url.starts_with("sqlite:") {
+            Ok(Database::Sqlite(sqlite::connect(url).await?))
+        } else {
+            Err(format!(
+                "DATABASE_URL={url} names neither PostgreSQL (postgres://USER@HOST/DB) \
+                 nor a SQLite file (sqlite:///ABSOLUTE/PATH.db)"
+            )
+            .into())
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Database::Postgres(_) => "PostgreSQL",
+            Database::Sqlite(_) => "SQLite",
+        }
+    }
+
+    /// Installs idem's schema, makes a fresh ledger of `accounts` accounts,
+    /// and reads its fee schedule.
+    async fn prepare(&self, accounts: i64) -> Result<Fees, Box<dyn std::error::Error>> {
+        Ok(match self {
+            Database::Postgres(pool) => {
+                idem_runtime::schema::migrate(pool).await?;
+                ledger_example::prepare_ledger(pool, accounts).await?;
+                Fees::load(pool).await?
+            }
+            Database::Sqlite(pool) => {
+                idem_runtime::schema::migrate(pool).await?;
+                sqlite::prepare_ledger(pool, accounts).await?;
+                Fees::load_sqlite(pool).await?
+            }
+        })
+    }
+
+    /// Starts the service in a task, as in production: it creates the
+    /// stream. Returns its handle and the task.
+    fn start(
+        &self,
+        nats: async_nats::Client,
+        fees: Fees,
+    ) -> (RouterHandle, JoinHandle<Result<(), idem_runtime::Error>>) {
+        match self {
+            Database::Postgres(pool) => {
+                let router = ledger_example::router(fees);
+                (
+                    router.handle(),
+                    tokio::spawn(router.run(nats, pool.clone())),
+                )
+            }
+            Database::Sqlite(pool) => {
+                let router = sqlite::router(fees);
+                (
+                    router.handle(),
+                    tokio::spawn(router.run(nats, pool.clone())),
+                )
+            }
+        }
+    }
+
+    /// What the ledger holds, read once the service has stopped.
+    async fn tally(&self) -> Result<Tally, sqlx::Error> {
+        let (balances, (entries, distinct, fees_charged)): (Vec<(i64, i64)>, (i64, i64, i64)) =
+            match self {
+                Database::Postgres(pool) => (
+                    sqlx::query_as(BALANCES).fetch_all(pool).await?,
+                    sqlx::query_as(ENTRIES).fetch_one(pool).await?,
+                ),
+                Database::Sqlite(pool) => (
+                    sqlx::query_as(BALANCES).fetch_all(pool).await?,
+                    sqlx::query_as(ENTRIES).fetch_one(pool).await?,
+                ),
+            };
+        Ok(Tally {
+            balances: balances.into_iter().collect(),
+            entries,
+            distinct,
+            fees_charged,
+        })
     }
 }
 

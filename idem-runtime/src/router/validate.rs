@@ -124,7 +124,7 @@ impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
                 in_flight,
                 relay_connections,
                 poll_connections,
-                "the pool has fewer connections than the routes' messages (or batches) in flight plus the outbox relay's and the metrics poll's; messages wait for connections (served in the order they ask, across routes), and a wait past the pool's acquire timeout holds them as if the database were away"
+                "the pool has fewer connections than the routes' messages (or batches) in flight (on SQLite: one transaction at a time) plus the outbox relay's and the metrics poll's (on SQLite: the purge's); messages wait for connections (served in the order they ask, across routes), and a wait past the pool's acquire timeout holds them as if the database were away"
             );
         }
     }

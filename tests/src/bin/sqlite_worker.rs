@@ -35,6 +35,7 @@
 //! | `{"event":"begin","pid":P,"id":ID,"delivered":N}` | first thing in the handler body: a fresh claim, its transaction open |
 //! | `{"event":"committed","pid":P,"id":ID,"delivered":N}` | after COMMIT, before the ack (the after-commit fault hook) |
 //! | `{"event":"held","pid":P,"id":ID,"delivered":N}` | after `committed`, for the first commit after a SIGUSR1: its ack then waits 30 s, so that a SIGKILL lands between COMMIT and ack |
+//! | `{"event":"paused","pid":P,"id":ID,"delivered":N}` | after `begin`, for the first handler call after a SIGUSR2: it then sleeps 30 s inside its transaction, so that a SIGKILL lands mid-transaction (added by the kill run's author, not from the docs) |
 //! | `{"event":"stopped","pid":P}` | after a graceful shutdown (SIGTERM, Ctrl-C), before exiting 0 |
 //!
 //! A redelivery whose claim finds the message processed journals nothing
@@ -78,6 +79,9 @@ struct Credit {
     amount: i64,
 }
 
+/// Set by SIGUSR2: the next handler call pauses inside its transaction.
+static PAUSE_NEXT: AtomicBool = AtomicBool::new(false);
+
 /// Credits `cmd.amount` to `cmd.account`: a row in `ledger` and the sum in
 /// `balances`, in idem's transaction.
 #[idempotent(name = "sqlite-credit")]
@@ -87,6 +91,10 @@ async fn credit(
     cmd: Credit,
 ) -> Result<(), sqlx::Error> {
     journal_message("begin", delivery);
+    if PAUSE_NEXT.swap(false, Ordering::SeqCst) {
+        journal_message("paused", delivery);
+        tokio::time::sleep(HOLD).await;
+    }
     sqlx::query("INSERT INTO ledger (msg_id, account, amount, pid) VALUES (?, ?, ?, ?)")
         .bind(delivery.message_id().as_str())
         .bind(cmd.account)
@@ -171,8 +179,9 @@ impl Settings {
         }
     }
 
-    /// One connection per message or batch in flight, plus one to spare,
-    /// as the guide's "Sizing the pool" asks.
+    /// One connection per message or batch in flight, plus one to spare:
+    /// what the guide's "Sizing the pool" asked when this was written (on
+    /// SQLite two are enough, its SQLite chapter now says).
     fn pool_size(&self) -> u32 {
         let in_flight = self.concurrency.unwrap_or(DEFAULT_CONCURRENCY);
         u32::try_from(in_flight + 1).unwrap_or(u32::MAX)
@@ -302,9 +311,10 @@ async fn open_database(settings: &Settings) -> Result<sqlx::SqlitePool, String> 
 ///
 /// Workers that start together on a new file otherwise fail: one's switch
 /// to WAL gets `database is locked` at once (SQLite does not wait out a
-/// lock upgrade that could deadlock), and `schema::migrate` on SQLite runs
-/// its first migration in two processes, the second failing with "table
-/// idem_handlers already exists". The lock is on a file of its own:
+/// lock upgrade that could deadlock; the guide says so). (`schema::migrate`
+/// once failed that way too, with "table idem_handlers already exists"; it
+/// is safe from several workers at once now.) The lock is on a file of its
+/// own:
 /// closing a descriptor of the database file would drop SQLite's own
 /// POSIX locks of this process.
 struct StartUpLock {
@@ -341,6 +351,13 @@ async fn run(settings: Settings) -> Result<(), String> {
     tokio::spawn(async move {
         while usr1.recv().await.is_some() {
             armed.store(true, Ordering::SeqCst);
+        }
+    });
+    let mut usr2 = signal(SignalKind::user_defined2())
+        .map_err(|e| format!("cannot listen for SIGUSR2: {e}"))?;
+    tokio::spawn(async move {
+        while usr2.recv().await.is_some() {
+            PAUSE_NEXT.store(true, Ordering::SeqCst);
         }
     });
 

@@ -402,7 +402,7 @@ async fn workers_migrating_one_new_file_at_once_all_succeed() {
     let mut rounds = 0;
     while !logs
         .text()
-        .contains("another worker applied idem's migration first")
+        .contains("another worker applied idem's migration 1 first")
     {
         rounds += 1;
         assert!(

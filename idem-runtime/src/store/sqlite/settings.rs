@@ -44,8 +44,10 @@ impl Settings {
     /// What can lose acked commits, or slow them, as said of `whose`
     /// connections ("this router's", "this command's"): `synchronous` OFF,
     /// or below FULL in WAL mode (NORMAL is durable with a rollback journal,
-    /// but in WAL mode a power loss can take the last commits), and a
-    /// journal other than WAL, under which readers wait for the writer.
+    /// but in WAL mode a power loss can take the last commits); no rollback
+    /// journal at all (OFF, MEMORY), under which a rollback may not undo;
+    /// and any other journal than WAL, under which readers wait for the
+    /// writer.
     pub(crate) fn warnings(&self, whose: &str) -> Vec<String> {
         let wal = self.journal_mode == "wal";
         let mut warnings = Vec::new();
@@ -57,12 +59,19 @@ impl Settings {
                 self.synchronous_name().to_ascii_uppercase()
             ));
         }
-        if !wal {
-            warnings.push(format!(
-                "SQLite is not in WAL mode (journal_mode {}): readers wait for the writer; set \
-                 `SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal)`",
+        match self.journal_mode.as_str() {
+            "wal" => {}
+            // Without a rollback journal a ROLLBACK is not guaranteed to
+            // undo anything: a failed handler's writes can stay, and its
+            // retry applies them again; a crash can corrupt the file.
+            "off" | "memory" => warnings.push(format!(
+                "SQLite's journal_mode is {}: a ROLLBACK may not undo a failed handler's writes                  (its retry then applies them again) and a crash can corrupt the file, so idem                  cannot apply each message once; set                  `SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal)`",
+                self.journal_mode.to_ascii_uppercase()
+            )),
+            _ => warnings.push(format!(
+                "SQLite is not in WAL mode (journal_mode {}): readers wait for the writer; set                  `SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal)`",
                 self.journal_mode
-            ));
+            )),
         }
         warnings
     }
@@ -77,9 +86,16 @@ pub enum WriteLock {
     /// Taken and released at once: nothing held it past the wait.
     Free,
     /// Still taken by another connection after `waited` (SQLite does not
-    /// say which): a transaction left open in another process or shell, or
-    /// a handler that runs that long.
+    /// say which), and nothing was committed meanwhile: a transaction left
+    /// open in another process or shell, or a handler that runs that long.
     Held {
+        /// How long the probe waited for it.
+        waited: Duration,
+    },
+    /// Not taken within `waited`, but other connections committed
+    /// meanwhile: the lock changes hands too often for the probe to get a
+    /// turn (SQLite's busy handler is not fair), and work goes on.
+    Busy {
         /// How long the probe waited for it.
         waited: Duration,
     },
@@ -90,7 +106,9 @@ pub enum WriteLock {
 
 /// Takes the write lock (`BEGIN IMMEDIATE`) on one of `pool`'s
 /// connections, waiting up to `wait`, and rolls back at once: nothing is
-/// written. A read-only connection's `BEGIN IMMEDIATE` takes no lock, so a
+/// written. When it cannot, `PRAGMA data_version` (which changes when
+/// another connection commits) tells a lock that is stuck from one that is
+/// busy. A read-only connection's `BEGIN IMMEDIATE` takes no lock, so a
 /// write that changes nothing (`DELETE FROM idem_claims WHERE false`) tells
 /// one apart: the file must hold idem's schema. The connection is closed
 /// afterwards, since its busy timeout was changed for the probe.
@@ -104,6 +122,7 @@ pub(crate) async fn write_lock(
     sqlx::raw_sql(AssertSqlSafe(format!("PRAGMA busy_timeout = {millis}")))
         .execute(&mut *connection)
         .await?;
+    let before = data_version(&mut connection).await?;
     let started = Instant::now();
     let taken = match connection.begin_with("BEGIN IMMEDIATE").await {
         Ok(mut tx) => {
@@ -117,14 +136,26 @@ pub(crate) async fn write_lock(
     };
     match taken {
         Ok(()) => Ok(WriteLock::Free),
-        Err(error) if crate::error::class::is_lock_timeout(&error) => Ok(WriteLock::Held {
-            waited: started.elapsed(),
-        }),
+        Err(error) if crate::error::class::is_lock_timeout(&error) => {
+            let waited = started.elapsed();
+            if data_version(&mut connection).await? == before {
+                Ok(WriteLock::Held { waited })
+            } else {
+                Ok(WriteLock::Busy { waited })
+            }
+        }
         Err(sqlx::Error::Database(error)) if is_read_only(error.code().as_deref()) => {
             Ok(WriteLock::NotChecked(error.message().to_owned()))
         }
         Err(error) => Err(error),
     }
+}
+
+/// A number that changes whenever another connection commits to the file.
+async fn data_version(connection: &mut SqliteConnection) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("PRAGMA data_version")
+        .fetch_one(connection)
+        .await
 }
 
 /// SQLITE_READONLY and its extended codes.
@@ -156,5 +187,10 @@ mod tests {
         assert_eq!(delete.len(), 1, "{delete:?}");
         assert!(delete[0].contains("not in WAL mode (journal_mode delete)"));
         assert_eq!(warnings("delete", 0).len(), 2);
+        // Without a rollback journal, rollbacks themselves are in doubt.
+        let off = warnings("off", 2);
+        assert_eq!(off.len(), 1, "{off:?}");
+        assert!(off[0].contains("journal_mode is OFF: a ROLLBACK may not undo"));
+        assert!(warnings("memory", 2)[0].contains("journal_mode is MEMORY"));
     }
 }

@@ -44,49 +44,67 @@ const PURGE_CHUNK: i64 = 1_000;
 /// How often a worker that lost a race to apply a migration tries again.
 const MIGRATION_RACES: u32 = 20;
 
+/// How often a migration that met the write lock held past the busy timeout
+/// is tried again.
+const MIGRATION_LOCK_WAITS: u32 = 3;
+
 /// Applies the migrations. Several workers may run this at once on one file:
 /// sqlx takes no lock on SQLite, so two can both find a migration missing
 /// and both apply it. A migration and its history row commit together, and
-/// SQLite's DDL is transactional, so the second apply fails whole ("table
-/// ... already exists", the history row's key, or the write lock still
-/// held) and changes nothing; that worker then reads the history again and
-/// finds the migration applied.
+/// SQLite's DDL is transactional, so the second apply fails whole and
+/// changes nothing; that worker finds the migration recorded in the history
+/// and reads it again. Any other failure is returned at once, but for the
+/// write lock held past the busy timeout (by a transaction left open in a
+/// `sqlite3` shell, say), which is waited out a few times, with a warning.
 pub(crate) async fn migrate(pool: &SqlitePool) -> Result<(), Error> {
     let migrator = migrator_of(MIGRATIONS);
-    let mut lost = 0;
+    let (mut races, mut lock_waits) = (0, 0);
     loop {
-        match migrator.run(pool).await {
+        let error = match migrator.run(pool).await {
             Ok(()) => return Ok(()),
-            Err(error) if lost < MIGRATION_RACES && lost_a_race(&error) => {
-                lost += 1;
-                tracing::info!(
-                    %error,
-                    "another worker applied idem's migration first; reading the history again"
-                );
-                tokio::time::sleep(Duration::from_millis(10 * u64::from(lost))).await;
-            }
-            Err(error) => return Err(error.into()),
+            Err(error) => error,
+        };
+        if let MigrateError::ExecuteMigration(_, version) = &error
+            && races < MIGRATION_RACES
+            && recorded(pool, *version).await
+        {
+            races += 1;
+            tracing::info!(
+                version,
+                "another worker applied idem's migration {version} first; reading the history again"
+            );
+            tokio::time::sleep(Duration::from_millis(10 * u64::from(races))).await;
+            continue;
         }
+        if lock_waits < MIGRATION_LOCK_WAITS && write_lock_held(&error) {
+            lock_waits += 1;
+            tracing::warn!(
+                %error,
+                "idem's migrations wait for SQLite's write lock, which another connection has held                  past the busy timeout (a transaction left open in a sqlite3 shell?); trying again"
+            );
+            continue;
+        }
+        return Err(error.into());
     }
 }
 
-/// Whether a failed migration is one another worker applied meanwhile, or
-/// is applying: the table exists, the history row is there, or the write
-/// lock stayed taken past the busy timeout.
-fn lost_a_race(error: &MigrateError) -> bool {
-    let (MigrateError::Execute(sqlx::Error::Database(error))
-    | MigrateError::ExecuteMigration(sqlx::Error::Database(error), _)) = error
-    else {
-        return false;
-    };
-    let code = error
-        .code()
-        .and_then(|code| code.parse::<i32>().ok())
-        .unwrap_or(0);
-    // Primary result codes: 1 SQLITE_ERROR, 5 BUSY, 6 LOCKED, 19 CONSTRAINT.
-    match code & 0xff {
-        5 | 6 | 19 => true,
-        1 => error.message().contains("already exists"),
+/// Whether migration `version` is in the history, applied.
+async fn recorded(pool: &SqlitePool, version: i64) -> bool {
+    sqlx::query_scalar::<_, bool>(
+        "SELECT EXISTS (SELECT 1 FROM _idem_migrations WHERE version = ? AND success)",
+    )
+    .bind(version)
+    .fetch_one(pool)
+    .await
+    .unwrap_or(false)
+}
+
+/// Whether a migration failed on SQLite's write lock (BUSY or LOCKED).
+fn write_lock_held(error: &MigrateError) -> bool {
+    match error {
+        MigrateError::Execute(error) | MigrateError::ExecuteMigration(error, _) => {
+            crate::error::class::is_lock_timeout(error)
+        }
         _ => false,
     }
 }
