@@ -298,6 +298,7 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
         "database_durability": {
             "journal_mode": durability.journal_mode,
             "command_synchronous": durability.synchronous,
+            "filesystem": durability.filesystem,
             "warnings": durability.warnings,
         },
         "write_lock": match &write_lock {
@@ -333,8 +334,8 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
     }
     text.push_str("outbox: none (SQLite has no outbox in this idem)");
     text.push_str(&format!(
-        "\ndatabase durability: journal_mode {}, synchronous {} (this command's connections: each connection sets its own, and a service's start-up warns when its own is below FULL)",
-        durability.journal_mode, durability.synchronous,
+        "\ndatabase durability: journal_mode {}, synchronous {} (this command's connections: each connection sets its own, and a service's start-up warns when its own is below FULL), on a {} filesystem",
+        durability.journal_mode, durability.synchronous, durability.filesystem,
     ));
     for warning in &durability.warnings {
         text.push_str(&format!("\n  warning: {warning}"));

@@ -276,7 +276,7 @@ async fn status_counts_one_claim_per_processed_message_and_shows_no_outbox() {
     assert_eq!(status["expiry"]["behind"], false, "{status:#}");
     assert_eq!(
         status["database_durability"],
-        json!({ "journal_mode": "wal", "command_synchronous": "full", "warnings": [] }),
+        json!({ "journal_mode": "wal", "command_synchronous": "full", "filesystem": "local", "warnings": [] }),
         "{status:#}"
     );
     assert_eq!(

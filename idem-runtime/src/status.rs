@@ -358,6 +358,10 @@ pub mod sqlite {
         /// `full` or `extra`. Each connection sets its own, so a service's
         /// may differ (its start-up warns when its own is below `full`).
         pub synchronous: String,
+        /// What holds the file: `local`, `NFS (network)` (and the other
+        /// network filesystems, where a router refuses to start), `FUSE`
+        /// or `unknown`.
+        pub filesystem: String,
         /// What can lose acked commits, or slow them: empty when nothing.
         pub warnings: Vec<String>,
     }
@@ -376,6 +380,7 @@ pub mod sqlite {
         let settings = Settings::read(&mut connection).await?;
         Ok(Durability {
             warnings: settings.warnings("this command's"),
+            filesystem: settings.filesystem_name(),
             synchronous: settings.synchronous_name(),
             journal_mode: settings.journal_mode,
         })

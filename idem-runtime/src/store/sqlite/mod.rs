@@ -18,9 +18,11 @@
 //!   none), and naming who holds the write lock (SQLite does not say).
 //!
 //! One database file, on a local disk, shared by the processes of one
-//! machine: SQLite's locks do not hold over a network filesystem. The
+//! machine: SQLite's locks do not hold over a network filesystem, and a
+//! router refuses a file on one (`filesystem.rs`). The
 //! guide's SQLite chapter says what differs from PostgreSQL, and why.
 
+mod filesystem;
 mod settings;
 mod tables;
 mod transaction;
@@ -54,6 +56,9 @@ impl Backend for Sqlite {
     async fn probe(pool: &Pool<Self>, warn: bool) -> Result<Session, sqlx::Error> {
         let mut connection = pool.acquire().await?;
         let settings = Settings::read(&mut connection).await?;
+        if let Some(refusal) = settings.refusal() {
+            return Err(sqlx::Error::Configuration(refusal.into()));
+        }
         if warn {
             for warning in settings.warnings("this router's") {
                 tracing::warn!(

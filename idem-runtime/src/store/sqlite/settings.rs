@@ -4,15 +4,24 @@
 
 use std::time::{Duration, Instant};
 
+use std::path::PathBuf;
+
 use sqlx::{AssertSqlSafe, Connection, SqliteConnection, SqlitePool};
 
-/// `journal_mode` and `synchronous`, as one connection sees them: WAL mode
-/// is kept in the file, `synchronous` is each connection's own.
+use super::filesystem::{self, Filesystem};
+
+/// `journal_mode` and `synchronous`, as one connection sees them (WAL mode
+/// is kept in the file, `synchronous` is each connection's own), and where
+/// the file is.
 pub(crate) struct Settings {
     /// Lower case: `wal`, `delete`, ...
     pub(crate) journal_mode: String,
     /// 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA.
     pub(crate) synchronous: i64,
+    /// The main database's file; none in memory.
+    pub(crate) file: Option<PathBuf>,
+    /// What holds it.
+    pub(crate) filesystem: Filesystem,
 }
 
 impl Settings {
@@ -24,10 +33,47 @@ impl Settings {
         let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
             .fetch_one(&mut *connection)
             .await?;
+        let (file, filesystem) = filesystem::of(connection).await?;
         Ok(Settings {
             journal_mode: journal_mode.to_ascii_lowercase(),
             synchronous,
+            file,
+            filesystem,
         })
+    }
+
+    /// Why a router must not run on this file: it is on a network
+    /// filesystem, where SQLite's locks do not hold, so two workers could
+    /// both claim one message.
+    pub(crate) fn refusal(&self) -> Option<String> {
+        let Filesystem::Network(name) = self.filesystem else {
+            return None;
+        };
+        Some(format!(
+            "the SQLite file {} is on {name}, a network filesystem: SQLite's locks do not hold \
+             there, so two workers could both claim one message and apply it twice; keep the \
+             file on a local disk",
+            self.file_shown()
+        ))
+    }
+
+    /// The file, for messages.
+    fn file_shown(&self) -> String {
+        self.file.as_ref().map_or_else(
+            || "(in memory)".to_owned(),
+            |file| file.display().to_string(),
+        )
+    }
+
+    /// What holds the file, for `idem status`: `local`, `NFS (network)`,
+    /// `FUSE` or `unknown`.
+    pub(crate) fn filesystem_name(&self) -> String {
+        match self.filesystem {
+            Filesystem::Local => "local".to_owned(),
+            Filesystem::Network(name) => format!("{name} (network)"),
+            Filesystem::Fuse => "FUSE".to_owned(),
+            Filesystem::Unknown => "unknown".to_owned(),
+        }
     }
 
     /// `synchronous` by name: `off`, `normal`, `full` or `extra`.
@@ -57,6 +103,17 @@ impl Settings {
                  commits whose messages were acked, and their effects are gone while JetStream \
                  redelivers nothing; set `SqliteConnectOptions::synchronous(SqliteSynchronous::Full)`",
                 self.synchronous_name().to_ascii_uppercase()
+            ));
+        }
+        if let Some(refusal) = self.refusal() {
+            warnings.push(format!("{refusal}; a router refuses to start on it"));
+        }
+        if self.filesystem == Filesystem::Fuse {
+            warnings.push(format!(
+                "the SQLite file {} is on a FUSE filesystem: if that is a network one (sshfs, \
+                 s3fs, ...), SQLite's locks do not hold there and two workers could both claim \
+                 one message; keep the file on a local disk",
+                self.file_shown()
             ));
         }
         match self.journal_mode.as_str() {
@@ -172,8 +229,28 @@ mod tests {
         Settings {
             journal_mode: journal_mode.to_owned(),
             synchronous,
+            file: None,
+            filesystem: Filesystem::Local,
         }
         .warnings("these")
+    }
+
+    #[test]
+    fn a_file_on_a_network_filesystem_is_refused_and_one_on_fuse_warned_about() {
+        let on = |filesystem| Settings {
+            journal_mode: "wal".to_owned(),
+            synchronous: 2,
+            file: Some(PathBuf::from("/mnt/share/ledger.db")),
+            filesystem,
+        };
+        let nfs = on(Filesystem::Network("NFS"));
+        let refusal = nfs.refusal().expect("NFS is refused");
+        assert!(refusal.contains("/mnt/share/ledger.db is on NFS, a network filesystem"));
+        assert!(nfs.warnings("these")[0].contains("a router refuses to start on it"));
+        let fuse = on(Filesystem::Fuse);
+        assert_eq!(fuse.refusal(), None);
+        assert!(fuse.warnings("these")[0].contains("on a FUSE filesystem"));
+        assert!(on(Filesystem::Local).warnings("these").is_empty());
     }
 
     #[test]
