@@ -183,16 +183,19 @@ async fn sqlite(url: &str, create: Create) -> Result<SqlitePool, CliError> {
             .find(|(key, _)| *key == name)
             .map(|(_, value)| value)
     };
-    if matches!(file.trim_start_matches("//"), "" | ":memory:")
-        || parameter("mode") == Some("memory")
-    {
-        return Err(CliError::usage(
+    let in_memory = || {
+        CliError::usage(
             format!(
                 "the database URL {} names no file: an in-memory SQLite database lives and dies with the process that opened it, so no other process can read it",
                 redact(url)
             ),
             "point DATABASE_URL (or --database-url) at the services' database file, sqlite:///ABSOLUTE/PATH.db",
-        ));
+        )
+    };
+    if matches!(file.trim_start_matches("//"), "" | ":memory:")
+        || parameter("mode") == Some("memory")
+    {
+        return Err(in_memory());
     }
     let creates = create == Create::IfTheUrlAsks && parameter("mode") == Some("rwc");
     let options = SqliteConnectOptions::from_str(&format!("sqlite:{rest}"))
@@ -219,11 +222,21 @@ async fn sqlite(url: &str, create: Create) -> Result<SqlitePool, CliError> {
             "check that this user may read and write the file and its directory (in WAL mode SQLite keeps -wal and -shm files beside it)",
         )
     };
-    let probe = tokio::time::timeout(CONNECT_TIMEOUT, SqliteConnection::connect_with(&options))
+    let mut probe = tokio::time::timeout(CONNECT_TIMEOUT, SqliteConnection::connect_with(&options))
         .await
         .map_err(|_| cannot_open(format!("not opened within {CONNECT_TIMEOUT:?}")))?
         .map_err(|error| cannot_open(error.to_string()))?;
+    // What SQLite itself opened, whatever the URL's spelling (a second
+    // `mode`, an escaped value, `vfs=memdb`) made of it.
+    let main_file: Option<String> =
+        sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
+            .fetch_optional(&mut probe)
+            .await
+            .map_err(|error| cannot_open(error.to_string()))?;
     let _ = probe.close().await;
+    if main_file.as_deref().is_none_or(str::is_empty) {
+        return Err(in_memory());
+    }
     Ok(SqlitePoolOptions::new()
         .max_connections(2)
         .acquire_timeout(CONNECT_TIMEOUT)

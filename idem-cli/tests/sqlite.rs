@@ -436,6 +436,36 @@ async fn an_unsupported_scheme_exits_2_and_names_the_supported_ones() {
     }
 }
 
+/// A URL that opens an in-memory database, however it is spelled, is
+/// refused: `idem migrate` would otherwise migrate a database that is gone
+/// when it exits, and report success. The file named stays untouched.
+#[tokio::test]
+async fn an_in_memory_database_is_refused_however_the_url_spells_it() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let file = dir.path().join("ledger.db");
+    std::fs::write(&file, b"").expect("an empty file");
+    let path = file.display();
+    for url in [
+        "sqlite::memory:".to_owned(),
+        format!("sqlite://{path}?mode=memory"),
+        // What sqlx makes of these is a database in memory.
+        format!("sqlite://{path}?mode=rw&mode=memory"),
+        format!("sqlite://{path}?mode=memor%79"),
+        format!("sqlite://{path}?vfs=memdb"),
+    ] {
+        for args in [["migrate"].as_slice(), &["verify"]] {
+            let run = idem(None, &url, args).await;
+            let stderr = run.failure(2);
+            assert!(stderr.contains("names no file"), "{url} {args:?}: {run:#?}");
+        }
+    }
+    assert_eq!(
+        std::fs::metadata(&file).expect("the file is there").len(),
+        0,
+        "nothing was written to the file"
+    );
+}
+
 #[tokio::test]
 async fn a_missing_sqlite_file_fails_clearly_and_is_not_created() {
     let dir = tempfile::tempdir().expect("a temp dir");

@@ -354,6 +354,65 @@ async fn start_up_waits_out_a_write_lock_held_elsewhere() {
     );
 }
 
+/// A message whose BEGIN cannot take SQLite's write lock within the pool's
+/// `busy_timeout` (another connection holds it: a transaction left open in
+/// a shell) is held for the database, not failed: its attempts use up no
+/// delivery (the route allows two, and it is held at least three times),
+/// nothing is dead-lettered, and it is applied once the lock is free.
+#[tokio::test]
+async fn a_message_whose_begin_cannot_take_the_write_lock_is_held_not_failed() {
+    let bed = Bed::start("SQLITEBUSY").await;
+    let impatient = idem_tests::sqlite::pool_waiting(&bed.path, Duration::from_millis(200)).await;
+    let route = fast(Route::new(&bed.stream, "c"))
+        .per_message()
+        .max_deliver(2);
+    let (handle, task) = spawn(Router::sqlite().route(route, credit), &bed.nats, &impatient);
+    let stats = handle.stats("c").unwrap();
+    eventually("the route pulls", Duration::from_secs(30), || async {
+        let Ok(stream) = bed.js.get_stream_no_info(&bed.stream).await else {
+            return false;
+        };
+        stream
+            .consumer_info("c")
+            .await
+            .is_ok_and(|info| info.num_waiting >= 1)
+    })
+    .await;
+    let mut holder = bed.second_pool.acquire().await.expect("a connection");
+    sqlx::raw_sql("BEGIN IMMEDIATE")
+        .execute(&mut *holder)
+        .await
+        .expect("the lock is taken");
+    bed.publish(["b-1".to_owned()]).await;
+    eventually(
+        "the message is held three times for the database",
+        Duration::from_secs(30),
+        || async { stats.infrastructure_errors() >= 3 },
+    )
+    .await;
+    assert_eq!(
+        (stats.processed(), stats.failed()),
+        (0, 0),
+        "held, neither applied nor failed, while the lock is taken"
+    );
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut *holder)
+        .await
+        .expect("the lock is freed");
+    drop(holder);
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert!(
+        dead_letters(&bed.js, &bed.stream).await.is_empty(),
+        "nothing dead-lettered: the held attempts used up no delivery"
+    );
+    assert_eq!(
+        bed.ledger("credit").await,
+        (1, 1),
+        "applied once, after the lock was freed"
+    );
+}
+
 /// What `tracing` wrote while a guard of [`capture_here`] was alive, on this
 /// thread only.
 #[derive(Clone, Default)]
