@@ -27,8 +27,9 @@
 //!   worker's, and the ack tap must have seen a later delivery of it acked:
 //!   the claim absorbed the redelivery of committed work.
 //! - **nats-server crash:** the server's process is another after the
-//!   restart, and the ledger grows after it. (That the crash caught a
-//!   message in flight is not checked.)
+//!   restart, the crash met traffic (it stays down half a second, and a
+//!   publish was under way meanwhile), and the ledger grows after it. (That it caught a delivery between the
+//!   server and the worker is not checked.)
 //!
 //! `IDEM_CHAOS_SEED` replays a run's random delays.
 
@@ -75,10 +76,15 @@ fn credit(i: u64) -> (String, u64, i64) {
 
 /// Publishes every message at [`RATE`], retrying each (under its id, so a
 /// publish stored after all is dropped as a duplicate) while nats-server is
-/// away. Returns each id's stream sequence.
-async fn publish_all(js: jetstream::Context, subject: String) -> HashMap<String, u64> {
+/// away. Returns each id's stream sequence, and when each publish began and
+/// was acknowledged.
+async fn publish_all(
+    js: jetstream::Context,
+    subject: String,
+) -> (HashMap<String, u64>, Vec<(Instant, Instant)>) {
     let started = Instant::now();
     let mut sequences = HashMap::new();
+    let mut spans = Vec::new();
     for i in 0..MESSAGES {
         let due = started + Duration::from_secs_f64(i as f64 / RATE);
         tokio::time::sleep_until(due.into()).await;
@@ -86,7 +92,8 @@ async fn publish_all(js: jetstream::Context, subject: String) -> HashMap<String,
         let payload =
             serde_json::to_vec(&serde_json::json!({"account": account, "amount": amount}))
                 .expect("a credit encodes");
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let began = Instant::now();
+        let deadline = began + Duration::from_secs(60);
         let sequence = loop {
             let mut headers = async_nats::HeaderMap::new();
             headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
@@ -106,9 +113,10 @@ async fn publish_all(js: jetstream::Context, subject: String) -> HashMap<String,
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
+        spans.push((began, Instant::now()));
         sequences.insert(id, sequence);
     }
-    sequences
+    (sequences, spans)
 }
 
 /// The ledger as the workers wrote it: each message's rows, with the pid
@@ -193,16 +201,21 @@ async fn kill_run(batch: &str) {
     let mut killed: Vec<Ended> = Vec::new();
     let mut aimed = Vec::new();
     let mut held: Option<(u32, String)> = None;
-    let mut nats_restarted = false;
+    let mut nats_down = None;
     for kill in 0..KILLS {
         wait_for_rows(&pool, (kill + 1) * MESSAGES / (KILLS + 2), &worker).await;
         if kill == 2 {
+            // Down for half a second: the publisher and the worker are
+            // certain to meet it (it restarts in about 30 ms).
             let before = nats.pid();
-            nats.kill_and_restart().await;
+            nats.kill();
+            let killed_at = Instant::now();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            nats_down = Some((killed_at, Instant::now()));
+            nats.start_again().await;
             assert_ne!(nats.pid(), before, "nats-server is a new process");
             let rows_then = rows(&pool).await;
             wait_for_rows(&pool, rows_then + 10, &worker).await;
-            nats_restarted = true;
         }
         if kill == KILLS / 2 {
             worker.hold_next_commit();
@@ -231,7 +244,7 @@ async fn kill_run(batch: &str) {
         worker = started(Worker::spawn(Path::new(WORKER), ordinal, &env, logs)).await;
     }
 
-    let sequences = publisher.await.expect("the publisher does not panic");
+    let (sequences, publishes) = publisher.await.expect("the publisher does not panic");
     wait_for_rows(&pool, MESSAGES, &worker).await;
     wait_all_acked(&js, &stream, DURABLE).await;
     let (last, _) = worker
@@ -275,7 +288,13 @@ async fn kill_run(batch: &str) {
     );
 
     // The faults landed.
-    assert!(nats_restarted);
+    let (killed_at, restarted_at) = nats_down.expect("nats-server was crashed");
+    assert!(
+        publishes
+            .iter()
+            .any(|(began, acked)| *began < restarted_at && *acked > killed_at),
+        "nats-server's crash met traffic: a publish was under way while it was down"
+    );
     let landed = aimed
         .iter()
         .filter(|(pid, id)| {
