@@ -7,6 +7,8 @@
 //! cause is fixed) that applies each credit once, a second replay that is
 //! refused and applies nothing, and a discard that removes them.
 
+mod common;
+
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
@@ -16,6 +18,8 @@ use idem_tests::{TestEnv, eventually};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sqlx::{Connection, PgPool};
+
+use common::{Run, idem_in};
 
 const HANDLER: &str = "cli.credit.v1";
 const DURABLE: &str = "ledger";
@@ -67,29 +71,6 @@ async fn credit(tx: &mut sqlx::PgTransaction<'_>, credit: Credit) -> Result<(), 
     Ok(())
 }
 
-/// One run of the `idem` binary.
-#[derive(Debug)]
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-impl Run {
-    /// Its stdout as JSON, after checking it exited `code`.
-    fn json(&self, code: i32) -> Value {
-        assert_eq!(self.code, code, "exit code of {self:#?}");
-        serde_json::from_str(&self.stdout)
-            .unwrap_or_else(|error| panic!("stdout is not JSON ({error}): {self:#?}"))
-    }
-
-    /// Its stdout as text, after checking it exited 0.
-    fn text(&self) -> &str {
-        assert_eq!(self.code, 0, "exit code of {self:#?}");
-        &self.stdout
-    }
-}
-
 /// Runs `idem args...` with the test's servers in NATS_URL and
 /// DATABASE_URL, as a service's operator would.
 async fn idem(env: &TestEnv, args: &[&str]) -> Run {
@@ -98,21 +79,7 @@ async fn idem(env: &TestEnv, args: &[&str]) -> Run {
 
 /// Runs `idem args...` with these URLs (no NATS_URL at all for `None`).
 async fn idem_with(nats_url: Option<&str>, database_url: &str, args: &[&str]) -> Run {
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
-    command.args(args).env("DATABASE_URL", database_url);
-    match nats_url {
-        Some(url) => command.env("NATS_URL", url),
-        None => command.env_remove("NATS_URL"),
-    };
-    let output = command.output().await.expect("the idem binary runs");
-    let run = Run {
-        code: output.status.code().expect("idem exits, not killed"),
-        stdout: String::from_utf8(output.stdout).expect("stdout is UTF-8"),
-        stderr: String::from_utf8(output.stderr).expect("stderr is UTF-8"),
-    };
-    // The text outputs are the README's examples: `--no-capture` shows them.
-    println!("$ idem {}\n{}{}", args.join(" "), run.stdout, run.stderr);
-    run
+    idem_in(None, nats_url, database_url, args).await
 }
 
 async fn publish(js: &jetstream::Context, subject: &str, transfer: &str, account: i64) {

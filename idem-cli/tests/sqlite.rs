@@ -7,7 +7,9 @@
 //! created, except by `idem migrate` with `?mode=rwc`), and the outbox,
 //! which SQLite does not have.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -20,6 +22,8 @@ use idem_tests::{NatsServer, init_tracing};
 use serde_json::{Value, json};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Sqlite, SqlitePool};
+
+use common::{Run, idem_in};
 
 const HANDLER: &str = "sqlite.cli.credit.v1";
 const DURABLE: &str = "credits";
@@ -40,69 +44,6 @@ async fn credit(
         .execute(&mut **tx)
         .await?;
     Ok(())
-}
-
-/// One run of the `idem` binary.
-#[derive(Debug)]
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-impl Run {
-    /// Its stdout as JSON, after checking it exited `code`.
-    fn json(&self, code: i32) -> Value {
-        assert_eq!(self.code, code, "exit code of {self:#?}");
-        serde_json::from_str(&self.stdout)
-            .unwrap_or_else(|error| panic!("stdout is not JSON ({error}): {self:#?}"))
-    }
-
-    /// Its stdout as text, after checking it exited 0.
-    fn text(&self) -> &str {
-        assert_eq!(self.code, 0, "exit code of {self:#?}");
-        &self.stdout
-    }
-
-    /// Its stderr, after checking it exited `code` and printed nothing on
-    /// stdout.
-    fn failure(&self, code: i32) -> &str {
-        assert_eq!(self.code, code, "exit code of {self:#?}");
-        assert!(self.stdout.is_empty(), "nothing on stdout: {self:#?}");
-        &self.stderr
-    }
-}
-
-/// Runs `idem args...` with these URLs (no NATS_URL at all for `None`), in
-/// the directory `cwd` if given (where a relative SQLite path is found).
-async fn idem_in(
-    cwd: Option<&Path>,
-    nats_url: Option<&str>,
-    database_url: &str,
-    args: &[&str],
-) -> Run {
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
-    command.args(args).env("DATABASE_URL", database_url);
-    match nats_url {
-        Some(url) => command.env("NATS_URL", url),
-        None => command.env_remove("NATS_URL"),
-    };
-    if let Some(cwd) = cwd {
-        command.current_dir(cwd);
-    }
-    let output = command.output().await.expect("the idem binary runs");
-    let run = Run {
-        code: output.status.code().expect("idem exits, not killed"),
-        stdout: String::from_utf8(output.stdout).expect("stdout is UTF-8"),
-        stderr: String::from_utf8(output.stderr).expect("stderr is UTF-8"),
-    };
-    println!(
-        "$ DATABASE_URL={database_url} idem {}\n{}{}",
-        args.join(" "),
-        run.stdout,
-        run.stderr
-    );
-    run
 }
 
 async fn idem(nats_url: Option<&str>, database_url: &str, args: &[&str]) -> Run {

@@ -294,6 +294,26 @@ pub async fn wait_all_acked(js: &jetstream::Context, stream: &str, durable: &str
     }
 }
 
+/// Waits until `pulls` pull requests wait on consumer `durable` (its
+/// routes are running and asking for messages), for up to 30 s. The first
+/// router to start makes the consumer.
+pub async fn wait_pulling(js: &jetstream::Context, stream: &str, durable: &str, pulls: usize) {
+    eventually(
+        &format!("{pulls} pull requests wait on {durable}"),
+        Duration::from_secs(30),
+        || async {
+            let Ok(stream) = js.get_stream_no_info(stream).await else {
+                return false;
+            };
+            stream
+                .consumer_info(durable)
+                .await
+                .is_ok_and(|info| info.num_waiting >= pulls)
+        },
+    )
+    .await;
+}
+
 /// Waits until the (filtered) consumer `durable` has taken `messages`
 /// messages and settled all of them: nothing pending, nothing awaiting ack.
 /// For a consumer that sees only part of its stream, where the ack floor

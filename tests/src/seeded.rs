@@ -4,6 +4,25 @@
 
 use std::time::Duration;
 
+/// The run's seed: `IDEM_CHAOS_SEED` to replay a run, else one from the
+/// clock and the process id.
+///
+/// # Panics
+///
+/// If `IDEM_CHAOS_SEED` is not a `u64`.
+pub fn seed() -> u64 {
+    std::env::var("IDEM_CHAOS_SEED")
+        .ok()
+        .map(|s| s.parse().expect("IDEM_CHAOS_SEED is a u64"))
+        .unwrap_or_else(|| {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos() as u64;
+            nanos ^ ((std::process::id() as u64) << 32)
+        })
+}
+
 /// A seeded SplitMix64 generator.
 #[derive(Debug, Clone)]
 pub struct Rng(pub u64);

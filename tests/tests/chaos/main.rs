@@ -120,7 +120,7 @@ mod day_two;
 mod network;
 mod pipeline;
 
-use idem_tests::seeded::{Rng, env_or};
+use idem_tests::seeded::{Rng, env_or, seed};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -192,19 +192,6 @@ impl Expected {
             dead_letters: 0,
         }
     }
-}
-
-fn seed() -> u64 {
-    std::env::var("IDEM_CHAOS_SEED")
-        .ok()
-        .map(|s| s.parse().expect("IDEM_CHAOS_SEED is a u64"))
-        .unwrap_or_else(|| {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_nanos() as u64;
-            nanos ^ ((std::process::id() as u64) << 32)
-        })
 }
 
 /// Where the workers' logs go: `IDEM_CHAOS_LOG_DIR`, or a temp dir that is

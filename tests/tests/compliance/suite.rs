@@ -16,7 +16,7 @@ macro_rules! compliance_suite {
         };
         use idem_tests::scenario::{
             Deposit, dead_letters, deposit, eventually, fast, header, publish, publish_with_id,
-            stop, wait_all_acked,
+            stop, wait_all_acked, wait_pulling,
         };
         use idem_tests::{Batched, Batching};
         use tokio::task::JoinHandle;
@@ -120,9 +120,16 @@ macro_rules! compliance_suite {
         /// acts after COMMIT, as a process that dies there); a second
         /// worker gets the redeliveries, finds each claim and acks them as
         /// duplicates, running none. Effects = inputs, no duplicates.
-        async fn committed_but_never_acked_is_applied_once(batching: Batching) {
+        async fn committed_but_never_acked_applies_once<M, H>(
+            prefix: &str,
+            batching: Batching,
+            handler: H,
+            name: &str,
+        ) where
+            H: idem_runtime::IntoHandler<(), M, <store::Pool as PoolOf>::Database> + Copy,
+        {
             const MESSAGES: usize = 20;
-            let bed = bed("CRASH").await;
+            let bed = bed(prefix).await;
             let route = || {
                 fast(Route::new(&bed.stream, "c"))
                     .ack_wait(Duration::from_secs(2))
@@ -130,7 +137,7 @@ macro_rules! compliance_suite {
             };
             let published = bed.publish((0..MESSAGES).map(|i| format!("m-{i}"))).await;
             let first = store::router_with_state(())
-                .route(route(), credit)
+                .route(route(), handler)
                 .fault_hooks(FaultHooks::default().after_commit(|_| AfterCommit::DropWithoutAck));
             let (handle, task) = spawn(first, &bed, &bed.pool);
             let first_stats = handle.stats("c").unwrap();
@@ -142,12 +149,12 @@ macro_rules! compliance_suite {
             .await;
             stop(handle, task).await;
             assert_eq!(
-                ledger(&bed, "credit").await,
+                ledger(&bed, name).await,
                 (MESSAGES as i64, MESSAGES as i64),
                 "committed once each before the crash"
             );
 
-            let second = store::router_with_state(()).route(route(), credit);
+            let second = store::router_with_state(()).route(route(), handler);
             let (handle, task) = spawn(second, &bed, &bed.second_pool);
             wait_all_acked(&bed.js, &bed.stream, "c").await;
             stop(handle.clone(), task).await;
@@ -158,10 +165,14 @@ macro_rules! compliance_suite {
                 "every redelivery was a duplicate, none ran"
             );
             assert_eq!(
-                ledger(&bed, "credit").await,
+                ledger(&bed, name).await,
                 (MESSAGES as i64, MESSAGES as i64),
                 "effects = inputs, no duplicates"
             );
+        }
+
+        async fn committed_but_never_acked_is_applied_once(batching: Batching) {
+            committed_but_never_acked_applies_once("CRASH", batching, credit, "credit").await;
         }
 
         /// As above for a batch handler on a route with default settings:
@@ -169,38 +180,13 @@ macro_rules! compliance_suite {
         /// batches, are all duplicates.
         #[tokio::test]
         async fn a_batch_handlers_commits_never_acked_are_applied_once() {
-            const MESSAGES: usize = 20;
-            let bed = bed("CRASHMANY").await;
-            let route = || fast(Route::new(&bed.stream, "c")).ack_wait(Duration::from_secs(2));
-            let published = bed.publish((0..MESSAGES).map(|i| format!("b-{i}"))).await;
-            let first = store::router_with_state(())
-                .route(route(), credit_many)
-                .fault_hooks(FaultHooks::default().after_commit(|_| AfterCommit::DropWithoutAck));
-            let (handle, task) = spawn(first, &bed, &bed.pool);
-            let first_stats = handle.stats("c").unwrap();
-            eventually(
-                "every message committed and was dropped unacked",
-                Duration::from_secs(30),
-                || async { first_stats.dropped_by_fault() as usize == published },
+            committed_but_never_acked_applies_once(
+                "CRASHMANY",
+                Batching::Default,
+                credit_many,
+                "credit-many",
             )
             .await;
-            stop(handle, task).await;
-
-            let second = store::router_with_state(()).route(route(), credit_many);
-            let (handle, task) = spawn(second, &bed, &bed.second_pool);
-            wait_all_acked(&bed.js, &bed.stream, "c").await;
-            stop(handle.clone(), task).await;
-            let second = handle.stats("c").unwrap();
-            assert_eq!(
-                (second.duplicates() as usize, second.processed()),
-                (MESSAGES, 0),
-                "every redelivery was a duplicate, none ran"
-            );
-            assert_eq!(
-                ledger(&bed, "credit-many").await,
-                (MESSAGES as i64, MESSAGES as i64),
-                "effects = inputs, no duplicates"
-            );
         }
 
         // -------------------------------------------------------------------
@@ -309,16 +295,7 @@ macro_rules! compliance_suite {
             let (second, second_task) = worker(&bed.second_pool);
             let both = [first.stats("c").unwrap(), second.stats("c").unwrap()];
             let _ = state.workers.0.set(both.clone());
-            eventually("both workers pull", Duration::from_secs(30), || async {
-                let Ok(stream) = bed.js.get_stream_no_info(&bed.stream).await else {
-                    return false;
-                };
-                stream
-                    .consumer_info("c")
-                    .await
-                    .is_ok_and(|info| info.num_waiting >= 2)
-            })
-            .await;
+            wait_pulling(&bed.js, &bed.stream, "c", 2).await;
             bed.publish(["race-1".to_owned()]).await;
             wait_all_acked(&bed.js, &bed.stream, "c").await;
             stop(first, first_task).await;

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use idem_tests::ack_events::{AckKind, AckLog};
 use idem_tests::scenario::{create_stream, dead_letters, wait_all_acked};
-use idem_tests::seeded::Rng;
+use idem_tests::seeded::{Rng, seed};
 use idem_tests::worker_process::{Ended, Worker};
 use idem_tests::{NatsServer, init_tracing, unique_name};
 use sqlx::SqlitePool;
@@ -55,19 +55,6 @@ const MESSAGES: u64 = 600;
 const RATE: f64 = 60.0;
 const KILLS: u64 = 8;
 const ACCOUNTS: u64 = 8;
-
-fn seed() -> u64 {
-    std::env::var("IDEM_CHAOS_SEED")
-        .ok()
-        .map(|s| s.parse().expect("IDEM_CHAOS_SEED is a u64"))
-        .unwrap_or_else(|| {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_nanos() as u64;
-            nanos ^ ((std::process::id() as u64) << 32)
-        })
-}
 
 /// Message `i`: its id, account and amount.
 fn credit(i: u64) -> (String, u64, i64) {

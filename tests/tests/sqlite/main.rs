@@ -16,7 +16,7 @@ use idem_runtime::fault::{AfterCommit, FaultHooks};
 use idem_runtime::retention::Unbounded;
 use idem_runtime::{BoxError, Delivery, Route, Router, RouterHandle, idempotent};
 use idem_tests::scenario::{
-    Deposit, dead_letters, deposit, eventually, fast, publish, stop, wait_all_acked,
+    Deposit, dead_letters, deposit, eventually, fast, publish, stop, wait_all_acked, wait_pulling,
 };
 use idem_tests::{NatsServer, init_tracing, unique_name};
 use sqlx::{Sqlite, SqlitePool};
@@ -368,16 +368,7 @@ async fn a_message_whose_begin_cannot_take_the_write_lock_is_held_not_failed() {
         .max_deliver(2);
     let (handle, task) = spawn(Router::sqlite().route(route, credit), &bed.nats, &impatient);
     let stats = handle.stats("c").unwrap();
-    eventually("the route pulls", Duration::from_secs(30), || async {
-        let Ok(stream) = bed.js.get_stream_no_info(&bed.stream).await else {
-            return false;
-        };
-        stream
-            .consumer_info("c")
-            .await
-            .is_ok_and(|info| info.num_waiting >= 1)
-    })
-    .await;
+    wait_pulling(&bed.js, &bed.stream, "c", 1).await;
     let mut holder = bed.second_pool.acquire().await.expect("a connection");
     sqlx::raw_sql("BEGIN IMMEDIATE")
         .execute(&mut *holder)
