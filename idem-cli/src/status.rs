@@ -299,6 +299,11 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
             "journal_mode": durability.journal_mode,
             "command_synchronous": durability.synchronous,
             "filesystem": durability.filesystem,
+            "routers": durability.routers.iter().map(|router| json!({
+                "handler": router.handler,
+                "journal_mode": router.journal_mode,
+                "synchronous": router.synchronous,
+            })).collect::<Vec<_>>(),
             "warnings": durability.warnings,
         },
         "write_lock": match &write_lock {
@@ -337,6 +342,12 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
         "\ndatabase durability: journal_mode {}, synchronous {} (this command's connections: each connection sets its own, and a service's start-up warns when its own is below FULL), on a {} filesystem",
         durability.journal_mode, durability.synchronous, durability.filesystem,
     ));
+    for router in &durability.routers {
+        text.push_str(&format!(
+            "\n  the router that registered `{}` last: journal_mode {}, synchronous {}",
+            router.handler, router.journal_mode, router.synchronous
+        ));
+    }
     for warning in &durability.warnings {
         text.push_str(&format!("\n  warning: {warning}"));
     }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use idem_runtime::retention::Unbounded;
 use idem_runtime::{Delivery, Route, Router, idempotent};
 use idem_tests::scenario::{
-    Deposit, create_stream, deposit, fast, publish, stop, unique_name, wait_all_acked,
+    Deposit, create_stream, deposit, fast, publish, stop, unique_name, wait_all_acked, wait_pulling,
 };
 use idem_tests::{NatsServer, init_tracing};
 use serde_json::{Value, json};
@@ -217,7 +217,13 @@ async fn status_counts_one_claim_per_processed_message_and_shows_no_outbox() {
     assert_eq!(status["expiry"]["behind"], false, "{status:#}");
     assert_eq!(
         status["database_durability"],
-        json!({ "journal_mode": "wal", "command_synchronous": "full", "filesystem": "local", "warnings": [] }),
+        json!({
+            "journal_mode": "wal",
+            "command_synchronous": "full",
+            "filesystem": "local",
+            "routers": [{ "handler": HANDLER, "journal_mode": "wal", "synchronous": "full" }],
+            "warnings": [],
+        }),
         "{status:#}"
     );
     assert_eq!(
@@ -520,6 +526,57 @@ async fn status_warns_while_another_connection_holds_the_write_lock() {
         status["write_lock"],
         json!({ "state": "free" }),
         "{status:#}"
+    );
+}
+
+/// `synchronous` is each connection's own, so `idem status` cannot read a
+/// service's from its own connections: each router records its own when it
+/// registers its handlers, and status shows it. A router whose connections
+/// run at NORMAL (acked commits can be lost on power loss) is named with a
+/// warning, while the command's own connections are at FULL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_a_router_whose_synchronous_is_below_full() {
+    let bed = Bed::processed(None).await;
+    let lax = SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            SqliteConnectOptions::from_str(&bed.db.url)
+                .expect("a SQLite url")
+                .synchronous(SqliteSynchronous::Normal),
+        )
+        .await
+        .expect("the file opens");
+    let client = bed.nats.client().await;
+    let router = Router::sqlite().route(fast(Route::new(&bed.stream, DURABLE)), credit);
+    let handle = router.handle();
+    let task = tokio::spawn(router.run_until(client, lax, std::future::pending()));
+    let js = async_nats::jetstream::new(bed.nats.client().await);
+    wait_pulling(&js, &bed.stream, DURABLE, 1).await;
+    stop(handle, task).await;
+
+    let status = bed.idem(&["status", "--json"]).await.json(0);
+    let durability = &status["database_durability"];
+    assert_eq!(durability["command_synchronous"], "full", "{status:#}");
+    assert_eq!(
+        durability["routers"],
+        json!([{ "handler": HANDLER, "journal_mode": "wal", "synchronous": "normal" }]),
+        "{status:#}"
+    );
+    let warnings = durability["warnings"].as_array().expect("warnings");
+    assert!(
+        warnings.iter().any(
+            |warning| warning.as_str().unwrap_or_default().contains(&format!(
+                "`synchronous` is NORMAL on the router's (that registered `{HANDLER}`) connections"
+            ))
+        ),
+        "{status:#}"
+    );
+    let text = bed.idem(&["status"]).await;
+    assert!(
+        text.text().contains(&format!(
+            "the router that registered `{HANDLER}` last: journal_mode wal, synchronous normal"
+        )),
+        "{text:#?}"
     );
 }
 

@@ -362,7 +362,26 @@ pub mod sqlite {
         /// network filesystems, where a router refuses to start), `FUSE`
         /// or `unknown`.
         pub filesystem: String,
-        /// What can lose acked commits, or slow them: empty when nothing.
+        /// Each handler, with the settings of the router that registered it
+        /// last: `synchronous` is each connection's own, so only a router
+        /// knows its own.
+        pub routers: Vec<RouterDurability>,
+        /// What can lose acked commits, or slow them, on this pool's
+        /// connections and on the routers': empty when nothing.
+        pub warnings: Vec<String>,
+    }
+
+    /// The settings of the router that registered a handler last.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    #[non_exhaustive]
+    pub struct RouterDurability {
+        /// The handler's name.
+        pub handler: String,
+        /// Its router's `journal_mode`, lower case.
+        pub journal_mode: String,
+        /// Its router's `synchronous`: `off`, `normal`, `full` or `extra`.
+        pub synchronous: String,
+        /// What can lose acked commits there, as the router's start-up warned.
         pub warnings: Vec<String>,
     }
 
@@ -378,8 +397,38 @@ pub mod sqlite {
     pub async fn durability(pool: &SqlitePool) -> Result<Durability, sqlx::Error> {
         let mut connection = pool.acquire().await?;
         let settings = Settings::read(&mut connection).await?;
+        let mut warnings = settings.warnings("this command's");
+        let mut routers = Vec::new();
+        for (handler, journal_mode, synchronous) in
+            crate::store::sqlite::router_settings(pool).await?
+        {
+            // Registered before routers recorded their settings.
+            let (Some(journal_mode), Some(synchronous)) = (journal_mode, synchronous) else {
+                continue;
+            };
+            let theirs = Settings {
+                journal_mode,
+                synchronous,
+                file: None,
+                // The file's filesystem is this command's to report.
+                filesystem: crate::store::sqlite::Filesystem::Local,
+            };
+            let router_warnings: Vec<String> = theirs
+                .warnings(&format!("the router's (that registered `{handler}`)"))
+                .into_iter()
+                .filter(|warning| !warnings.contains(warning))
+                .collect();
+            warnings.extend(router_warnings.iter().cloned());
+            routers.push(RouterDurability {
+                handler,
+                synchronous: theirs.synchronous_name(),
+                journal_mode: theirs.journal_mode,
+                warnings: router_warnings,
+            });
+        }
         Ok(Durability {
-            warnings: settings.warnings("this command's"),
+            warnings,
+            routers,
             filesystem: settings.filesystem_name(),
             synchronous: settings.synchronous_name(),
             journal_mode: settings.journal_mode,

@@ -39,9 +39,10 @@ use crate::store::connections::Leased;
 use crate::store::purge::{Figures, PurgeReport};
 use crate::store::reads::HandlerRow;
 
+pub(crate) use filesystem::Filesystem;
 pub use settings::WriteLock;
 pub(crate) use settings::{Settings, write_lock};
-pub(crate) use tables::schema_version;
+pub(crate) use tables::{router_settings, schema_version};
 pub use transaction::{Begin, Session};
 
 impl Backend for Sqlite {

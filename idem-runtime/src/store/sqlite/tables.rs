@@ -20,10 +20,11 @@ use crate::store::purge::{Figures, PurgeReport};
 use crate::store::reads::HandlerRow;
 
 /// (version, description, SQL) of every SQLite migration, oldest first.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "claims",
-    "CREATE TABLE idem_handlers (
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "claims",
+        "CREATE TABLE idem_handlers (
          id INTEGER PRIMARY KEY,
          name TEXT NOT NULL UNIQUE,
          retention_ms INTEGER,
@@ -36,7 +37,17 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[(
          result BLOB
      ) WITHOUT ROWID;
      CREATE INDEX idem_claims_by_age ON idem_claims (handler_id, claimed_at);",
-)];
+    ),
+    (
+        2,
+        "the settings of the router that registered each handler",
+        // `synchronous` is each connection's own: only a router knows
+        // its own, so it records it when it registers its handlers, for
+        // `idem status` to read.
+        "ALTER TABLE idem_handlers ADD COLUMN router_journal_mode TEXT;
+         ALTER TABLE idem_handlers ADD COLUMN router_synchronous INTEGER;",
+    ),
+];
 
 /// Claims deleted per transaction by the purge.
 const PURGE_CHUNK: i64 = 1_000;
@@ -137,24 +148,36 @@ pub(crate) async fn verify(pool: &SqlitePool) -> Result<(), Error> {
 }
 
 /// Registers `handlers` (the last retention given for a name wins) in one
-/// transaction that takes the write lock first, in name order.
+/// transaction that takes the write lock first, in name order, with the
+/// registering router's `journal_mode` and `synchronous`.
 pub(crate) async fn register(
     pool: &SqlitePool,
     handlers: &[(&str, Option<Duration>)],
 ) -> Result<HashMap<String, i32>, sqlx::Error> {
     let unique: BTreeMap<&str, Option<Duration>> = handlers.iter().copied().collect();
     let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    let journal_mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&mut *tx)
+        .await?;
+    let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(&mut *tx)
+        .await?;
     let mut ids = HashMap::new();
     for (name, retention) in unique {
         let millis = retention.map(crate::store::purge::millis);
         let id: i32 = sqlx::query_scalar(
-            "INSERT INTO idem_handlers (name, retention_ms) VALUES (?1, ?2)
+            "INSERT INTO idem_handlers (name, retention_ms, router_journal_mode, router_synchronous)
+             VALUES (?1, ?2, ?3, ?4)
              ON CONFLICT (name) DO UPDATE
-                SET retention_ms = excluded.retention_ms, updated_at = datetime('now')
+                SET retention_ms = excluded.retention_ms, updated_at = datetime('now'),
+                    router_journal_mode = excluded.router_journal_mode,
+                    router_synchronous = excluded.router_synchronous
              RETURNING id",
         )
         .bind(name)
         .bind(millis)
+        .bind(journal_mode.to_ascii_lowercase())
+        .bind(synchronous)
         .fetch_one(&mut *tx)
         .await?;
         ids.insert(name.to_owned(), id);
@@ -187,6 +210,18 @@ pub(crate) async fn claim(
     )
     .bind(key)
     .fetch_optional(pool)
+    .await
+}
+
+/// Each handler's name, with the `journal_mode` and `synchronous` of the
+/// router that registered it last (none before migration 2), by name.
+pub(crate) async fn router_settings(
+    pool: &SqlitePool,
+) -> Result<Vec<(String, Option<String>, Option<i64>)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT name, router_journal_mode, router_synchronous FROM idem_handlers ORDER BY name",
+    )
+    .fetch_all(pool)
     .await
 }
 
