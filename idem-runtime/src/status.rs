@@ -400,7 +400,7 @@ pub mod sqlite {
         let mut warnings = settings.warnings("this command's");
         let mut routers = Vec::new();
         for (handler, journal_mode, synchronous) in
-            crate::store::sqlite::router_settings(pool).await?
+            crate::store::sqlite::router_settings(&mut connection).await?
         {
             // Registered before routers recorded their settings.
             let (Some(journal_mode), Some(synchronous)) = (journal_mode, synchronous) else {

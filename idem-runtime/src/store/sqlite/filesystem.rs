@@ -2,9 +2,11 @@
 //! racing redelivery wait for the first attempt's claim, do not hold over a
 //! network filesystem: two workers could then both claim one message. So a
 //! router refuses a file on a network filesystem, and warns about one on
-//! FUSE, which may be either.
+//! FUSE or 9p, which may be either (gVisor's sandboxes and some VMs serve
+//! local files as 9p).
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use sqlx::SqliteConnection;
 
@@ -15,8 +17,12 @@ pub(crate) enum Filesystem {
     Local,
     /// A network filesystem, by name.
     Network(&'static str),
-    /// FUSE: a local or a remote one (sshfs, s3fs), which idem cannot tell.
-    Fuse,
+    /// FUSE or 9p: a local or a remote one (sshfs, s3fs; a VM's or a
+    /// sandbox's share of the host's disk), which idem cannot tell. By name.
+    Either(&'static str),
+    /// `statfs(2)` did not answer within [`STATFS_WAIT`]: a network
+    /// filesystem whose server is away, most likely.
+    Unresponsive,
     /// No file (an in-memory database), or its filesystem could not be read
     /// (not Linux).
     Unknown,
@@ -29,20 +35,22 @@ const NETWORK: &[(i64, &str)] = &[
     (0xFF53_4D42, "CIFS"),
     (0xFE53_4D42, "SMB2"),
     (0x00C3_6400, "Ceph"),
-    (0x0102_1997, "9p"),
     (0x5346_414F, "AFS"),
     (0x6B41_4653, "kAFS"),
     (0x7375_7245, "Coda"),
     (0x564C, "NCP"),
 ];
 
-/// FUSE's `statfs(2)` type.
-const FUSE: i64 = 0x6573_5546;
+/// Filesystems that may be local or remote, by their `statfs(2)` type.
+const EITHER: &[(i64, &str)] = &[(0x6573_5546, "FUSE"), (0x0102_1997, "9p")];
+
+/// How long `statfs(2)` may take before the filesystem counts as away.
+pub(crate) const STATFS_WAIT: Duration = Duration::from_secs(5);
 
 /// The filesystem of `statfs(2)` type `kind`.
 pub(crate) fn classify(kind: i64) -> Filesystem {
-    if kind == FUSE {
-        return Filesystem::Fuse;
+    if let Some((_, name)) = EITHER.iter().find(|(magic, _)| *magic == kind) {
+        return Filesystem::Either(name);
     }
     NETWORK
         .iter()
@@ -67,13 +75,15 @@ pub(crate) async fn of(
     else {
         return Ok((None, Filesystem::Unknown));
     };
-    // statfs on a network mount whose server is away can block.
+    // statfs on a network mount whose server is away can block: it runs on
+    // a blocking thread, and is waited for a few seconds only.
     let looked_at = path.clone();
-    let kind = tokio::task::spawn_blocking(move || kind_of(&looked_at))
-        .await
-        .ok()
-        .flatten();
-    Ok((Some(path), kind.map_or(Filesystem::Unknown, classify)))
+    let looking = tokio::task::spawn_blocking(move || kind_of(&looked_at));
+    let filesystem = match tokio::time::timeout(STATFS_WAIT, looking).await {
+        Ok(kind) => kind.ok().flatten().map_or(Filesystem::Unknown, classify),
+        Err(_) => Filesystem::Unresponsive,
+    };
+    Ok((Some(path), filesystem))
 }
 
 /// The `statfs(2)` type of the filesystem holding `path`.
@@ -105,8 +115,8 @@ mod tests {
     fn network_filesystems_are_told_from_local_ones() {
         assert_eq!(classify(0x6969), Filesystem::Network("NFS"));
         assert_eq!(classify(0xFF53_4D42), Filesystem::Network("CIFS"));
-        assert_eq!(classify(0x0102_1997), Filesystem::Network("9p"));
-        assert_eq!(classify(0x6573_5546), Filesystem::Fuse);
+        assert_eq!(classify(0x0102_1997), Filesystem::Either("9p"));
+        assert_eq!(classify(0x6573_5546), Filesystem::Either("FUSE"));
         // ext4, tmpfs, overlayfs, xfs, btrfs.
         for local in [0xEF53, 0x0102_1994, 0x794C_7630, 0x5846_5342, 0x9123_683E] {
             assert_eq!(classify(local), Filesystem::Local, "{local:#x}");

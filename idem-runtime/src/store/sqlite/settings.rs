@@ -46,15 +46,22 @@ impl Settings {
     /// filesystem, where SQLite's locks do not hold, so two workers could
     /// both claim one message.
     pub(crate) fn refusal(&self) -> Option<String> {
-        let Filesystem::Network(name) = self.filesystem else {
-            return None;
-        };
-        Some(format!(
-            "the SQLite file {} is on {name}, a network filesystem: SQLite's locks do not hold \
-             there, so two workers could both claim one message and apply it twice; keep the \
-             file on a local disk",
-            self.file_shown()
-        ))
+        match self.filesystem {
+            Filesystem::Network(name) => Some(format!(
+                "the SQLite file {} is on {name}, a network filesystem: SQLite's locks do not \
+                 hold there, so two workers could both claim one message and apply it twice; \
+                 keep the file on a local disk",
+                self.file_shown()
+            )),
+            Filesystem::Unresponsive => Some(format!(
+                "statfs(2) on the SQLite file {} did not answer within {:?}: a network \
+                 filesystem whose server is away? SQLite's locks do not hold on one; keep the \
+                 file on a local disk",
+                self.file_shown(),
+                filesystem::STATFS_WAIT
+            )),
+            _ => None,
+        }
     }
 
     /// The file, for messages.
@@ -66,12 +73,13 @@ impl Settings {
     }
 
     /// What holds the file, for `idem status`: `local`, `NFS (network)`,
-    /// `FUSE` or `unknown`.
+    /// `FUSE (local or network)`, `not answering (network?)` or `unknown`.
     pub(crate) fn filesystem_name(&self) -> String {
         match self.filesystem {
             Filesystem::Local => "local".to_owned(),
             Filesystem::Network(name) => format!("{name} (network)"),
-            Filesystem::Fuse => "FUSE".to_owned(),
+            Filesystem::Either(name) => format!("{name} (local or network)"),
+            Filesystem::Unresponsive => "not answering (network?)".to_owned(),
             Filesystem::Unknown => "unknown".to_owned(),
         }
     }
@@ -108,11 +116,11 @@ impl Settings {
         if let Some(refusal) = self.refusal() {
             warnings.push(format!("{refusal}; a router refuses to start on it"));
         }
-        if self.filesystem == Filesystem::Fuse {
+        if let Filesystem::Either(name) = self.filesystem {
             warnings.push(format!(
-                "the SQLite file {} is on a FUSE filesystem: if that is a network one (sshfs, \
-                 s3fs, ...), SQLite's locks do not hold there and two workers could both claim \
-                 one message; keep the file on a local disk",
+                "the SQLite file {} is on a {name} filesystem: if that is a network one (sshfs, \
+                 s3fs, a share on another machine), SQLite's locks do not hold there and two \
+                 workers could both claim one message; keep the file on a local disk",
                 self.file_shown()
             ));
         }
@@ -236,7 +244,7 @@ mod tests {
     }
 
     #[test]
-    fn a_file_on_a_network_filesystem_is_refused_and_one_on_fuse_warned_about() {
+    fn a_file_on_a_network_filesystem_is_refused_and_one_on_fuse_or_9p_warned_about() {
         let on = |filesystem| Settings {
             journal_mode: "wal".to_owned(),
             synchronous: 2,
@@ -247,9 +255,15 @@ mod tests {
         let refusal = nfs.refusal().expect("NFS is refused");
         assert!(refusal.contains("/mnt/share/ledger.db is on NFS, a network filesystem"));
         assert!(nfs.warnings("these")[0].contains("a router refuses to start on it"));
-        let fuse = on(Filesystem::Fuse);
+        let fuse = on(Filesystem::Either("FUSE"));
         assert_eq!(fuse.refusal(), None);
         assert!(fuse.warnings("these")[0].contains("on a FUSE filesystem"));
+        let away = on(Filesystem::Unresponsive);
+        assert!(
+            away.refusal()
+                .expect("refused")
+                .contains("did not answer within 5s")
+        );
         assert!(on(Filesystem::Local).warnings("these").is_empty());
     }
 

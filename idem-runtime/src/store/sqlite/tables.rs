@@ -214,14 +214,24 @@ pub(crate) async fn claim(
 }
 
 /// Each handler's name, with the `journal_mode` and `synchronous` of the
-/// router that registered it last (none before migration 2), by name.
+/// router that registered it last (none if it registered before migration
+/// 2), by name; nothing on a file still at migration 1.
 pub(crate) async fn router_settings(
-    pool: &SqlitePool,
+    connection: &mut SqliteConnection,
 ) -> Result<Vec<(String, Option<String>, Option<i64>)>, sqlx::Error> {
+    let recorded: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pragma_table_info('idem_handlers')
+                         WHERE name = 'router_synchronous')",
+    )
+    .fetch_one(&mut *connection)
+    .await?;
+    if !recorded {
+        return Ok(Vec::new());
+    }
     sqlx::query_as(
         "SELECT name, router_journal_mode, router_synchronous FROM idem_handlers ORDER BY name",
     )
-    .fetch_all(pool)
+    .fetch_all(connection)
     .await
 }
 
