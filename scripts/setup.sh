@@ -72,6 +72,21 @@ if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
     die "running as root, but there is no 'postgres' OS user to run PostgreSQL as"
 fi
 
+# --- MariaDB ------------------------------------------------------------------
+# The compliance suite's MariaDB tests run a server of their own per test
+# (mariadb-install-db in a temp dir, a unix socket only), never the system
+# one. Debian's package may try to start that one; in a container without an
+# init system it cannot, which is fine.
+if [ -x /usr/sbin/mariadbd ] && command -v mariadb-install-db >/dev/null 2>&1; then
+    log "MariaDB: present ($(/usr/sbin/mariadbd --version | head -1))"
+else
+    log "installing mariadb-server with apt-get"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mariadb-server >/dev/null
+    [ -x /usr/sbin/mariadbd ] || die "mariadb-server installed, but /usr/sbin/mariadbd is missing"
+    log "MariaDB: installed"
+fi
+
 # --- Rust tools ---------------------------------------------------------------
 if cargo nextest --version >/dev/null 2>&1; then
     log "cargo-nextest: present"

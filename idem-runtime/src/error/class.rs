@@ -59,6 +59,16 @@ impl ErrorClass {
     /// The class of a database error, by its SQLSTATE (PostgreSQL) or its
     /// extended result code (SQLite).
     pub fn of_sqlx(error: &sqlx::Error) -> ErrorClass {
+        // MariaDB's SQLSTATEs are coarse (23000 for every integrity
+        // violation): its error numbers tell first.
+        match mariadb_number(error) {
+            // ER_DUP_ENTRY, ER_ROW_IS_REFERENCED_2, ER_NO_REFERENCED_ROW_2:
+            // a check-then-write race, which a retry clears
+            Some(1062 | 1451 | 1452) => return ErrorClass::RetryNowThenPermanent,
+            // the connection was killed, the server is shutting down
+            Some(1927 | 1053) => return ErrorClass::RetryNow,
+            _ => {}
+        }
         match error {
             sqlx::Error::Database(db) => match db.code().as_deref() {
                 // serialization_failure, deadlock_detected
@@ -203,7 +213,12 @@ pub(crate) fn is_infrastructure(error: &sqlx::Error) -> bool {
                 // lock past busy_timeout), read-only, an I/O error, a full
                 // disk, a file that cannot be opened
                 || sqlite_code(&code).is_some_and(|code| matches!(code & 0xff, 5 | 6 | 8 | 10 | 13 | 14))
-        }),
+        }) || matches!(
+            // MariaDB: a table or database missing, a command denied, a
+            // read-only server, too many connections
+            mariadb_number(error),
+            Some(1146 | 1049 | 1142 | 1290 | 1792 | 1836 | 1040)
+        ),
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_)
@@ -470,11 +485,26 @@ pub(crate) fn is_claim_lost(error: &sqlx::Error) -> bool {
 /// lock_not_available: `lock_timeout`, or `NOWAIT`; SQLite's `SQLITE_BUSY`
 /// past `busy_timeout`).
 pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
-    sqlstate(error).is_some_and(|code| {
-        // PostgreSQL's lock_not_available, or SQLite's SQLITE_BUSY (and its
-        // extended codes) once busy_timeout ran out
-        code == "55P03" || sqlite_code(&code).is_some_and(|code| code & 0xff == 5)
-    })
+    // MariaDB's ER_LOCK_WAIT_TIMEOUT: innodb_lock_wait_timeout ran out
+    mariadb_number(error) == Some(1205)
+        || sqlstate(error).is_some_and(|code| {
+            // PostgreSQL's lock_not_available, or SQLite's SQLITE_BUSY (and its
+            // extended codes) once busy_timeout ran out
+            code == "55P03" || sqlite_code(&code).is_some_and(|code| code & 0xff == 5)
+        })
+}
+
+/// MariaDB's error number, if `error` is MariaDB's (`None` without the
+/// `mariadb` feature).
+pub(crate) fn mariadb_number(error: &sqlx::Error) -> Option<u16> {
+    #[cfg(feature = "mariadb")]
+    if let sqlx::Error::Database(db) = error {
+        return db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .map(|db| db.number());
+    }
+    let _ = error;
+    None
 }
 
 /// SQLite's extended result code, if `code` is one: a number of at most

@@ -67,5 +67,10 @@ impl OnDatabase for sqlx::SqliteConnection {
     type Database = sqlx::Sqlite;
 }
 
+#[cfg(feature = "mariadb")]
+impl OnDatabase for sqlx::MySqlConnection {
+    type Database = sqlx::MySql;
+}
+
 /// The database of a handler whose first parameter is `&mut T`.
 pub type DatabaseOf<T> = <T as OnDatabase>::Database;

@@ -19,6 +19,8 @@ use crate::route::Route;
 use crate::store::backend::Backend;
 use crate::tasks::{self, Signal, Trigger};
 
+#[cfg(feature = "mariadb")]
+mod mariadb;
 mod poll;
 mod run;
 mod shutdown;

@@ -50,7 +50,7 @@ type StartRelay =
 
 impl Beside {
     /// A database's with nothing beside its routes (no outbox yet).
-    #[cfg(feature = "sqlite")]
+    #[cfg(any(feature = "sqlite", feature = "mariadb"))]
     pub(super) fn nothing() -> Self {
         Beside {
             relay_connections: 0,

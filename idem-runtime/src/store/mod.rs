@@ -11,6 +11,8 @@ pub(crate) mod backend;
 pub(crate) mod claim;
 pub(crate) mod connections;
 pub(crate) mod durability;
+#[cfg(feature = "mariadb")]
+pub(crate) mod mariadb;
 pub(crate) mod migrations;
 pub(crate) mod outbox;
 pub(crate) mod purge;

@@ -34,10 +34,14 @@
 //!   PATH; 2.10 or newer, the project pins 2.15.1).
 //! - `IDEM_PG_BINDIR`: the dir with `initdb` and `postgres` (default:
 //!   `/usr/lib/postgresql/15/bin`).
+//! - With the `mariadb` feature, [`Mariadb`] runs Debian's `mariadbd`
+//!   from `/usr/sbin`, reached through a unix socket only.
 //! - `IDEM_TEST_TMPDIR`: where servers keep their files (default: `/dev/shm`
 //!   when usable, else the system temp dir).
 
 mod cluster;
+#[cfg(feature = "mariadb")]
+mod mariadb;
 mod nats;
 pub mod pg_proxy;
 mod postgres;
@@ -49,6 +53,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 pub use cluster::{ClusterEnv, NatsCluster, create_idem_streams_r3};
+#[cfg(feature = "mariadb")]
+pub use mariadb::Mariadb;
 pub use nats::NatsServer;
 pub use pg_proxy::PgProxy;
 pub use postgres::Postgres;

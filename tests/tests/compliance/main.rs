@@ -34,6 +34,11 @@ mod postgres {
     crate::suite::compliance_suite!(postgres);
 }
 
+/// The suite on MariaDB.
+mod mariadb {
+    crate::suite::compliance_suite!(mariadb);
+}
+
 /// The suite on SQLite.
 mod sqlite {
     crate::suite::compliance_suite!(sqlite);

@@ -1,7 +1,8 @@
 //! The suite, written once: [`compliance_suite!`] expands it into a module
 //! for one store (`stores/<store>.rs`), whose pool, transaction and router
 //! it takes. Everything else, the handlers' SQL included, is the same text
-//! on every database.
+//! on every database (with `$n` placeholders, which a store whose database
+//! takes `?` rewrites: `store::sql`).
 
 /// The suite's handlers and tests, on the store `crate::stores::$store`.
 macro_rules! compliance_suite {
@@ -60,7 +61,7 @@ macro_rules! compliance_suite {
             delivery: &Delivery,
             d: &Deposit,
         ) -> Result<(), sqlx::Error> {
-            sqlx::query(RECORD)
+            sqlx::query(store::sql(RECORD))
                 .bind(handler)
                 .bind(delivery.message_id().as_str())
                 .bind(&d.account)
@@ -73,7 +74,7 @@ macro_rules! compliance_suite {
 
         /// (effects, distinct messages) that `handler` applied.
         async fn ledger(bed: &Bed<store::Pool>, handler: &str) -> (i64, i64) {
-            sqlx::query_as(LEDGER)
+            sqlx::query_as(store::sql(LEDGER))
                 .bind(handler)
                 .fetch_one(&bed.pool)
                 .await
@@ -84,7 +85,7 @@ macro_rules! compliance_suite {
         /// its first.
         async fn applied_on_a_retry(bed: &Bed<store::Pool>, id: &str) -> bool {
             let delivered: Vec<i64> =
-                sqlx::query_scalar("SELECT delivered FROM effects WHERE msg_id = $1")
+                sqlx::query_scalar(store::sql("SELECT delivered FROM effects WHERE msg_id = $1"))
                     .bind(id)
                     .fetch_all(&bed.pool)
                     .await

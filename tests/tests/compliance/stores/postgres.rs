@@ -44,3 +44,8 @@ pub async fn someone_waits_for_a_lock(pool: &PgPool) -> Option<bool> {
         .expect("pg_locks reads");
     Some(waiting > 0)
 }
+
+/// The suite's SQL as PostgreSQL takes it: as written.
+pub fn sql(text: &'static str) -> &'static str {
+    text
+}

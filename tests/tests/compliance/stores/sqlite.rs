@@ -56,3 +56,8 @@ pub fn router_with_state<S: Send + Sync + 'static>(state: S) -> Router<S, sqlx::
 pub async fn someone_waits_for_a_lock(_pool: &SqlitePool) -> Option<bool> {
     None
 }
+
+/// The suite's SQL as SQLite takes it: as written (`$n` placeholders).
+pub fn sql(text: &'static str) -> &'static str {
+    text
+}

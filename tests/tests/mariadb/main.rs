@@ -1,0 +1,496 @@
+//! What only MariaDB does to a handler's transaction (feature `mariadb`):
+//! InnoDB rolling a deadlocked transaction back by itself, the session
+//! settings a route's transactions run under, a registration blocked by a
+//! transaction left open, durability settings, and expiry by deletes. What
+//! holds on every database (the crash between COMMIT and ack, the racing
+//! redelivery, failures, timeouts, stored results) is the compliance
+//! suite's (`tests/tests/compliance/`), which runs on MariaDB too.
+//!
+//! Every test runs a MariaDB server of its own (idem-test's
+//! `harness::Mariadb`) and a nats-server.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use idem_runtime::retention::Unbounded;
+use idem_runtime::{BoxError, Delivery, Route, Router, RouterHandle, idempotent};
+use idem_test::harness::Mariadb;
+use idem_tests::scenario::{
+    Deposit, dead_letters, deposit, eventually, fast, publish, stop, wait_all_acked,
+};
+use idem_tests::{NatsServer, init_tracing, unique_name};
+use sqlx::{MySql, MySqlPool};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+type Tx<'c> = sqlx::Transaction<'c, MySql>;
+
+/// A MariaDB server and a nats-server, a stream on `<stream>.deposit`, and
+/// the migrated database with the business table `effects` (no unique key,
+/// so that a double-apply would show).
+struct Bed {
+    mariadb: Mariadb,
+    _nats: NatsServer,
+    nats: async_nats::Client,
+    js: async_nats::jetstream::Context,
+    pool: MySqlPool,
+    stream: String,
+    subject: String,
+}
+
+impl Bed {
+    async fn start(prefix: &str) -> Bed {
+        init_tracing();
+        let (mariadb, nats_server) = tokio::join!(Mariadb::start(), NatsServer::start());
+        let pool = mariadb.pool().await;
+        idem_runtime::schema::migrate(&pool)
+            .await
+            .expect("migrations run");
+        sqlx::raw_sql(
+            "CREATE TABLE effects (handler TEXT NOT NULL, msg_id TEXT NOT NULL,
+                                   account TEXT NOT NULL, amount BIGINT NOT NULL,
+                                   delivered BIGINT NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .expect("the business table is made");
+        let nats = nats_server.client().await;
+        let js = async_nats::jetstream::new(nats.clone());
+        let stream = unique_name(prefix);
+        let subject = format!("{stream}.deposit");
+        idem_tests::scenario::create_stream(&js, &stream, &subject, Duration::from_secs(60)).await;
+        Bed {
+            mariadb,
+            _nats: nats_server,
+            nats,
+            js,
+            pool,
+            stream,
+            subject,
+        }
+    }
+
+    async fn publish(&self, ids: impl IntoIterator<Item = String>) -> usize {
+        let mut published = 0;
+        for id in ids {
+            publish(&self.js, &self.subject, &deposit(&id, 1), Some(&id)).await;
+            published += 1;
+        }
+        published
+    }
+
+    /// (effects, distinct messages) that `handler` applied.
+    async fn ledger(&self, handler: &str) -> (i64, i64) {
+        sqlx::query_as("SELECT count(*), count(DISTINCT msg_id) FROM effects WHERE handler = ?")
+            .bind(handler)
+            .fetch_one(&self.pool)
+            .await
+            .expect("the ledger reads")
+    }
+}
+
+fn spawn<S: Send + Sync + 'static>(
+    router: Router<S, MySql>,
+    nats: &async_nats::Client,
+    pool: &MySqlPool,
+) -> (RouterHandle, JoinHandle<Result<(), idem_runtime::Error>>) {
+    let handle = router.handle();
+    let task = tokio::spawn(router.run_until(nats.clone(), pool.clone(), std::future::pending()));
+    (handle, task)
+}
+
+async fn record(
+    tx: &mut Tx<'_>,
+    handler: &str,
+    delivery: &Delivery,
+    d: &Deposit,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO effects (handler, msg_id, account, amount, delivered) VALUES (?, ?, ?, ?, ?)",
+    )
+    .bind(handler)
+    .bind(delivery.message_id().as_str())
+    .bind(&d.account)
+    .bind(d.amount)
+    .bind(delivery.delivered() as i64)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+#[idempotent(name = "credit")]
+async fn credit(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), sqlx::Error> {
+    record(tx, "credit", delivery, &d).await
+}
+
+// ---------------------------------------------------------------------------
+// A transaction InnoDB rolls back by itself.
+
+/// Set once the handler's statement was chosen as a deadlock's victim.
+static VICTIM: AtomicBool = AtomicBool::new(false);
+/// The handler holds row 1 of `hot`.
+static HOLDS_ROW_1: Notify = Notify::const_new();
+/// The test's transaction holds row 2 and waits for row 1.
+static WAITS_FOR_ROW_1: Notify = Notify::const_new();
+
+/// On its first delivery: takes row 1 of `hot`, then row 2, which the
+/// test's transaction holds while it waits for row 1: a deadlock, whose
+/// error the handler swallows before it records its effect and succeeds.
+#[idempotent(name = "swallows-a-deadlock")]
+async fn swallows_a_deadlock(
+    tx: &mut Tx<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), BoxError> {
+    if delivery.delivered() == 1 {
+        sqlx::query("UPDATE hot SET v = v + 1 WHERE id = 1")
+            .execute(&mut **tx)
+            .await?;
+        HOLDS_ROW_1.notify_one();
+        WAITS_FOR_ROW_1.notified().await;
+        if let Err(sqlx::Error::Database(error)) =
+            sqlx::query("UPDATE hot SET v = v + 1 WHERE id = 2")
+                .execute(&mut **tx)
+                .await
+        {
+            // ER_LOCK_DEADLOCK: InnoDB rolled the whole transaction back.
+            VICTIM.store(error.code().as_deref() == Some("40001"), Ordering::SeqCst);
+        }
+    }
+    record(tx, "swallows-a-deadlock", delivery, &d).await?;
+    Ok(())
+}
+
+/// InnoDB rolls a deadlock's victim back whole, claim included. A handler
+/// that swallows the error and writes on must not commit those writes
+/// unclaimed (under `autocommit = 1` each would commit by itself): its
+/// later write is rolled back with the rest, and the message is not acked
+/// as applied. It is dead-lettered (the claim is gone, as when a handler
+/// commits by itself) or applied once by a later delivery; either way no
+/// effect of the first delivery is committed.
+#[tokio::test]
+async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
+    let bed = Bed::start("MARIADEADLOCK").await;
+    sqlx::raw_sql(
+        "CREATE TABLE hot (id INT PRIMARY KEY, v BIGINT NOT NULL) ENGINE = InnoDB;
+         INSERT INTO hot VALUES (1, 0), (2, 0);
+         CREATE TABLE ballast (n INT NOT NULL) ENGINE = InnoDB;",
+    )
+    .execute(&bed.pool)
+    .await
+    .expect("the tables are made");
+    let (handle, task) = spawn(
+        Router::mariadb().route(
+            fast(Route::new(&bed.stream, "c")).per_message(),
+            swallows_a_deadlock,
+        ),
+        &bed.nats,
+        &bed.pool,
+    );
+    bed.publish(["d-1".to_owned()]).await;
+
+    // The other side: a transaction made heavier than the handler's (a
+    // thousand rows), so that InnoDB picks the handler's as the victim.
+    let mut other = bed
+        .mariadb
+        .pool()
+        .await
+        .acquire()
+        .await
+        .expect("a connection");
+    sqlx::raw_sql(
+        "START TRANSACTION;
+         INSERT INTO ballast SELECT seq FROM seq_1_to_1000;
+         UPDATE hot SET v = v + 1 WHERE id = 2;",
+    )
+    .execute(&mut *other)
+    .await
+    .expect("row 2 is taken");
+    tokio::time::timeout(Duration::from_secs(30), HOLDS_ROW_1.notified())
+        .await
+        .expect("the handler took row 1");
+    let waiting = tokio::spawn(async move {
+        let taken = sqlx::query("UPDATE hot SET v = v + 1 WHERE id = 1")
+            .execute(&mut *other)
+            .await;
+        let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *other).await;
+        taken
+    });
+    eventually(
+        "the test's transaction waits for row 1",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM information_schema.innodb_lock_waits",
+            )
+            .fetch_one(&bed.pool)
+            .await
+            .unwrap_or(0)
+                > 0
+        },
+    )
+    .await;
+    WAITS_FOR_ROW_1.notify_one();
+    waiting
+        .await
+        .expect("the other side ran")
+        .expect("the other side got row 1: the handler's transaction was the victim");
+    assert!(
+        VICTIM.load(Ordering::SeqCst),
+        "the handler's statement met the deadlock (error 1213)"
+    );
+
+    let stats = handle.stats("c").unwrap();
+    eventually(
+        "the message is settled",
+        Duration::from_secs(30),
+        || async { stats.dead_lettered() + stats.processed() >= 1 },
+    )
+    .await;
+    stop(handle.clone(), task).await;
+    let first: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE delivered = 1")
+        .fetch_one(&bed.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        first, 0,
+        "the write after the swallowed deadlock was not committed"
+    );
+    let (effects, distinct) = bed.ledger("swallows-a-deadlock").await;
+    let letters = dead_letters(&bed.js, &bed.stream).await.len() as i64;
+    assert!(
+        effects == distinct && effects + letters == 1,
+        "applied at most once, and accounted for: {effects} effects, {letters} dead letters"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// The session a route's transactions run under.
+
+#[idempotent(name = "fails-first")]
+async fn fails_first(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), BoxError> {
+    record(tx, "fails-first", delivery, &d).await?;
+    if delivery.delivered() == 1 {
+        return Err("refused on the first delivery".into());
+    }
+    Ok(())
+}
+
+/// A route's transactions run under `autocommit = 0` and its bounds
+/// (`max_statement_time`, `innodb_lock_wait_timeout`), session settings
+/// that would outlive them: every connection goes back to the application's
+/// pool with the server's defaults, after commits, rollbacks and
+/// duplicates alike.
+#[tokio::test]
+async fn connections_go_back_to_the_pool_with_the_servers_defaults() {
+    const MESSAGES: usize = 20;
+    let bed = Bed::start("MARIASESSION").await;
+    let defaults: (i64, f64, i64) = sqlx::query_as(
+        "SELECT CAST(@@global.autocommit AS SIGNED), @@global.max_statement_time,
+                CAST(@@global.innodb_lock_wait_timeout AS SIGNED)",
+    )
+    .fetch_one(&bed.pool)
+    .await
+    .unwrap();
+    // Two connections, so that every message's transaction uses one of them.
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect_with(bed.mariadb.options())
+        .await
+        .unwrap();
+    bed.publish((0..MESSAGES).map(|i| format!("s-{i}"))).await;
+    // Every id again: duplicates.
+    bed.publish((0..MESSAGES).map(|i| format!("s-{i}"))).await;
+    let route = fast(Route::new(&bed.stream, "c")).handler_timeout(Duration::from_secs(5));
+    let (handle, task) = spawn(
+        Router::mariadb().route(route, fails_first),
+        &bed.nats,
+        &pool,
+    );
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert!(
+        stats.failed() >= 1 && stats.processed() >= 1,
+        "rollbacks and commits both ran: {stats:?}"
+    );
+    assert_eq!(
+        bed.ledger("fails-first").await,
+        (MESSAGES as i64, MESSAGES as i64),
+        "each message applied once"
+    );
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut connection = pool.acquire().await.expect("a connection");
+        let session: (i64, f64, i64) = sqlx::query_as(
+            "SELECT CAST(@@session.autocommit AS SIGNED), @@session.max_statement_time,
+                    CAST(@@session.innodb_lock_wait_timeout AS SIGNED)",
+        )
+        .fetch_one(&mut *connection)
+        .await
+        .unwrap();
+        assert_eq!(session, defaults, "the session's settings are the server's");
+        held.push(connection);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Start-up.
+
+/// A registration that waits for a lock a transaction left open holds
+/// (past the 10 s it allows) does not fail start-up: start-up says what
+/// holds it back, naming the open transaction, and tries again; the router
+/// runs once the transaction ends.
+#[tokio::test]
+async fn start_up_names_a_transaction_left_open_on_the_handlers_table() {
+    let logs = idem_tests::capture_logs();
+    let bed = Bed::start("MARIALOCKED").await;
+    // Registered once, so that the row exists to be locked.
+    let (handle, task) = spawn(
+        Router::mariadb().route(fast(Route::new(&bed.stream, "c")), credit),
+        &bed.nats,
+        &bed.pool,
+    );
+    stop(handle, task).await;
+    let mut holder = bed.mariadb.pool().await.acquire().await.unwrap();
+    sqlx::raw_sql("START TRANSACTION; UPDATE idem_handlers SET retention_ms = NULL")
+        .execute(&mut *holder)
+        .await
+        .expect("the rows are locked");
+    bed.publish(["l-1".to_owned()]).await;
+    let (handle, task) = spawn(
+        Router::mariadb().route(fast(Route::new(&bed.stream, "c")), credit),
+        &bed.nats,
+        &bed.pool,
+    );
+    eventually(
+        "start-up names the transaction that holds it back",
+        Duration::from_secs(60),
+        || async {
+            !logs
+                .matching(&["WARN", "idem_handlers", "in a transaction since"])
+                .is_empty()
+        },
+    )
+    .await;
+    assert!(!task.is_finished(), "start-up did not give up");
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle, task).await;
+    assert_eq!(bed.ledger("credit").await, (1, 1), "applied once, after");
+}
+
+/// A server that may lose acknowledged commits
+/// (`innodb_flush_log_at_trx_commit = 2`) is warned about at start-up,
+/// naming the setting; the router still runs.
+#[tokio::test]
+async fn start_up_warns_about_commits_a_server_crash_can_lose() {
+    let logs = idem_tests::capture_logs();
+    let bed = Bed::start("MARIAFLUSH").await;
+    sqlx::raw_sql("SET GLOBAL innodb_flush_log_at_trx_commit = 2")
+        .execute(&bed.pool)
+        .await
+        .unwrap();
+    bed.publish(["f-1".to_owned()]).await;
+    let (handle, task) = spawn(
+        Router::mariadb().route(fast(Route::new(&bed.stream, "c")), credit),
+        &bed.nats,
+        &bed.pool,
+    );
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle, task).await;
+    assert_eq!(
+        logs.matching(&["WARN", "innodb_flush_log_at_trx_commit is 2"])
+            .len(),
+        1,
+        "one warning, naming the setting"
+    );
+    assert_eq!(bed.ledger("credit").await, (1, 1), "the router ran");
+}
+
+// ---------------------------------------------------------------------------
+// Expiry and what operators read.
+
+#[idempotent(name = "kept-an-hour")]
+async fn kept_an_hour(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), sqlx::Error> {
+    record(tx, "kept-an-hour", delivery, &d).await
+}
+
+/// Claims older than their handler's retention are deleted by the purge,
+/// younger ones are kept, and the handler's claims count says so. The
+/// claims are aged by hand (their `claimed_at` set two hours back): the
+/// purge reads nothing else.
+#[tokio::test]
+async fn the_purge_deletes_claims_past_their_retention_and_keeps_the_rest() {
+    const MESSAGES: usize = 10;
+    const AGED: i64 = 6;
+    let bed = Bed::start("MARIAPURGE").await;
+    bed.publish((0..MESSAGES).map(|i| format!("p-{i}"))).await;
+    let route = fast(Route::new(&bed.stream, "c"))
+        .retention(Duration::from_secs(3600))
+        .publisher_retry_horizon(Duration::ZERO)
+        .accept_duplicates_after_retention(Unbounded::StreamMaxAge);
+    let (handle, task) = spawn(
+        Router::mariadb().route(route, kept_an_hour),
+        &bed.nats,
+        &bed.pool,
+    );
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle, task).await;
+
+    let claims = |pool: MySqlPool| async move {
+        let handlers = idem_runtime::status::handlers(&pool)
+            .await
+            .expect("status reads");
+        let handler = handlers
+            .iter()
+            .find(|handler| handler.name == "kept-an-hour")
+            .expect("the handler is registered");
+        assert_eq!(
+            handler.retention,
+            Some(Duration::from_secs(3600)),
+            "its retention is registered"
+        );
+        handler.claims
+    };
+    assert_eq!(
+        claims(bed.pool.clone()).await,
+        MESSAGES as u64,
+        "one claim a message"
+    );
+    let aged = sqlx::query(
+        "UPDATE idem_claims SET claimed_at = claimed_at - 7200 ORDER BY claim_key LIMIT ?",
+    )
+    .bind(AGED)
+    .execute(&bed.pool)
+    .await
+    .expect("claims are aged")
+    .rows_affected();
+    assert_eq!(aged, AGED as u64, "the ageing took");
+
+    let report = idem_runtime::retention::expiry::purge(&bed.pool)
+        .await
+        .expect("the purge runs");
+    assert_eq!(
+        (report.deleted, report.retention),
+        (AGED as u64, Some(Duration::from_secs(3600))),
+        "the aged claims were deleted: {report:?}"
+    );
+    assert_eq!(
+        claims(bed.pool.clone()).await,
+        MESSAGES as u64 - AGED as u64,
+        "the young claims are kept"
+    );
+    let again = idem_runtime::retention::expiry::purge(&bed.pool)
+        .await
+        .expect("the purge runs");
+    assert_eq!(again.deleted, 0, "nothing more to delete");
+    assert_eq!(
+        bed.ledger("kept-an-hour").await,
+        (MESSAGES as i64, MESSAGES as i64),
+        "effects untouched"
+    );
+}
