@@ -103,9 +103,11 @@ fi
 # the test profile's build (debug), which reuses the dependencies built above.
 step "idem-bench smoke"
 cargo run -q -p idem-bench "${locked[@]}" -- smoke
-# And on SQLite: each mode must end with one row per message.
+# And on SQLite and MariaDB: each mode must end with one row per message.
 step "idem-bench sqlite (small)"
 cargo run -q -p idem-bench "${locked[@]}" -- sqlite --messages 500
+step "idem-bench mariadb (small)"
+cargo run -q -p idem-bench "${locked[@]}" -- mariadb --messages 500
 
 # nextest does not run doctests.
 step "cargo test --doc"

@@ -11,6 +11,7 @@
 
 mod chart;
 mod consumers;
+mod databases;
 mod fairness;
 mod fixture;
 mod outbox;
@@ -20,7 +21,6 @@ mod retention;
 mod run;
 mod scale;
 mod servers;
-mod sqlite;
 mod stalls;
 
 use std::fmt;
@@ -139,7 +139,9 @@ enum Command {
     #[command(hide = true)]
     ScaleWorker(scale::WorkerArgs),
     /// naive, idem and idem-batch-handler on a SQLite file (feature `sqlite`): msgs/s and ratios
-    Sqlite(sqlite::SqliteArgs),
+    Sqlite(databases::DatabaseArgs),
+    /// naive, idem and idem-batch-handler on a MariaDB server of its own (feature `mariadb`): msgs/s and ratios
+    Mariadb(databases::DatabaseArgs),
     /// Every mode and scenario, small, with duplicates: checks correctness only (CI)
     #[command(after_help = SMOKE)]
     Smoke(SmokeArgs),
@@ -795,9 +797,9 @@ impl From<Command> for Options {
                 )
                 .with_scale(a)
             },
-            Command::ScaleWorker(_) | Command::Sqlite(_) => {
+            Command::ScaleWorker(_) | Command::Sqlite(_) | Command::Mariadb(_) => {
                 unreachable!(
-                    "main runs a scale worker and the SQLite bench before it reads options"
+                    "main runs a scale worker and the SQLite and MariaDB benches before it reads options"
                 )
             }
             Command::Smoke(a) => Options {
@@ -844,7 +846,12 @@ fn main() -> ExitCode {
         .init();
     let cli = match cli.command {
         Command::ScaleWorker(args) => return scale::worker(args),
-        Command::Sqlite(args) => return sqlite_main(args, cli.data_dir, cli.nats_sync),
+        Command::Sqlite(args) => {
+            return database_main(OtherDatabase::Sqlite, args, cli.data_dir, cli.nats_sync);
+        }
+        Command::Mariadb(args) => {
+            return database_main(OtherDatabase::Mariadb, args, cli.data_dir, cli.nats_sync);
+        }
         command => Cli { command, ..cli },
     };
     let options = Options::from(cli);
@@ -869,9 +876,18 @@ fn main() -> ExitCode {
     exit_code(result)
 }
 
-/// `idem-bench sqlite`: a nats-server of its own, no PostgreSQL.
-fn sqlite_main(
-    args: sqlite::SqliteArgs,
+/// The database of `idem-bench sqlite` or `idem-bench mariadb`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum OtherDatabase {
+    Sqlite,
+    Mariadb,
+}
+
+/// `idem-bench sqlite` and `idem-bench mariadb`: a nats-server of their
+/// own (and a MariaDB server), no PostgreSQL.
+fn database_main(
+    database: OtherDatabase,
+    args: databases::DatabaseArgs,
     data_dir: Option<PathBuf>,
     nats_sync: servers::NatsSync,
 ) -> ExitCode {
@@ -880,9 +896,18 @@ fn sqlite_main(
         .build()
         .expect("a tokio runtime");
     let result = runtime.block_on(async {
-        let servers = Servers::start(false, data_dir.as_deref(), &[], nats_sync).await?;
+        let mut servers = Servers::start(false, data_dir.as_deref(), &[], nats_sync).await?;
+        let bench = async {
+            match database {
+                OtherDatabase::Sqlite => databases::sqlite(args, &servers).await,
+                OtherDatabase::Mariadb => {
+                    servers.start_mariadb().await?;
+                    databases::mariadb(args, &servers).await
+                }
+            }
+        };
         let result = tokio::select! {
-            result = sqlite::run(args, &servers) => result,
+            result = bench => result,
             _ = interrupted() => Err(BenchError::Interrupted),
         };
         drop(servers);

@@ -47,8 +47,12 @@ pub struct Servers {
     pub database_url: Option<String>,
     /// What the servers are, for the report.
     pub description: Vec<String>,
+    /// The bench's own MariaDB server, as root through its socket (see
+    /// [`Servers::start_mariadb`]).
+    pub mariadb: Option<sqlx::mysql::MySqlConnectOptions>,
     nats: Option<OwnedProcess>,
     postgres: Option<OwnedProcess>,
+    mariadb_process: Option<OwnedProcess>,
     // Dropped last: the processes stop before their files are removed.
     _dir: Option<TempDir>,
 }
@@ -81,8 +85,10 @@ impl Servers {
             nats_url: String::new(),
             database_url: None,
             description: Vec::new(),
+            mariadb: None,
             nats: None,
             postgres: None,
+            mariadb_process: None,
             _dir: None,
         };
         let external_nats = std::env::var("NATS_URL").ok();
@@ -170,6 +176,93 @@ impl Servers {
 }
 
 impl Servers {
+    /// Starts a MariaDB server of the bench's own in its temp dir (on disk
+    /// unless `--data-dir` says otherwise), reached through a unix socket
+    /// only, its durability settings at their defaults
+    /// (`innodb_flush_log_at_trx_commit = 1`).
+    pub async fn start_mariadb(&mut self) -> Result<(), BenchError> {
+        use sqlx::ConnectOptions;
+        let dir = self
+            ._dir
+            .as_ref()
+            .ok_or_else(|| {
+                BenchError::setup("the MariaDB bench needs a server of its own: unset NATS_URL")
+            })?
+            .path()
+            .join("mariadb");
+        fs::create_dir_all(&dir)
+            .map_err(|e| BenchError::setup(format!("cannot create {}: {e}", dir.display())))?;
+        let root = unsafe { libc::geteuid() } == 0;
+        let mut install = Command::new("mariadb-install-db");
+        install
+            .arg("--no-defaults")
+            .arg(format!("--datadir={}", dir.join("data").display()))
+            .args(["--auth-root-authentication-method=normal", "--skip-test-db"]);
+        if root {
+            install.arg("--user=root");
+        }
+        let out = tokio::task::spawn_blocking(move || install.output())
+            .await
+            .map_err(|e| BenchError::setup(format!("mariadb-install-db task: {e}")))?
+            .map_err(|e| {
+                BenchError::setup(format!(
+                    "cannot run mariadb-install-db ({e}): install mariadb-server (scripts/setup.sh does)"
+                ))
+            })?;
+        if !out.status.success() {
+            return Err(BenchError::setup(format!(
+                "mariadb-install-db failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        let socket = dir.join("mariadbd.sock");
+        let mut cmd = Command::new("/usr/sbin/mariadbd");
+        cmd.arg("--no-defaults")
+            .arg(format!("--datadir={}", dir.join("data").display()))
+            .arg(format!("--socket={}", socket.display()))
+            .arg(format!("--pid-file={}", dir.join("mariadbd.pid").display()))
+            .args([
+                "--skip-networking",
+                "--innodb-buffer-pool-size=1G",
+                "--max-connections=200",
+            ]);
+        if root {
+            cmd.arg("--user=root");
+        }
+        let log = dir.join("mariadb.log");
+        let mut process = OwnedProcess::spawn("mariadbd", cmd, &log, "KILL")?;
+        let options = sqlx::mysql::MySqlConnectOptions::new()
+            .socket(&socket)
+            .username("root")
+            .disable_statement_logging();
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        loop {
+            if let Ok(Ok(connection)) =
+                tokio::time::timeout(Duration::from_secs(5), options.connect()).await
+            {
+                let _ = connection.close().await;
+                break;
+            }
+            if process.exited() || Instant::now() > deadline {
+                process.stop();
+                return Err(BenchError::setup(format!(
+                    "MariaDB did not start:\n{}",
+                    fs::read_to_string(&log).unwrap_or_default()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.description.push(format!(
+            "MariaDB: mariadbd on {} (data dir {} on {}; innodb_flush_log_at_trx_commit = 1)",
+            socket.display(),
+            dir.join("data").display(),
+            file_system_of(&dir)
+        ));
+        self.mariadb_process = Some(process);
+        self.mariadb = Some(options);
+        Ok(())
+    }
+
     /// The pids of the servers when the bench runs all it uses itself (for
     /// their CPU time); `None` when one came from `NATS_URL`/`DATABASE_URL`.
     pub fn owned_pids(&self) -> Option<Vec<u32>> {
@@ -183,9 +276,13 @@ impl Servers {
 
 impl Drop for Servers {
     fn drop(&mut self) {
-        for process in [self.nats.take(), self.postgres.take()]
-            .into_iter()
-            .flatten()
+        for process in [
+            self.nats.take(),
+            self.postgres.take(),
+            self.mariadb_process.take(),
+        ]
+        .into_iter()
+        .flatten()
         {
             process.stop();
         }
