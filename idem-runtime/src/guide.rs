@@ -64,3 +64,7 @@ pub mod performance {}
 #[cfg(feature = "sqlite")]
 #[doc = include_str!("../docs/guide/sqlite.md")]
 pub mod sqlite {}
+
+#[cfg(feature = "mariadb")]
+#[doc = include_str!("../docs/guide/mariadb.md")]
+pub mod mariadb {}

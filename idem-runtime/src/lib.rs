@@ -6,8 +6,9 @@
 //! the first attempt is still running, because `ack_wait` expired. idem
 //! closes both gaps.
 //!
-//! A handler runs inside one PostgreSQL transaction (or SQLite, with the
-//! feature `sqlite`) whose first statement *claims* the message: it inserts
+//! A handler runs inside one PostgreSQL transaction (or SQLite or MariaDB,
+//! with the feature `sqlite` or `mariadb`) whose first statement *claims*
+//! the message: it inserts
 //! `(handler, message id)` into a dedup table with a unique key.
 //!
 //! - The claim and the business writes commit together, or not at all.
@@ -75,6 +76,7 @@
 //! | [Operating](guide::operating) | counters, the `idem` command, metrics, tracing |
 //! | [Performance](guide::performance) | the benchmarks |
 //! | [SQLite](guide/sqlite/index.html) (feature `sqlite`) | handlers on a SQLite file with `Router::sqlite`, and what differs from PostgreSQL |
+//! | [MariaDB](guide/mariadb/index.html) (feature `mariadb`) | handlers on MariaDB with `Router::mariadb`, and what differs from PostgreSQL |
 //!
 //! # A map of the crate
 //!
@@ -122,6 +124,7 @@
 //! | `prost` | off | `codec = protobuf`: `codec::Protobuf` for any `prost::Message` |
 //! | `otel` | off | trace context across services, through the outbox too (`idem_runtime::trace`) |
 //! | `sqlite` | off | handlers on a SQLite file: `Router::sqlite`, `status::sqlite` and the guide's SQLite chapter; no outbox there yet |
+//! | `mariadb` | off | handlers on MariaDB 10.11+ (InnoDB): `Router::mariadb` and the guide's MariaDB chapter; no outbox there yet |
 //! | `fault-injection` | off | hooks the integration tests use to inject faults; never in production |
 //!
 //! idem re-exports the [`sqlx`] and [`async_nats`] it is built on, so that

@@ -9,20 +9,22 @@
 //! batching mode.
 //!
 //! Every test runs a real nats-server and a real database (a PostgreSQL
-//! server of its own, or a SQLite file in WAL mode with `synchronous =
-//! FULL`), and asserts effects = inputs with no duplicates, or that what
-//! was not applied was dead-lettered, besides its own invariant.
+//! or MariaDB server of its own, or a SQLite file in WAL mode with
+//! `synchronous = FULL`), and asserts effects = inputs with no duplicates,
+//! or that what was not applied was dead-lettered, besides its own
+//! invariant.
 //!
 //! # What is not in the suite, and why
 //!
 //! | Not here | Because | Where instead |
 //! |---|---|---|
-//! | An ambiguous COMMIT (the connection cut while COMMIT is in flight) | PostgreSQL only: SQLite is a library in the worker's process, so its COMMIT has no connection to lose; it returns, or the process dies (the crash tests) | `commit_ack/ambiguous.rs` |
-//! | The outbox | SQLite has no outbox in this idem yet | `outbox/` |
-//! | Expiry | The stores expire differently: PostgreSQL drops generations of partitions, SQLite deletes claims past their retention | `retention/`, `sqlite/` |
-//! | Database restarts and outages | A SQLite file cannot go away and come back as a server does | `outages/` |
-//! | Scale-out across processes and the chaos suite's kill mode | Not written generic yet (it runs its worker as a process on PostgreSQL) | `chaos/`, `cluster.rs` |
+//! | An ambiguous COMMIT (the connection cut while COMMIT is in flight) | PostgreSQL only: SQLite is a library in the worker's process, so its COMMIT has no connection to lose; it returns, or the process dies (the crash tests). MariaDB could have one cut, but the COMMIT-cutting proxy speaks PostgreSQL's protocol only, and the test server listens on a unix socket | `commit_ack/ambiguous.rs` |
+//! | The outbox | SQLite and MariaDB have no outbox in this idem yet | `outbox/` |
+//! | Expiry | The stores expire differently: PostgreSQL drops generations of partitions, SQLite and MariaDB delete claims past their retention | `retention/`, `sqlite/`, `mariadb/` |
+//! | Database restarts and outages | A SQLite file cannot go away and come back as a server does; MariaDB's restart is not written yet | `outages/` |
+//! | Scale-out across processes and the chaos suite's kill mode | Not written generic yet (it runs its worker as a process on PostgreSQL; SQLite has its own kill run) | `chaos/`, `cluster.rs`, `sqlite/kills.rs` |
 //! | `ROLLBACK TO` idem's savepoint, a trigger's `RAISE(ROLLBACK)`, a write lock held at start-up | Ways SQLite alone ends or blocks a transaction | `sqlite/` |
+//! | A deadlock's victim that swallowed the error, the session settings a route sets, a registration blocked by an open transaction | MariaDB's own | `mariadb/` |
 //! | A swallowed error, a deferred constraint, a lost claim in a batch | PostgreSQL's aborted-transaction and COMMIT-time behaviours | `commit_ack/commit_check.rs` |
 
 mod bed;
