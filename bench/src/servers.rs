@@ -190,13 +190,16 @@ impl Servers {
             })?
             .path()
             .join("mariadb");
-        fs::create_dir_all(&dir)
-            .map_err(|e| BenchError::setup(format!("cannot create {}: {e}", dir.display())))?;
+        let tmp = dir.join("tmp");
+        fs::create_dir_all(&tmp)
+            .map_err(|e| BenchError::setup(format!("cannot create {}: {e}", tmp.display())))?;
+        let tmpdir = format!("--tmpdir={}", tmp.display());
         let root = unsafe { libc::geteuid() } == 0;
         let mut install = Command::new("mariadb-install-db");
         install
             .arg("--no-defaults")
             .arg(format!("--datadir={}", dir.join("data").display()))
+            .arg(&tmpdir)
             .args(["--auth-root-authentication-method=normal", "--skip-test-db"]);
         if root {
             install.arg("--user=root");
@@ -220,6 +223,7 @@ impl Servers {
         cmd.arg("--no-defaults")
             .arg(format!("--datadir={}", dir.join("data").display()))
             .arg(format!("--socket={}", socket.display()))
+            .arg(&tmpdir)
             .arg(format!("--pid-file={}", dir.join("mariadbd.pid").display()))
             .args([
                 "--skip-networking",

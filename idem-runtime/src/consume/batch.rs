@@ -657,7 +657,13 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
                     at: None,
                 })?;
         }
-        let (ended, reusable) = DB::finish(tx, &self.begin).await;
+        let claimed: Vec<&str> = keys
+            .iter()
+            .zip(&fresh)
+            .filter(|(_, fresh)| **fresh)
+            .map(|(key, _)| key.as_str())
+            .collect();
+        let (ended, reusable) = DB::finish(tx, &self.begin, &claimed).await;
         if reusable {
             connection.keep();
         }

@@ -713,7 +713,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
         };
         match outcome {
             Ok(result) => {
-                let (ended, reusable) = DB::finish(tx, &self.begin).await;
+                let (ended, reusable) = DB::finish(tx, &self.begin, &[key.as_str()]).await;
                 if reusable {
                     connection.keep();
                 }

@@ -213,12 +213,7 @@ pub(crate) fn is_infrastructure(error: &sqlx::Error) -> bool {
                 // lock past busy_timeout), read-only, an I/O error, a full
                 // disk, a file that cannot be opened
                 || sqlite_code(&code).is_some_and(|code| matches!(code & 0xff, 5 | 6 | 8 | 10 | 13 | 14))
-        }) || matches!(
-            // MariaDB: a table or database missing, a command denied, a
-            // read-only server, too many connections
-            mariadb_number(error),
-            Some(1146 | 1049 | 1142 | 1290 | 1792 | 1836 | 1040)
-        ),
+        }) || mariadb_number(error).is_some_and(mariadb_infrastructure),
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_)
@@ -494,6 +489,34 @@ pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
         })
 }
 
+/// Whether a lock wait timeout is found along `error`'s chain (see
+/// [`is_lock_timeout`]).
+pub(crate) fn lock_timeout_in(error: &(dyn StdError + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error
+            .downcast_ref::<sqlx::Error>()
+            .is_some_and(is_lock_timeout)
+        {
+            return true;
+        }
+        next = error.source();
+    }
+    false
+}
+
+/// Whether MariaDB's error `number` says the database cannot be used (by
+/// this user, now), rather than anything about the message: a table or
+/// database missing, access or a command denied, a read-only server, too
+/// many connections (the server's, or the user's `max_user_connections` or
+/// hourly quotas), too many prepared statements.
+fn mariadb_infrastructure(number: u16) -> bool {
+    matches!(
+        number,
+        1146 | 1049 | 1044 | 1142 | 1227 | 1290 | 1792 | 1836 | 1040 | 1203 | 1226 | 1461
+    )
+}
+
 /// MariaDB's error number, if `error` is MariaDB's (`None` without the
 /// `mariadb` feature).
 pub(crate) fn mariadb_number(error: &sqlx::Error) -> Option<u16> {
@@ -528,10 +551,13 @@ pub(crate) fn is_unreachable(error: &sqlx::Error) -> bool {
         // The pool could not connect within its acquire timeout.
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
         // connection exception; too many connections; shutting down,
-        // crashed, starting up
-        _ => sqlstate(error).is_some_and(|code| {
-            code.starts_with("08") || matches!(&*code, "53300" | "57P01" | "57P02" | "57P03")
-        }),
+        // crashed, starting up; MariaDB's too many connections (the
+        // server's, the user's) and shutdown
+        _ => {
+            sqlstate(error).is_some_and(|code| {
+                code.starts_with("08") || matches!(&*code, "53300" | "57P01" | "57P02" | "57P03")
+            }) || matches!(mariadb_number(error), Some(1040 | 1203 | 1226 | 1053))
+        }
     }
 }
 

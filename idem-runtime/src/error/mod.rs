@@ -53,13 +53,15 @@ pub enum HandlerError {
     /// message retried with backoff like a transient failure.
     #[error("the handler panicked: {0}")]
     Panicked(String),
-    /// The handler returned `Ok`, but PostgreSQL had aborted its transaction:
-    /// a statement failed and the handler ignored the error. A COMMIT would
+    /// The handler returned `Ok`, but the database had aborted its
+    /// transaction: a statement failed and the handler ignored the error
+    /// (PostgreSQL aborts the transaction on any error; SQLite and MariaDB
+    /// roll it back whole on some, such as a deadlock). A COMMIT would
     /// have rolled everything back, the claim included, while reporting
     /// success; idem never acks such a message. Retried now a few times (a
     /// lost race may explain it), then dead-lettered.
     #[error(
-        "the handler returned Ok, but PostgreSQL had aborted its transaction: a statement failed and the handler ignored the error, so nothing was committed; propagate the error with `?`, or run a statement that may fail in a savepoint (`tx.begin()`) or with ON CONFLICT"
+        "the handler returned Ok, but the database had aborted its transaction: a statement failed and the handler ignored the error, so nothing was committed; propagate the error with `?`, or run a statement that may fail in a savepoint (`tx.begin()`) or with ON CONFLICT"
     )]
     Aborted,
     /// The claim was no longer this transaction's when it was to end: the
@@ -151,6 +153,15 @@ impl HandlerError {
             _ => None,
         };
         matches!(sqlstate.as_deref(), Some("40001" | "40P01" | "55P03"))
+            || match self {
+                // MariaDB's lock wait timeout has no SQLSTATE of its own
+                // (HY000): its number is read along the chain.
+                HandlerError::Handler { error, .. } => class::lock_timeout_in(&**error),
+                HandlerError::CommitRefused(error) | HandlerError::ClaimFailed(error) => {
+                    class::lock_timeout_in(error)
+                }
+                _ => false,
+            }
     }
 
     /// Whether the database, not the message, is to blame: see

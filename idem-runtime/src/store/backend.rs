@@ -183,10 +183,14 @@ pub trait Backend: sqlx::Database {
     /// Commits `tx`, checked (nothing commits if the transaction is no
     /// longer the one that claimed, or if the database had given up on it),
     /// or rolls back what is left. Also says whether the connection ended
-    /// in a known, clean state and may be kept.
+    /// in a known, clean state and may be kept. `claimed` are the keys `tx`
+    /// claimed: a database that cannot tell from the transaction itself
+    /// reads them to tell a claim the handler committed (`ClaimLost`) from
+    /// one the database rolled back (`Aborted`).
     fn finish(
         tx: Transaction<'_, Self>,
         begin: &Self::Begin,
+        claimed: &[&str],
     ) -> impl Future<Output = (Ended, bool)> + Send;
 
     /// Rolls back; says whether the connection is known to be clean.
@@ -356,7 +360,12 @@ impl Backend for Postgres {
         crate::store::transaction::claims_still_pending(tx).await
     }
 
-    async fn finish(tx: Transaction<'_, Self>, begin: &Self::Begin) -> (Ended, bool) {
+    async fn finish(
+        tx: Transaction<'_, Self>,
+        begin: &Self::Begin,
+        _claimed: &[&str],
+    ) -> (Ended, bool) {
+        // The transaction id recorded with the claim tells, without the keys.
         crate::store::transaction::finish(tx, begin).await
     }
 

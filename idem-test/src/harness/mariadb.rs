@@ -49,8 +49,12 @@ impl Mariadb {
         let data = dir.path().join("data");
         let log = dir.path().join("mariadb.log");
         let socket = dir.path().join("mariadbd.sock");
-        install(&data, &log);
-        let mut process = spawn(&data, &socket, &log);
+        // Its own temp dir: the bootstrap's temporary tables are named by
+        // pid, and installs in parallel tests collided in /tmp.
+        let tmp = dir.path().join("tmp");
+        std::fs::create_dir(&tmp).expect("a temp dir for MariaDB");
+        install(&data, &tmp, &log);
+        let mut process = spawn(&data, &tmp, &socket, &log);
         let root = MySqlConnectOptions::new()
             .socket(&socket)
             .username("root")
@@ -118,11 +122,12 @@ fn as_root() -> bool {
 /// Small logs and buffers: a test's server holds little.
 const SMALL: [&str; 2] = ["--innodb-log-file-size=8M", "--innodb-buffer-pool-size=64M"];
 
-fn install(data: &Path, log: &Path) {
+fn install(data: &Path, tmp: &Path, log: &Path) {
     let started = Instant::now();
     let mut cmd = Command::new("mariadb-install-db");
     cmd.arg("--no-defaults")
         .arg(format!("--datadir={}", data.display()))
+        .arg(format!("--tmpdir={}", tmp.display()))
         .args(["--auth-root-authentication-method=normal", "--skip-test-db"])
         .args(SMALL);
     if as_root() {
@@ -140,10 +145,11 @@ fn install(data: &Path, log: &Path) {
     );
 }
 
-fn spawn(data: &Path, socket: &Path, log: &Path) -> ServerProcess {
+fn spawn(data: &Path, tmp: &Path, socket: &Path, log: &Path) -> ServerProcess {
     let mut cmd = Command::new(server_binary());
     cmd.arg("--no-defaults")
         .arg(format!("--datadir={}", data.display()))
+        .arg(format!("--tmpdir={}", tmp.display()))
         .arg(format!("--socket={}", socket.display()))
         .arg(format!(
             "--pid-file={}",

@@ -128,12 +128,15 @@ async fn credit(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), 
 
 /// Set once the handler's statement was chosen as a deadlock's victim.
 static VICTIM: AtomicBool = AtomicBool::new(false);
+/// Set by the first attempt, which meets the deadlock; later ones (retries
+/// in process keep `delivered() == 1`) only record.
+static DEADLOCKED_ONCE: AtomicBool = AtomicBool::new(false);
 /// The handler holds row 1 of `hot`.
 static HOLDS_ROW_1: Notify = Notify::const_new();
 /// The test's transaction holds row 2 and waits for row 1.
 static WAITS_FOR_ROW_1: Notify = Notify::const_new();
 
-/// On its first delivery: takes row 1 of `hot`, then row 2, which the
+/// On its first attempt: takes row 1 of `hot`, then row 2, which the
 /// test's transaction holds while it waits for row 1: a deadlock, whose
 /// error the handler swallows before it records its effect and succeeds.
 #[idempotent(name = "swallows-a-deadlock")]
@@ -142,7 +145,7 @@ async fn swallows_a_deadlock(
     delivery: &Delivery,
     d: Deposit,
 ) -> Result<(), BoxError> {
-    if delivery.delivered() == 1 {
+    if !DEADLOCKED_ONCE.swap(true, Ordering::SeqCst) {
         sqlx::query("UPDATE hot SET v = v + 1 WHERE id = 1")
             .execute(&mut **tx)
             .await?;
@@ -164,13 +167,15 @@ async fn swallows_a_deadlock(
 /// InnoDB rolls a deadlock's victim back whole, claim included. A handler
 /// that swallows the error and writes on must not commit those writes
 /// unclaimed (under `autocommit = 1` each would commit by itself): its
-/// later write is rolled back with the rest, and the message is not acked
-/// as applied. It is dead-lettered (the claim is gone, as when a handler
-/// commits by itself) or applied once by a later delivery; either way no
-/// effect of the first delivery is committed.
+/// later write is rolled back with the rest, the message is not acked as
+/// applied, and since nothing of the attempt committed it is retried (as
+/// PostgreSQL's aborted transaction is), not dead-lettered as a claim lost,
+/// and applied once.
 #[tokio::test]
 async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
     let bed = Bed::start("MARIADEADLOCK").await;
+    // The test's own reads, on a pool the router does not use.
+    let observer = bed.mariadb.pool().await;
     sqlx::raw_sql(
         "CREATE TABLE hot (id INT PRIMARY KEY, v BIGINT NOT NULL) ENGINE = InnoDB;
          INSERT INTO hot VALUES (1, 0), (2, 0);
@@ -191,13 +196,9 @@ async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
 
     // The other side: a transaction made heavier than the handler's (a
     // thousand rows), so that InnoDB picks the handler's as the victim.
-    let mut other = bed
-        .mariadb
-        .pool()
-        .await
-        .acquire()
-        .await
-        .expect("a connection");
+    // Its pool lives as long as the connection: a dropped pool closes.
+    let other_pool = bed.mariadb.pool().await;
+    let mut other = other_pool.acquire().await.expect("a connection");
     sqlx::raw_sql(
         "START TRANSACTION;
          INSERT INTO ballast SELECT seq FROM seq_1_to_1000;
@@ -223,7 +224,7 @@ async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
             sqlx::query_scalar::<_, i64>(
                 "SELECT count(*) FROM information_schema.innodb_lock_waits",
             )
-            .fetch_one(&bed.pool)
+            .fetch_one(&observer)
             .await
             .unwrap_or(0)
                 > 0
@@ -248,20 +249,24 @@ async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
     )
     .await;
     stop(handle.clone(), task).await;
-    let first: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE delivered = 1")
-        .fetch_one(&bed.pool)
-        .await
-        .unwrap();
+    // Nothing of the first attempt committed, so the message was retried
+    // (`Aborted`), not dead-lettered as a claim lost, and applied once by a
+    // later attempt.
     assert_eq!(
-        first, 0,
-        "the write after the swallowed deadlock was not committed"
+        (
+            stats.retried_in_process() >= 1,
+            stats.processed(),
+            stats.dead_lettered()
+        ),
+        (true, 1, 0),
+        "the first attempt failed as aborted, a retry applied it"
     );
-    let (effects, distinct) = bed.ledger("swallows-a-deadlock").await;
-    let letters = dead_letters(&bed.js, &bed.stream).await.len() as i64;
-    assert!(
-        effects == distinct && effects + letters == 1,
-        "applied at most once, and accounted for: {effects} effects, {letters} dead letters"
+    assert_eq!(
+        bed.ledger("swallows-a-deadlock").await,
+        (1, 1),
+        "applied once: the write after the swallowed deadlock was not committed"
     );
+    assert!(dead_letters(&bed.js, &bed.stream).await.is_empty());
 }
 
 // ---------------------------------------------------------------------------
@@ -276,28 +281,34 @@ async fn fails_first(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result
     Ok(())
 }
 
+/// The application's own session settings, set on each connection as it
+/// opens: none is a server default, so that a connection put back to the
+/// defaults would show.
+const OWN_SETTINGS: &str = "SET SESSION max_statement_time = 42, innodb_lock_wait_timeout = 7,
+    idle_transaction_timeout = 3600";
+
 /// A route's transactions run under `autocommit = 0` and its bounds
-/// (`max_statement_time`, `innodb_lock_wait_timeout`), session settings
-/// that would outlive them: every connection goes back to the application's
-/// pool with the server's defaults, after commits, rollbacks and
-/// duplicates alike.
+/// (`max_statement_time`, `innodb_lock_wait_timeout`,
+/// `idle_transaction_timeout`), session settings that would outlive them:
+/// every connection goes back to the application's pool with the settings
+/// the application gave it, after commits, rollbacks and duplicates alike.
 #[tokio::test]
-async fn connections_go_back_to_the_pool_with_the_servers_defaults() {
+async fn connections_go_back_to_the_pool_with_the_applications_settings() {
     const MESSAGES: usize = 20;
     let bed = Bed::start("MARIASESSION").await;
-    let defaults: (i64, f64, i64) = sqlx::query_as(
-        "SELECT CAST(@@global.autocommit AS SIGNED), @@global.max_statement_time,
-                CAST(@@global.innodb_lock_wait_timeout AS SIGNED)",
-    )
-    .fetch_one(&bed.pool)
-    .await
-    .unwrap();
     // Two connections, so that every message's transaction uses one of them.
     let pool = sqlx::mysql::MySqlPoolOptions::new()
         .max_connections(2)
+        .after_connect(|connection, _| {
+            Box::pin(async move {
+                sqlx::raw_sql(OWN_SETTINGS).execute(connection).await?;
+                Ok(())
+            })
+        })
         .connect_with(bed.mariadb.options())
         .await
         .unwrap();
+    let own: (i64, f64, i64, i64) = (1, 42.0, 7, 3600);
     bed.publish((0..MESSAGES).map(|i| format!("s-{i}"))).await;
     // Every id again: duplicates.
     bed.publish((0..MESSAGES).map(|i| format!("s-{i}"))).await;
@@ -322,16 +333,84 @@ async fn connections_go_back_to_the_pool_with_the_servers_defaults() {
     let mut held = Vec::new();
     for _ in 0..2 {
         let mut connection = pool.acquire().await.expect("a connection");
-        let session: (i64, f64, i64) = sqlx::query_as(
+        let session: (i64, f64, i64, i64) = sqlx::query_as(
             "SELECT CAST(@@session.autocommit AS SIGNED), @@session.max_statement_time,
-                    CAST(@@session.innodb_lock_wait_timeout AS SIGNED)",
+                    CAST(@@session.innodb_lock_wait_timeout AS SIGNED),
+                    CAST(@@session.idle_transaction_timeout AS SIGNED)",
         )
         .fetch_one(&mut *connection)
         .await
         .unwrap();
-        assert_eq!(session, defaults, "the session's settings are the server's");
+        assert_eq!(session, own, "the session's settings are the application's");
         held.push(connection);
     }
+}
+
+/// Takes a named lock (`GET_LOCK`), which outlives transactions, and on
+/// message `t-lock` locks a table (`LOCK TABLES`, which also commits the
+/// transaction, claim included).
+#[idempotent(name = "locks")]
+async fn locks(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), BoxError> {
+    sqlx::query("SELECT GET_LOCK('idem-test-named', 0)")
+        .execute(&mut **tx)
+        .await?;
+    if delivery.message_id().as_str().contains("t-lock") {
+        sqlx::raw_sql("LOCK TABLES hot WRITE")
+            .execute(&mut **tx)
+            .await?;
+    }
+    record(tx, "locks", delivery, &d).await?;
+    Ok(())
+}
+
+/// Locks a handler takes that outlive its transaction (a named lock, a
+/// table lock) do not go back to the pool with its connection: another
+/// session can take both at once afterwards. The table lock committed the
+/// claim: that message is dead-lettered, never acked as applied.
+#[tokio::test]
+async fn a_handlers_named_and_table_locks_do_not_outlive_it() {
+    let bed = Bed::start("MARIALOCKS").await;
+    sqlx::raw_sql(
+        "CREATE TABLE hot (id INT PRIMARY KEY, v BIGINT NOT NULL) ENGINE = InnoDB;
+         INSERT INTO hot VALUES (1, 0);",
+    )
+    .execute(&bed.pool)
+    .await
+    .unwrap();
+    // One connection: every message's transaction runs on it, and it stays
+    // in the pool afterwards.
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(bed.mariadb.options())
+        .await
+        .unwrap();
+    bed.publish(["t-named".to_owned(), "t-lock".to_owned()])
+        .await;
+    let (handle, task) = spawn(
+        Router::mariadb().route(fast(Route::new(&bed.stream, "c")).per_message(), locks),
+        &bed.nats,
+        &pool,
+    );
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert_eq!(
+        (stats.processed(), stats.dead_lettered()),
+        (1, 1),
+        "t-named applied; t-lock, whose LOCK TABLES committed its claim, dead-lettered"
+    );
+    let kept = pool.size();
+    assert_eq!(kept, 1, "the handlers' connection is still in the pool");
+    let mut other = bed.pool.acquire().await.unwrap();
+    let named: i64 = sqlx::query_scalar("SELECT GET_LOCK('idem-test-named', 1)")
+        .fetch_one(&mut *other)
+        .await
+        .unwrap();
+    assert_eq!(named, 1, "the named lock is free");
+    sqlx::raw_sql("SET STATEMENT lock_wait_timeout = 2 FOR UPDATE hot SET v = v + 1")
+        .execute(&mut *other)
+        .await
+        .expect("the table is not locked");
 }
 
 // ---------------------------------------------------------------------------
@@ -352,7 +431,9 @@ async fn start_up_names_a_transaction_left_open_on_the_handlers_table() {
         &bed.pool,
     );
     stop(handle, task).await;
-    let mut holder = bed.mariadb.pool().await.acquire().await.unwrap();
+    // Its pool lives as long as the connection: a dropped pool closes.
+    let holder_pool = bed.mariadb.pool().await;
+    let mut holder = holder_pool.acquire().await.unwrap();
     sqlx::raw_sql("START TRANSACTION; UPDATE idem_handlers SET retention_ms = NULL")
         .execute(&mut *holder)
         .await

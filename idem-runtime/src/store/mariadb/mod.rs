@@ -141,9 +141,7 @@ impl Backend for MySql {
     }
 
     fn begin_for(handler_timeout: Option<Duration>, _session: Session) -> Begin {
-        Begin {
-            at_most: handler_timeout.map(crate::store::transaction::longest),
-        }
+        Begin { handler_timeout }
     }
 
     async fn begin<'c>(
@@ -194,8 +192,8 @@ impl Backend for MySql {
         transaction::claims_still_pending(tx, keys).await
     }
 
-    async fn finish(tx: Transaction<'_, Self>, _begin: &Begin) -> (Ended, bool) {
-        transaction::finish(tx).await
+    async fn finish(tx: Transaction<'_, Self>, _begin: &Begin, claimed: &[&str]) -> (Ended, bool) {
+        transaction::finish(tx, claimed).await
     }
 
     async fn rollback(tx: Transaction<'_, Self>) -> bool {

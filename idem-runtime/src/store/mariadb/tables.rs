@@ -24,17 +24,17 @@ use crate::store::reads::HandlerRow;
 const MIGRATIONS: &[(i64, &str, &str)] = &[(
     1,
     "claims",
-    "CREATE TABLE idem_handlers (
+    "CREATE TABLE IF NOT EXISTS idem_handlers (
          id INT AUTO_INCREMENT PRIMARY KEY,
          name VARCHAR(255) NOT NULL,
          retention_ms BIGINT NULL,
          updated_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
          UNIQUE KEY idem_handlers_by_name (name)
      ) ENGINE = InnoDB;
-     CREATE TABLE idem_claims (
+     CREATE TABLE IF NOT EXISTS idem_claims (
          claim_key VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
          handler_id INT NOT NULL,
-         claimed_at DOUBLE NOT NULL DEFAULT (UNIX_TIMESTAMP(NOW(6))),
+         claimed_at DOUBLE NOT NULL DEFAULT (UNIX_TIMESTAMP()),
          result LONGBLOB NULL,
          KEY idem_claims_by_age (handler_id, claimed_at)
      ) ENGINE = InnoDB;",
@@ -43,9 +43,28 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[(
 /// Claims deleted per statement by the purge.
 const PURGE_CHUNK: i64 = 1_000;
 
-/// How long registering waits for a lock on `idem_handlers` before start-up
-/// fails and names the sessions that may hold it.
+/// How long registering waits for a lock on `idem_handlers` (a row's, or
+/// the table's: `LOCK TABLES`, an `ALTER` waiting) before start-up fails
+/// and names the sessions that may hold it.
 const REGISTER_LOCK_WAIT_SECONDS: u32 = 10;
+
+/// How long the purge's deletes wait for a lock before the purge fails
+/// (and is tried again at its next run).
+const PURGE_LOCK_WAIT_SECONDS: u32 = 30;
+
+/// Bounds the session's waits for row and table locks to `seconds`, having
+/// saved its own bounds for [`UNBOUND_LOCKS`].
+fn bound_locks(seconds: u32) -> sqlx::AssertSqlSafe<String> {
+    sqlx::AssertSqlSafe(format!(
+        "SET @idem_lock_wait = @@session.innodb_lock_wait_timeout,
+             @idem_table_lock_wait = @@session.lock_wait_timeout;
+         SET SESSION innodb_lock_wait_timeout = {seconds}, lock_wait_timeout = {seconds}"
+    ))
+}
+
+/// Puts back the bounds [`bound_locks`] saved.
+const UNBOUND_LOCKS: &str = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait,
+    lock_wait_timeout = @idem_table_lock_wait";
 
 /// Applies the migrations.
 pub(crate) async fn migrate(pool: &MySqlPool) -> Result<(), Error> {
@@ -102,11 +121,9 @@ async fn register_on(
     connection: &mut MySqlConnection,
     handlers: BTreeMap<&str, Option<Duration>>,
 ) -> Result<HashMap<String, i32>, sqlx::Error> {
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "SET SESSION innodb_lock_wait_timeout = {REGISTER_LOCK_WAIT_SECONDS}"
-    )))
-    .execute(&mut *connection)
-    .await?;
+    sqlx::raw_sql(bound_locks(REGISTER_LOCK_WAIT_SECONDS))
+        .execute(&mut *connection)
+        .await?;
     let mut tx = sqlx::Connection::begin(&mut *connection).await?;
     let mut ids = HashMap::new();
     for (name, retention) in handlers {
@@ -128,9 +145,7 @@ async fn register_on(
         ids.insert(name.to_owned(), id);
     }
     tx.commit().await?;
-    sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = DEFAULT")
-        .execute(connection)
-        .await?;
+    sqlx::raw_sql(UNBOUND_LOCKS).execute(connection).await?;
     Ok(ids)
 }
 
@@ -168,7 +183,7 @@ pub(crate) async fn handlers(pool: &MySqlPool) -> Result<Vec<HandlerRow>, sqlx::
     sqlx::query_as(
         "SELECT h.name, CAST(h.retention_ms / 1000 AS DOUBLE), count(c.claim_key),
                 min(c.claimed_at),
-                CAST(UNIX_TIMESTAMP(NOW(6)) - min(c.claimed_at) AS DOUBLE)
+                CAST(UNIX_TIMESTAMP() - min(c.claimed_at) AS DOUBLE)
            FROM idem_handlers h LEFT JOIN idem_claims c ON c.handler_id = h.id
           GROUP BY h.id, h.name, h.retention_ms ORDER BY h.name",
     )
@@ -183,7 +198,7 @@ pub(crate) async fn claim(
     key: &str,
 ) -> Result<Option<(f64, f64, i32, bool)>, sqlx::Error> {
     let row: Option<(f64, f64, i64)> = sqlx::query_as(
-        "SELECT claimed_at, CAST(UNIX_TIMESTAMP(NOW(6)) - claimed_at AS DOUBLE),
+        "SELECT claimed_at, CAST(UNIX_TIMESTAMP() - claimed_at AS DOUBLE),
                 CAST(result IS NOT NULL AS SIGNED)
            FROM idem_claims WHERE claim_key = ?",
     )
@@ -242,13 +257,27 @@ pub(crate) async fn store_result(
 }
 
 /// Deletes, for every handler with a retention, its claims older than
-/// that, a chunk per statement (each its own transaction). Safe from
-/// several processes at once: their deletes of one chunk wait for each
-/// other, in the index's order.
+/// that, a chunk per statement (each its own transaction), waiting at most
+/// [`PURGE_LOCK_WAIT_SECONDS`] for a lock. Safe from several processes at
+/// once: their deletes of one chunk wait for each other, in the index's
+/// order.
 pub(crate) async fn purge(pool: &MySqlPool) -> Result<PurgeReport, Error> {
+    let mut connection = pool.acquire().await?;
+    let purged = purge_on(&mut connection).await;
+    if purged.is_err() {
+        // Its session's bounds may not have been put back.
+        connection.close_on_drop();
+    }
+    purged
+}
+
+async fn purge_on(connection: &mut MySqlConnection) -> Result<PurgeReport, Error> {
+    sqlx::raw_sql(bound_locks(PURGE_LOCK_WAIT_SECONDS))
+        .execute(&mut *connection)
+        .await?;
     let handlers: Vec<(i32, i64)> =
         sqlx::query_as("SELECT id, retention_ms FROM idem_handlers WHERE retention_ms IS NOT NULL")
-            .fetch_all(pool)
+            .fetch_all(&mut *connection)
             .await?;
     let mut report = PurgeReport {
         retention: handlers
@@ -261,13 +290,13 @@ pub(crate) async fn purge(pool: &MySqlPool) -> Result<PurgeReport, Error> {
         loop {
             let deleted = sqlx::query(
                 "DELETE FROM idem_claims
-                  WHERE handler_id = ? AND claimed_at < UNIX_TIMESTAMP(NOW(6)) - ? / 1000
+                  WHERE handler_id = ? AND claimed_at < UNIX_TIMESTAMP() - ? / 1000
                   ORDER BY claimed_at LIMIT ?",
             )
             .bind(id)
             .bind(millis)
             .bind(PURGE_CHUNK)
-            .execute(pool)
+            .execute(&mut *connection)
             .await?
             .rows_affected();
             report.deleted += deleted;
@@ -276,6 +305,7 @@ pub(crate) async fn purge(pool: &MySqlPool) -> Result<PurgeReport, Error> {
             }
         }
     }
+    sqlx::raw_sql(UNBOUND_LOCKS).execute(connection).await?;
     Ok(report)
 }
 

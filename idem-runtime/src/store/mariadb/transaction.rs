@@ -49,40 +49,67 @@ use crate::store::transaction::{Claim, Ended};
 pub struct Session;
 
 /// How a route begins and commits on MariaDB: the session settings each of
-/// its transactions runs under (`autocommit = 0`, and with a handler timeout
-/// the bounds: `max_statement_time`, so that the server ends a statement a
-/// handler left running, and `innodb_lock_wait_timeout`).
+/// its transactions runs under. `autocommit = 0`, and with a handler
+/// timeout T the bounds: `max_statement_time` T, so that the server ends a
+/// statement a handler left running; `innodb_lock_wait_timeout` T (whole
+/// seconds); and `idle_transaction_timeout` T + 1 s, so that the server
+/// ends a transaction whose client went away (a worker's host lost), which
+/// would otherwise hold its claim's lock for hours. PostgreSQL's bounds are
+/// the same: `statement_timeout`, `lock_timeout`,
+/// `idle_in_transaction_session_timeout`. The session's own values are
+/// saved first, in user variables, and put back ([`RESTORE`]).
 #[derive(Debug, Clone)]
 pub struct Begin {
-    /// How long each statement of a transaction may run, and wait for a
-    /// lock (`None`: the server's defaults).
-    pub(crate) at_most: Option<Duration>,
+    /// The route's handler timeout (`None`: the server's defaults).
+    pub(crate) handler_timeout: Option<Duration>,
 }
 
 impl Begin {
-    /// The `SET` that begins a transaction whose statements wait at most
-    /// `lock_wait` for a lock (the route's bound if `None`).
+    /// The statements that begin a transaction whose statements wait at
+    /// most `lock_wait` for a lock (the handler timeout if `None`).
     fn settings(&self, lock_wait: Option<Duration>) -> String {
-        let mut set = String::from("SET SESSION autocommit = 0");
-        if let Some(at_most) = self.at_most {
+        let mut set = String::from(SAVE);
+        set.push_str("; SET SESSION autocommit = 0");
+        if let Some(timeout) = self.handler_timeout {
             set.push_str(&format!(
-                ", max_statement_time = {:.3}",
-                at_most.as_secs_f64()
+                ", max_statement_time = {:.3}, idle_transaction_timeout = {}",
+                timeout.as_secs_f64(),
+                whole_seconds(timeout + IDLE_MARGIN)
             ));
         }
-        if let Some(lock_wait) = lock_wait.or(self.at_most) {
-            // Whole seconds, at least one.
-            let seconds = lock_wait.as_secs() + u64::from(lock_wait.subsec_nanos() > 0);
-            set.push_str(&format!(", innodb_lock_wait_timeout = {}", seconds.max(1)));
+        if let Some(lock_wait) = lock_wait.or(self.handler_timeout) {
+            set.push_str(&format!(
+                ", innodb_lock_wait_timeout = {}",
+                whole_seconds(lock_wait)
+            ));
         }
         set
     }
 }
 
-/// Puts back what [`Begin`] set; runs only once no transaction is open
-/// (`autocommit = 1` commits an open one).
-const RESTORE: &str =
-    "SET SESSION autocommit = 1, max_statement_time = DEFAULT, innodb_lock_wait_timeout = DEFAULT";
+/// How much longer than the handler timeout a transaction may sit idle
+/// before the server ends it.
+const IDLE_MARGIN: Duration = Duration::from_secs(1);
+
+/// `duration` in whole seconds, rounded up, at least one.
+fn whole_seconds(duration: Duration) -> u64 {
+    (duration.as_secs() + u64::from(duration.subsec_nanos() > 0)).max(1)
+}
+
+/// Saves what [`Begin`] changes in the session, for [`RESTORE`].
+const SAVE: &str = "SET @idem_autocommit = @@session.autocommit,
+    @idem_max_statement_time = @@session.max_statement_time,
+    @idem_lock_wait = @@session.innodb_lock_wait_timeout,
+    @idem_idle = @@session.idle_transaction_timeout";
+
+/// Puts back what [`Begin`] set, and frees the locks a handler may have
+/// taken that outlive a transaction (`LOCK TABLES`, `GET_LOCK`); runs only
+/// once no transaction is open (`autocommit = 1` commits an open one).
+const RESTORE: &str = "UNLOCK TABLES; DO RELEASE_ALL_LOCKS();
+    SET SESSION autocommit = @idem_autocommit,
+        max_statement_time = @idem_max_statement_time,
+        innodb_lock_wait_timeout = @idem_lock_wait,
+        idle_transaction_timeout = @idem_idle";
 
 /// Opened after the claim; its release fails once a handler has ended the
 /// transaction itself.
@@ -158,7 +185,13 @@ pub(crate) async fn claim_many(
             row.push_bind(key.as_str()).push_bind(handler_id);
         });
         insert.push(" RETURNING claim_key");
-        fresh = insert.build_query_scalar().fetch_all(&mut **tx).await?;
+        // Not kept prepared: each batch size is a statement of its own, and
+        // sqlx's cache of them would push out the application's.
+        fresh = insert
+            .build_query_scalar()
+            .persistent(false)
+            .fetch_all(&mut **tx)
+            .await?;
     }
     sqlx::raw_sql(SAVEPOINT).execute(&mut **tx).await?;
     fresh.sort();
@@ -207,7 +240,7 @@ pub(crate) async fn unclaim(
         list.push_bind(*key);
     }
     delete.push(")");
-    delete.build().execute(&mut **tx).await?;
+    delete.build().persistent(false).execute(&mut **tx).await?;
     Ok(())
 }
 
@@ -245,14 +278,18 @@ async fn any_claimed(tx: &mut Transaction<'_, MySql>, keys: &[&str]) -> Result<b
         list.push_bind(*key);
     }
     read.push(")");
-    let found: i64 = read.build_query_scalar().fetch_one(&mut **tx).await?;
+    let found: i64 = read
+        .build_query_scalar()
+        .persistent(false)
+        .fetch_one(&mut **tx)
+        .await?;
     Ok(found > 0)
 }
 
 /// Releases the claim's savepoint and commits, in one round trip that
 /// stops at the first error; then puts the session back. Or rolls back what
 /// is left. Also says whether the connection ended in a known, clean state.
-pub(crate) async fn finish(mut tx: Transaction<'_, MySql>) -> (Ended, bool) {
+pub(crate) async fn finish(mut tx: Transaction<'_, MySql>, claimed: &[&str]) -> (Ended, bool) {
     let commit = format!("RELEASE SAVEPOINT idem_claim; COMMIT; {RESTORE}");
     match sqlx::raw_sql(AssertSqlSafe(commit)).execute(&mut *tx).await {
         Ok(_) => {
@@ -262,10 +299,22 @@ pub(crate) async fn finish(mut tx: Transaction<'_, MySql>) -> (Ended, bool) {
             (Ended::Committed, clean)
         }
         Err(error) if no_savepoint(&error) => {
-            // The handler ended the transaction: whatever it committed
-            // stays committed, nothing after it does.
+            // The transaction ended before COMMIT. If its claim is
+            // committed, the handler ended it (whatever it committed stays
+            // committed, nothing after it does); if not, InnoDB rolled it
+            // back (a deadlock whose error the handler swallowed), and what
+            // the handler wrote afterwards, under `autocommit = 0`, is
+            // rolled back now: nothing of the attempt committed. Unreadable:
+            // taken as lost, so that the message is dead-lettered rather
+            // than applied again.
+            let lost = any_claimed(&mut tx, claimed).await.unwrap_or(true);
             let clean = rollback(tx).await;
-            (Ended::NotCommitted(HandlerError::ClaimLost), clean)
+            let error = if lost {
+                HandlerError::ClaimLost
+            } else {
+                HandlerError::Aborted
+            };
+            (Ended::NotCommitted(error), clean)
         }
         // The server answered: the RELEASE or the COMMIT was refused, and
         // nothing committed.

@@ -152,7 +152,11 @@ impl Backend for Sqlite {
         transaction::claims_still_pending(tx, keys).await
     }
 
-    async fn finish(tx: Transaction<'_, Self>, _begin: &Begin) -> (Ended, bool) {
+    async fn finish(tx: Transaction<'_, Self>, _begin: &Begin, _claimed: &[&str]) -> (Ended, bool) {
+        // A transaction SQLite rolled back by itself, whose handler swallowed
+        // the error and wrote on, committed those writes one by one: the
+        // message is dead-lettered as `ClaimLost` either way (a retry would
+        // apply them again), so the keys need not be read.
         transaction::finish(tx).await
     }
 
