@@ -9,11 +9,13 @@
 #                                      its own process, driven by pipeline-demo
 #   scripts/demo.sh --credits N ...    the ledger only, with these ARGS
 #   scripts/demo.sh --database sqlite  the ledger only, on a SQLite file
+#   scripts/demo.sh --database mariadb the ledger only, on MariaDB
 #
-# --database sqlite|postgres (default postgres), anywhere among the ARGS,
-# chooses the database: sqlite runs the ledger on a file in the temp dir and
-# starts no PostgreSQL. The pipeline needs PostgreSQL: its services use the
-# transactional outbox, which idem does not have on SQLite yet.
+# --database sqlite|mariadb|postgres (default postgres), anywhere among the
+# ARGS, chooses the database: sqlite runs the ledger on a file in the temp
+# dir, mariadb on a MariaDB server of its own, and neither starts
+# PostgreSQL. The pipeline needs PostgreSQL: its services use the
+# transactional outbox, which idem does not have on SQLite or MariaDB yet.
 #
 # The other ARGS go to the ledger-example or pipeline-demo binary (--help
 # lists them).
@@ -43,7 +45,7 @@ args=()
 while [ "$#" -gt 0 ]; do
     case "$1" in
     --database)
-        [ "$#" -ge 2 ] || die "--database needs a value: sqlite or postgres"
+        [ "$#" -ge 2 ] || die "--database needs a value: sqlite, mariadb or postgres"
         database=$2
         shift 2
         ;;
@@ -58,12 +60,13 @@ while [ "$#" -gt 0 ]; do
     esac
 done
 case "$database" in
-"" | sqlite | postgres) ;;
-*) die "--database $database: expected sqlite or postgres" ;;
+"" | sqlite | mariadb | postgres) ;;
+*) die "--database $database: expected sqlite, mariadb or postgres" ;;
 esac
 if [ -n "${DATABASE_URL:-}" ]; then
     case "$DATABASE_URL" in
     sqlite:*) url_database=sqlite ;;
+    mysql:* | mariadb:*) url_database=mariadb ;;
     *) url_database=postgres ;;
     esac
     if [ -n "$database" ] && [ "$database" != "$url_database" ]; then
@@ -72,8 +75,8 @@ if [ -n "${DATABASE_URL:-}" ]; then
     database=$url_database
 fi
 database=${database:-postgres}
-if [ "$database" = sqlite ] && [[ " ${demos[*]} " == *" pipeline "* ]]; then
-    die "the pipeline demo runs on PostgreSQL only: its services use the transactional outbox, which idem does not have on SQLite yet; for the ledger on SQLite, run scripts/demo.sh ledger --database sqlite"
+if [ "$database" != postgres ] && [[ " ${demos[*]} " == *" pipeline "* ]]; then
+    die "the pipeline demo runs on PostgreSQL only: its services use the transactional outbox, which idem does not have on $database yet; for the ledger on $database, run scripts/demo.sh ledger --database $database"
 fi
 
 scripts/setup.sh
@@ -107,6 +110,8 @@ elif [ "$database" = sqlite ]; then
     # The example creates the file.
     DATABASE_URL="sqlite://$workdir/ledger.db"
     log "SQLite on $DATABASE_URL"
+elif [ "$database" = mariadb ]; then
+    start_mariadb "$workdir/mariadb"
 else
     start_postgres "$workdir/postgres"
 fi

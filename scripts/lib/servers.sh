@@ -16,6 +16,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 STARTED_NATS_PIDFILE=
 STARTED_PG_DATA=
+STARTED_MARIADB_PIDFILE=
 
 # How long a server gets to start; generous for a busy CI machine.
 SERVER_START_TIMEOUT=60
@@ -109,7 +110,40 @@ start_postgres() {
     die "PostgreSQL did not start (log above: $dir/postgres.log)"
 }
 
-# Stops whatever start_nats and start_postgres started. Safe to call more than
+# start_mariadb DIR: runs a MariaDB server with its data dir, socket and log
+# in DIR, reached through the socket only (no TCP port), with an empty
+# database `ledger`; sets and exports DATABASE_URL. Durability settings keep
+# their defaults (innodb_flush_log_at_trx_commit = 1).
+start_mariadb() {
+    local dir=$1 i user=()
+    [ -x /usr/sbin/mariadbd ] || die "no MariaDB server (/usr/sbin/mariadbd); run scripts/setup.sh"
+    mkdir -p "$dir/tmp"
+    if [ "$(id -u)" = 0 ]; then user=(--user=root); fi
+    mariadb-install-db --no-defaults --datadir="$dir/data" --tmpdir="$dir/tmp" "${user[@]}" \
+        --auth-root-authentication-method=normal --skip-test-db >"$dir/install.log" 2>&1 ||
+        {
+            cat "$dir/install.log" >&2
+            die "mariadb-install-db failed"
+        }
+    STARTED_MARIADB_PIDFILE=$dir/mariadbd.pid
+    setsid /usr/sbin/mariadbd --no-defaults --datadir="$dir/data" --tmpdir="$dir/tmp" "${user[@]}" \
+        --socket="$dir/mariadbd.sock" --pid-file="$STARTED_MARIADB_PIDFILE" --skip-networking \
+        </dev/null >>"$dir/mariadb.log" 2>&1 &
+    # Not this shell's job: stop_servers SIGKILLs it, which bash would report.
+    disown
+    for ((i = 0; i < SERVER_START_TIMEOUT * 10; i++)); do
+        if mariadb --no-defaults -S "$dir/mariadbd.sock" -uroot -e "CREATE DATABASE IF NOT EXISTS ledger" 2>/dev/null; then
+            export DATABASE_URL="mysql://root@localhost/ledger?socket=$dir/mariadbd.sock"
+            log "MariaDB on $DATABASE_URL (files in $dir)"
+            return 0
+        fi
+        sleep 0.1
+    done
+    tail -n 30 "$dir/mariadb.log" >&2 || true
+    die "MariaDB did not start (log above: $dir/mariadb.log)"
+}
+
+# Stops whatever start_nats, start_postgres and start_mariadb started. Safe to call more than
 # once, and from an EXIT trap after a failure halfway through.
 stop_servers() {
     local pid i
@@ -130,4 +164,9 @@ stop_servers() {
             pg_tool pg_ctl stop -w -m immediate -D "$STARTED_PG_DATA" >/dev/null 2>&1 || true
     fi
     STARTED_PG_DATA=
+    if [ -n "$STARTED_MARIADB_PIDFILE" ] && [ -f "$STARTED_MARIADB_PIDFILE" ]; then
+        # The data is thrown away: no clean shutdown needed.
+        kill -KILL "$(cat "$STARTED_MARIADB_PIDFILE")" 2>/dev/null || true
+    fi
+    STARTED_MARIADB_PIDFILE=
 }

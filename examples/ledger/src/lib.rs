@@ -19,6 +19,7 @@ use idem_runtime::error::{Classify, ErrorClass};
 use idem_runtime::{FromRef, Route, Router, State, idempotent};
 use serde::{Deserialize, Serialize};
 
+pub mod mariadb;
 pub mod sqlite;
 
 /// The stream that stores `ledger.>`.
@@ -95,6 +96,14 @@ impl Fees {
         ))
     }
 
+    /// Reads the schedule from the `fee_schedule` table of a MariaDB
+    /// database.
+    pub async fn load_mariadb(pool: &sqlx::MySqlPool) -> Result<Fees, sqlx::Error> {
+        Ok(Fees::from_rates(
+            sqlx::query_as(FEE_SCHEDULE).fetch_all(pool).await?,
+        ))
+    }
+
     fn from_rates(rates: Vec<(i64, i64)>) -> Fees {
         Fees(Arc::new(rates.into_iter().collect()))
     }
@@ -106,16 +115,35 @@ impl Fees {
     }
 }
 
-/// The statements of both `credit` handlers, PostgreSQL's ([`credit()`])
-/// and SQLite's ([`sqlite::credit()`]): only the transaction's type differs,
-/// and sqlx's `$1` placeholders work on both databases. A macro, because a
-/// function generic over the database would need more lines of sqlx bounds
-/// than it has statements, and `rows_affected` is on each database's own
-/// result type.
+/// The statements of every `credit` handler, PostgreSQL's ([`credit()`]),
+/// SQLite's ([`sqlite::credit()`]) and MariaDB's ([`mariadb::credit()`]):
+/// only the transaction's type differs, and the placeholders (`$1` on
+/// PostgreSQL and SQLite, `?` on MariaDB; `credit_body!(tx, fees, cmd, ?)`).
+/// A macro, because a function generic over the database would need more
+/// lines of sqlx bounds than it has statements, and `rows_affected` is on
+/// each database's own result type.
 macro_rules! credit_body {
-    ($tx:ident, $fees:ident, $cmd:ident) => {{
+    ($tx:ident, $fees:ident, $cmd:ident) => {
+        $crate::credit_body!(
+            $tx,
+            $fees,
+            $cmd,
+            "UPDATE accounts SET balance = balance + $1 WHERE id = $2",
+            "INSERT INTO ledger_entries (transfer_id, account, amount, fee) VALUES ($1, $2, $3, $4)"
+        )
+    };
+    ($tx:ident, $fees:ident, $cmd:ident, ?) => {
+        $crate::credit_body!(
+            $tx,
+            $fees,
+            $cmd,
+            "UPDATE accounts SET balance = balance + ? WHERE id = ?",
+            "INSERT INTO ledger_entries (transfer_id, account, amount, fee) VALUES (?, ?, ?, ?)"
+        )
+    };
+    ($tx:ident, $fees:ident, $cmd:ident, $update:literal, $insert:literal) => {{
         let fee = $fees.on($cmd.account, $cmd.amount);
-        let updated = ::sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+        let updated = ::sqlx::query($update)
             .bind($cmd.amount - fee)
             .bind($cmd.account)
             .execute(&mut **$tx)
@@ -123,19 +151,17 @@ macro_rules! credit_body {
         if updated.rows_affected() == 0 {
             return Err($crate::LedgerError::UnknownAccount($cmd.account));
         }
-        ::sqlx::query(
-            "INSERT INTO ledger_entries (transfer_id, account, amount, fee) VALUES ($1, $2, $3, $4)",
-        )
-        .bind(&$cmd.transfer_id)
-        .bind($cmd.account)
-        .bind($cmd.amount)
-        .bind(fee)
-        .execute(&mut **$tx)
-        .await?;
+        ::sqlx::query($insert)
+            .bind(&$cmd.transfer_id)
+            .bind($cmd.account)
+            .bind($cmd.amount)
+            .bind(fee)
+            .execute(&mut **$tx)
+            .await?;
         Ok(())
     }};
 }
-use credit_body;
+pub(crate) use credit_body;
 
 /// Credits an account, less its fee. The dedup key is the transfer id, so a
 /// credit republished under any `Nats-Msg-Id` is still applied once.
@@ -202,7 +228,7 @@ const OPEN_ACCOUNTS: &str = "
     INSERT INTO accounts (id) SELECT id FROM n";
 
 /// Accounts pay 0, 5 or 10 % by turns.
-const SET_FEES: &str =
+pub(crate) const SET_FEES: &str =
     "INSERT INTO fee_schedule (account, percent) SELECT id, 5 * (id % 3) FROM accounts";
 
 /// A fresh ledger: zeroed accounts and no entries, so each run proves

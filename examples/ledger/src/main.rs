@@ -8,11 +8,12 @@
 //! `src/lib.rs`), and checks every balance against the sum of the unique
 //! credits, less their fees.
 //!
-//! `DATABASE_URL`'s scheme chooses the database: PostgreSQL (`postgres://`)
-//! or a SQLite file (`sqlite:`). Run it with `scripts/demo.sh`, which starts
-//! nats-server and PostgreSQL on loopback unless `NATS_URL` and
-//! `DATABASE_URL` are set; `scripts/demo.sh --database sqlite` runs it on a
-//! SQLite file instead.
+//! `DATABASE_URL`'s scheme chooses the database: PostgreSQL (`postgres://`),
+//! a SQLite file (`sqlite:`) or MariaDB (`mysql://`). Run it with
+//! `scripts/demo.sh`, which starts nats-server and PostgreSQL on loopback
+//! unless `NATS_URL` and `DATABASE_URL` are set; `scripts/demo.sh
+//! --database sqlite` runs it on a SQLite file instead, and `--database
+//! mariadb` on a MariaDB server of its own.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use clap::Parser;
 use idem_runtime::RouterHandle;
-use ledger_example::{Credit, DUPLICATE_WINDOW, Fees, STREAM, SUBJECT, credits, sqlite};
+use ledger_example::{Credit, DUPLICATE_WINDOW, Fees, STREAM, SUBJECT, credits, mariadb, sqlite};
 use tokio::task::JoinHandle;
 
 /// Runs the ledger service against real servers, publishes credits with
@@ -57,7 +58,7 @@ checks every balance against the sum of its unique credits, less fees.
 NATS_URL and DATABASE_URL select the servers (both required): scripts/demo.sh
 starts throwaway ones and sets them. DATABASE_URL's scheme chooses the
 database: postgres:// (or postgresql://) PostgreSQL, sqlite:///PATH.db a
-SQLite file, created if it is missing. RUST_LOG sets the log filter
+SQLite file, created if it is missing, mysql://USER@HOST/DB MariaDB. RUST_LOG sets the log filter
 (default: warn).";
 
 fn env(name: &str) -> Result<String, String> {
@@ -183,6 +184,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 enum Database {
     Postgres(sqlx::PgPool),
     Sqlite(sqlx::SqlitePool),
+    Mariadb(sqlx::MySqlPool),
 }
 
 /// What the ledger holds after the run.
@@ -204,6 +206,11 @@ const BALANCES: &str = "SELECT id, balance FROM accounts WHERE balance <> 0 ORDE
 const ENTRIES: &str = "SELECT count(*), count(DISTINCT transfer_id), \
      CAST(coalesce(sum(fee), 0) AS bigint) FROM ledger_entries";
 
+/// [`ENTRIES`] on MariaDB, whose `CAST` takes `SIGNED` (its `sum` of a
+/// bigint is a decimal).
+const MARIADB_ENTRIES: &str = "SELECT count(*), count(DISTINCT transfer_id), \
+     CAST(coalesce(sum(fee), 0) AS SIGNED) FROM ledger_entries";
+
 impl Database {
     /// Connects to `url`: `postgres://` or `postgresql://` is PostgreSQL,
     /// `sqlite:` a SQLite file, created if it is missing.
@@ -216,10 +223,13 @@ impl Database {
             Ok(Database::Postgres(pool))
         } else if url.starts_with("sqlite:") {
             Ok(Database::Sqlite(sqlite::connect(url).await?))
+        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            Ok(Database::Mariadb(mariadb::connect(url).await?))
         } else {
             Err(format!(
-                "DATABASE_URL={url} names neither PostgreSQL (postgres://USER@HOST/DB) \
-                 nor a SQLite file (sqlite:///ABSOLUTE/PATH.db)"
+                "DATABASE_URL={url} names neither PostgreSQL (postgres://USER@HOST/DB), \
+                 a SQLite file (sqlite:///ABSOLUTE/PATH.db) nor MariaDB \
+                 (mysql://USER@HOST/DB)"
             )
             .into())
         }
@@ -229,6 +239,7 @@ impl Database {
         match self {
             Database::Postgres(_) => "PostgreSQL",
             Database::Sqlite(_) => "SQLite",
+            Database::Mariadb(_) => "MariaDB",
         }
     }
 
@@ -245,6 +256,11 @@ impl Database {
                 idem_runtime::schema::migrate(pool).await?;
                 sqlite::prepare_ledger(pool, accounts).await?;
                 Fees::load_sqlite(pool).await?
+            }
+            Database::Mariadb(pool) => {
+                idem_runtime::schema::migrate(pool).await?;
+                mariadb::prepare_ledger(pool, accounts).await?;
+                Fees::load_mariadb(pool).await?
             }
         })
     }
@@ -271,6 +287,13 @@ impl Database {
                     tokio::spawn(router.run(nats, pool.clone())),
                 )
             }
+            Database::Mariadb(pool) => {
+                let router = mariadb::router(fees);
+                (
+                    router.handle(),
+                    tokio::spawn(router.run(nats, pool.clone())),
+                )
+            }
         }
     }
 
@@ -285,6 +308,10 @@ impl Database {
                 Database::Sqlite(pool) => (
                     sqlx::query_as(BALANCES).fetch_all(pool).await?,
                     sqlx::query_as(ENTRIES).fetch_one(pool).await?,
+                ),
+                Database::Mariadb(pool) => (
+                    sqlx::query_as(BALANCES).fetch_all(pool).await?,
+                    sqlx::query_as(MARIADB_ENTRIES).fetch_one(pool).await?,
                 ),
             };
         Ok(Tally {
