@@ -71,6 +71,8 @@
 pub mod ack_events;
 pub mod claims;
 pub mod fault_proxy;
+pub mod kill_run;
+pub mod kill_worker;
 mod logs;
 pub mod scenario;
 pub mod seeded;

@@ -9,6 +9,8 @@
 //! Every test runs a MariaDB server of its own (idem-test's
 //! `harness::Mariadb`) and a nats-server.
 
+mod kills;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
