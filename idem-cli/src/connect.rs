@@ -3,7 +3,7 @@
 //!
 //! The database URL's scheme chooses the database ([`Database`]):
 //! `postgres://` or `postgresql://` is PostgreSQL, `sqlite:` a SQLite file
-//! on this machine. A SQLite file is never created, except by `idem
+//! on this machine, `mysql://` or `mariadb://` MariaDB. A SQLite file is never created, except by `idem
 //! migrate` when the URL asks for it (`?mode=rwc`): a mistyped path fails
 //! instead of reading an empty database.
 //!
@@ -18,9 +18,12 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
-use sqlx::{Connection, PgConnection, PgPool, SqliteConnection, SqlitePool};
+use sqlx::{
+    Connection, MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection, SqlitePool,
+};
 
 use crate::output::CliError;
 
@@ -29,8 +32,9 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What `--database-url` may name, for the hints.
 const SUPPORTED: &str = "DATABASE_URL (or --database-url) must name PostgreSQL \
-    (postgres://USER[:PASSWORD]@HOST[:PORT]/DB, or postgresql://...) or a SQLite file \
-    (sqlite:///ABSOLUTE/PATH.db, sqlite://RELATIVE/PATH.db)";
+    (postgres://USER[:PASSWORD]@HOST[:PORT]/DB, or postgresql://...), a SQLite file \
+    (sqlite:///ABSOLUTE/PATH.db, sqlite://RELATIVE/PATH.db) or MariaDB \
+    (mysql://USER[:PASSWORD]@HOST[:PORT]/DB, or mariadb://...)";
 
 /// A JetStream context on the server at `url`.
 pub async fn nats(url: Option<&str>) -> Result<jetstream::Context, CliError> {
@@ -62,6 +66,8 @@ pub enum Database {
     Postgres(PgPool),
     /// A SQLite file on this machine (`sqlite:`).
     Sqlite(SqlitePool),
+    /// MariaDB (`mysql://`, `mariadb://`).
+    Mariadb(MySqlPool),
 }
 
 /// Runs `$body` with `$pool` bound to the pool of either database: for the
@@ -72,6 +78,7 @@ macro_rules! with_pool {
         match $database {
             $crate::connect::Database::Postgres($pool) => $body,
             $crate::connect::Database::Sqlite($pool) => $body,
+            $crate::connect::Database::Mariadb($pool) => $body,
         }
     };
 }
@@ -82,6 +89,7 @@ pub(crate) use with_pool;
 enum Scheme {
     Postgres,
     Sqlite,
+    Mariadb,
 }
 
 /// Whether a missing SQLite file may be created.
@@ -105,6 +113,7 @@ pub async fn database(url: Option<&str>, create: Create) -> Result<Database, Cli
     match scheme(url)? {
         Scheme::Postgres => postgres(url).await.map(Database::Postgres),
         Scheme::Sqlite => sqlite(url, create).await.map(Database::Sqlite),
+        Scheme::Mariadb => mariadb(url).await.map(Database::Mariadb),
     }
 }
 
@@ -123,15 +132,10 @@ fn scheme(url: &str) -> Result<Scheme, CliError> {
     match scheme.as_deref() {
         Some("postgres" | "postgresql") => Ok(Scheme::Postgres),
         Some("sqlite") => Ok(Scheme::Sqlite),
-        Some(scheme @ ("mysql" | "mariadb")) => Err(CliError::usage(
-            format!(
-                "the database URL names {scheme}, and MySQL and MariaDB are not supported yet: idem runs on PostgreSQL and SQLite"
-            ),
-            SUPPORTED,
-        )),
+        Some("mysql" | "mariadb") => Ok(Scheme::Mariadb),
         _ => Err(CliError::usage(
             format!(
-                "the database URL {} does not start with a scheme idem supports (postgres://, postgresql:// or sqlite:)",
+                "the database URL {} does not start with a scheme idem supports (postgres://, postgresql://, sqlite:, mysql:// or mariadb://)",
                 redact(url)
             ),
             SUPPORTED,
@@ -164,6 +168,42 @@ async fn postgres(url: &str) -> Result<PgPool, CliError> {
         .map_err(|error| unreachable(error.to_string()))?;
     let _ = probe.close().await;
     Ok(PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(CONNECT_TIMEOUT)
+        .connect_lazy_with(options))
+}
+
+/// A small pool on the MariaDB database at `url` (`mariadb://` is read as
+/// `mysql://`, which sqlx takes).
+async fn mariadb(url: &str) -> Result<MySqlPool, CliError> {
+    let spelled = match url.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("mariadb") => {
+            format!("mysql://{rest}")
+        }
+        _ => url.to_owned(),
+    };
+    let options = MySqlConnectOptions::from_str(&spelled).map_err(|error| {
+        CliError::usage(
+            scrub(&format!("the database URL does not parse: {error}"), url),
+            "DATABASE_URL (or --database-url) must look like mysql://USER[:PASSWORD]@HOST[:PORT]/DB",
+        )
+    })?;
+    let unreachable = |cause: String| {
+        CliError::new(
+            scrub(
+                &format!("cannot connect to the database at {}: {cause}", redact(url)),
+                url,
+            ),
+            "check that MariaDB runs and that DATABASE_URL (or --database-url) is right",
+        )
+    };
+    // A timeout around a connection attempt, never around a transaction.
+    let probe = tokio::time::timeout(CONNECT_TIMEOUT, MySqlConnection::connect_with(&options))
+        .await
+        .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
+        .map_err(|error| unreachable(error.to_string()))?;
+    let _ = probe.close().await;
+    Ok(MySqlPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(CONNECT_TIMEOUT)
         .connect_lazy_with(options))
@@ -287,7 +327,7 @@ pub fn redact(url: &str) -> String {
                     Some((user, _)) => shown.push_str(&format!("{user}:***@")),
                     // A user name alone is no secret in a database URL; in
                     // a NATS URL it is a token.
-                    None if parts.is_postgres() => shown.push_str(&format!("{userinfo}@")),
+                    None if parts.is_database() => shown.push_str(&format!("{userinfo}@")),
                     None => shown.push_str("***@"),
                 }
             }
@@ -319,7 +359,7 @@ pub fn scrub(text: &str, url: &str) -> String {
         let parts = Parts::of(one);
         match parts.userinfo.map(|userinfo| userinfo.split_once(':')) {
             Some(Some((_, password))) => secrets.push(password),
-            Some(None) if !parts.is_postgres() => secrets.extend(parts.userinfo),
+            Some(None) if !parts.is_database() => secrets.extend(parts.userinfo),
             _ => {}
         }
         for pair in parts.query.into_iter().flat_map(|query| query.split('&')) {
@@ -381,8 +421,12 @@ impl<'a> Parts<'a> {
         }
     }
 
-    fn is_postgres(&self) -> bool {
-        matches!(self.scheme, Some("postgres" | "postgresql"))
+    /// A database's URL, whose user name is no secret.
+    fn is_database(&self) -> bool {
+        matches!(
+            self.scheme,
+            Some("postgres" | "postgresql" | "mysql" | "mariadb")
+        )
     }
 }
 
@@ -445,19 +489,10 @@ mod tests {
             ("sqlite:///var/lib/ledger.db", Scheme::Sqlite),
             ("sqlite://ledger.db", Scheme::Sqlite),
             ("sqlite:ledger.db?mode=rwc", Scheme::Sqlite),
+            ("mysql://alice:pw@h/db", Scheme::Mariadb),
+            ("mariadb://h/db", Scheme::Mariadb),
         ] {
             assert_eq!(scheme(url).unwrap(), expected, "{url}");
-        }
-        for url in ["mysql://alice:pw@h/db", "mariadb://h/db"] {
-            let error = scheme(url).unwrap_err();
-            assert_eq!(error.exit_code(), 2);
-            assert!(
-                error
-                    .message
-                    .contains("MySQL and MariaDB are not supported yet"),
-                "{error:?}"
-            );
-            assert!(!error.render().contains("pw"), "{error:?}");
         }
         for url in ["localhost/db", "alice:pw@h/db", "redis://h"] {
             let error = scheme(url).unwrap_err();

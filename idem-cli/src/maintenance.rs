@@ -30,12 +30,13 @@ pub async fn purge(database: &Database) -> Result<Report, CliError> {
             match database {
                 Database::Postgres(_) => "nothing was lost: every step of the purge can be resumed, and the next run (a router's, or `idem purge` again) goes on from the step this one stopped at; if it keeps failing on a lock, end the session it names (or see pg_stat_activity); `idem status` shows the last error",
                 Database::Sqlite(_) => "nothing was lost: each chunk of deletions commits by itself, and the next run (a router's, or `idem purge` again) deletes the rest; if the database is locked, a transaction elsewhere holds SQLite's write lock (`idem status` says whether it is free)",
+                Database::Mariadb(_) => "nothing was lost: each chunk of deletions commits by itself, and the next run (a router's, or `idem purge` again) deletes the rest; a lock waited for past 30 s means a transaction elsewhere holds idem_claims' rows (see information_schema.innodb_trx)",
             },
         )
     })?;
     Ok(match database {
         Database::Postgres(_) => postgres_purge_report(&report),
-        Database::Sqlite(_) => sqlite_purge_report(&report),
+        Database::Sqlite(_) | Database::Mariadb(_) => sqlite_purge_report(&report),
     })
 }
 
@@ -148,6 +149,9 @@ pub async fn migrate(database: &Database) -> Result<Report, CliError> {
             Database::Sqlite(_) => format!(
                 "the dedup schema is at version {version} of SQLite's migrations, the latest this idem ships"
             ),
+            Database::Mariadb(_) => format!(
+                "the dedup schema is at version {version} of MariaDB's migrations, the latest this idem ships"
+            ),
         },
     ))
 }
@@ -166,10 +170,12 @@ pub async fn verify(database: &Database) -> Result<Report, CliError> {
 /// idem ships; on SQLite, whose migrations are numbered apart, the newest
 /// its history table records.
 async fn applied_version(database: &Database) -> Result<i64, CliError> {
-    match database {
-        Database::Postgres(_) => Ok(schema::latest_version()),
-        Database::Sqlite(pool) => idem_runtime::status::sqlite::schema_version(pool)
-            .await
+    let recorded = match database {
+        Database::Postgres(_) => return Ok(schema::latest_version()),
+        Database::Sqlite(pool) => idem_runtime::status::sqlite::schema_version(pool).await,
+        Database::Mariadb(pool) => idem_runtime::status::mariadb::schema_version(pool).await,
+    };
+    recorded
             .map_err(|error| {
                 CliError::new(
                     format!("cannot read the dedup schema's version: {error}"),
@@ -178,8 +184,7 @@ async fn applied_version(database: &Database) -> Result<i64, CliError> {
             })?
             .ok_or_else(|| {
                 CliError::plain("the dedup schema records no migration, though it verified")
-            }),
-    }
+            })
 }
 
 /// Fails, saying to migrate, unless the schema is applied and current.

@@ -19,6 +19,12 @@ pub async fn retry(database: &Database, subject: Option<&str>) -> Result<Report,
                 "the outbox and its relay are PostgreSQL's only so far (a router on SQLite runs no relay); `idem status` shows the rest",
             ));
         }
+        Database::Mariadb(_) => {
+            return Err(CliError::new(
+                "MariaDB has no outbox in this idem: there are no outbox rows to retry, and nothing was changed",
+                "the outbox and its relay are PostgreSQL's only so far (a router on MariaDB runs no relay); `idem status` shows the rest",
+            ));
+        }
     };
     let rows = outbox::retry_failing(pool, subject).await.map_err(|error| {
         CliError::new(

@@ -35,6 +35,7 @@ pub async fn status(js: &jetstream::Context, database: &Database) -> Result<Repo
     match database {
         Database::Postgres(pool) => postgres_status(pool, &claims).await,
         Database::Sqlite(pool) => sqlite_status(pool, &claims).await,
+        Database::Mariadb(pool) => mariadb_status(pool, &claims).await,
     }
 }
 
@@ -267,6 +268,75 @@ async fn postgres_status(pool: &PgPool, claims: &Claims<'_>) -> Result<Report, C
 /// their retention; `journal_mode` and `synchronous`; and whether SQLite's
 /// write lock can be taken, since while another connection holds it no
 /// router on the file makes progress.
+/// `idem status` on MariaDB: the claims, expiry by deletes (as on SQLite),
+/// no outbox, and the server's durability settings.
+async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<Report, CliError> {
+    let durability = status::mariadb::durability(pool)
+        .await
+        .map_err(database_error)?;
+    let longest = claims
+        .handlers
+        .iter()
+        .filter_map(|handler| handler.retention)
+        .max();
+    let overdue = status::overdue(claims.handlers);
+    let json = json!({
+        "consumers": claims.consumers_json(),
+        "handlers": claims.handlers_json(),
+        "outbox": null,
+        "expiry": {
+            "retention_seconds": longest.map(|r| r.as_secs_f64()),
+            "behind": !overdue.is_empty(),
+            "overdue": overdue.iter().map(|late| json!({
+                "handler": late.handler,
+                "retention_seconds": late.retention.as_secs_f64(),
+                "oldest_claim_age_seconds": late.oldest_age.as_secs_f64(),
+                "overdue_seconds": late.overdue.as_secs_f64(),
+            })).collect::<Vec<_>>(),
+        },
+        "database_durability": {
+            "version": durability.version,
+            "innodb_flush_log_at_trx_commit": durability.flush_log_at_trx_commit,
+            "log_bin": durability.log_bin,
+            "sync_binlog": durability.sync_binlog,
+            "warnings": durability.warnings,
+        },
+    });
+    let mut text = claims.text();
+    if longest.is_none() {
+        text.push_str("expiry: no handler lets its claims expire\n");
+    } else if overdue.is_empty() {
+        text.push_str(&format!(
+            "expiry: each purge deletes the claims past their handler's retention (MariaDB has no generations), on time; the longest retention {}\n",
+            retention(longest)
+        ));
+    }
+    for late in &overdue {
+        text.push_str(&format!(
+            "expiry behind: `{}`'s oldest claim is {} old, {} past its retention {}: is a router with a retention, or a cron job of `idem purge`, running?\n",
+            late.handler,
+            human(late.oldest_age),
+            human(late.overdue),
+            retention(Some(late.retention)),
+        ));
+    }
+    text.push_str("outbox: none (MariaDB has no outbox in this idem)");
+    text.push_str(&format!(
+        "\ndatabase durability: {}, innodb_flush_log_at_trx_commit {}, binary log {}",
+        durability.version,
+        durability.flush_log_at_trx_commit,
+        if durability.log_bin {
+            format!("on, sync_binlog {}", durability.sync_binlog)
+        } else {
+            "off".to_owned()
+        }
+    ));
+    for warning in &durability.warnings {
+        text.push_str(&format!("\n  warning: {warning}"));
+    }
+    Ok(Report::done(json, text))
+}
+
 async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report, CliError> {
     let durability = status::sqlite::durability(pool)
         .await

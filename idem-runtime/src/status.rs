@@ -315,6 +315,66 @@ pub async fn durability(pool: &PgPool) -> Result<Durability, sqlx::Error> {
     })
 }
 
+#[cfg(any(feature = "sqlite", feature = "mariadb"))]
+/// A handler whose oldest claim outlived its retention by more than a
+/// router's purge lets it: the purge is failing, or no router with a
+/// retention (and no `idem purge`) runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Overdue {
+    /// The handler's name.
+    pub handler: String,
+    /// How long it keeps claims.
+    pub retention: Duration,
+    /// How old its oldest claim is.
+    pub oldest_age: Duration,
+    /// How long past its retention that claim is.
+    pub overdue: Duration,
+}
+
+/// The handlers of `handlers` (as [`handlers`] reads
+/// them) whose oldest claim is past its retention by more than two runs
+/// of a router's purge and a second: on SQLite and MariaDB, where each purge
+/// deletes the claims past their handler's retention, expiry is then behind (as
+/// [`ExpiryStatus::behind`](ExpiryStatus::behind) says on
+/// PostgreSQL). A router purges as often as its longest retention asks;
+/// the longest of all handlers gives the most slack.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+/// let handlers = idem_runtime::status::handlers(&pool).await?;
+/// for late in idem_runtime::status::overdue(&handlers) {
+///     eprintln!("{}: claims {:?} past their retention", late.handler, late.overdue);
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(any(feature = "sqlite", feature = "mariadb"))]
+pub fn overdue(handlers: &[HandlerStatus]) -> Vec<Overdue> {
+    let Some(longest) = handlers
+        .iter()
+        .filter_map(|handler| handler.retention)
+        .max()
+    else {
+        return Vec::new();
+    };
+    let slack = 2 * crate::store::purge::purge_interval(longest) + Duration::from_secs(1);
+    handlers
+        .iter()
+        .filter_map(|handler| {
+            let retention = handler.retention?;
+            let oldest_age = handler.oldest_age?;
+            let overdue = oldest_age.checked_sub(retention)?;
+            (overdue > slack).then(|| Overdue {
+                handler: handler.name.clone(),
+                retention,
+                oldest_age,
+                overdue,
+            })
+        })
+        .collect()
+}
+
 /// What `idem status` reads of a SQLite database besides its claims
 /// (feature `sqlite`): how durable its commits are, whether its write lock
 /// can be taken, which migration it is at, and the handlers whose claims
@@ -342,7 +402,7 @@ pub mod sqlite {
 
     use sqlx::SqlitePool;
 
-    use super::HandlerStatus;
+    pub use super::{Overdue, overdue};
     use crate::store::sqlite::Settings;
     pub use crate::store::sqlite::WriteLock;
 
@@ -468,67 +528,10 @@ pub mod sqlite {
         crate::store::sqlite::schema_version(pool).await
     }
 
-    /// A handler whose oldest claim outlived its retention by more than a
-    /// router's purge lets it: the purge is failing, or no router with a
-    /// retention (and no `idem purge`) runs.
-    #[derive(Debug, Clone, PartialEq, Eq)]
-    #[non_exhaustive]
-    pub struct Overdue {
-        /// The handler's name.
-        pub handler: String,
-        /// How long it keeps claims.
-        pub retention: Duration,
-        /// How old its oldest claim is.
-        pub oldest_age: Duration,
-        /// How long past its retention that claim is.
-        pub overdue: Duration,
-    }
-
-    /// The handlers of `handlers` (as [`handlers`](super::handlers) reads
-    /// them) whose oldest claim is past its retention by more than two runs
-    /// of a router's purge and a second: on SQLite, where each purge deletes
-    /// the claims past their handler's retention, expiry is then behind (as
-    /// [`ExpiryStatus::behind`](super::ExpiryStatus::behind) says on
-    /// PostgreSQL). A router purges as often as its longest retention asks;
-    /// the longest of all handlers gives the most slack.
-    ///
-    /// ```no_run
-    /// # async fn f(pool: sqlx::SqlitePool) -> Result<(), sqlx::Error> {
-    /// let handlers = idem_runtime::status::handlers(&pool).await?;
-    /// for late in idem_runtime::status::sqlite::overdue(&handlers) {
-    ///     eprintln!("{}: claims {:?} past their retention", late.handler, late.overdue);
-    /// }
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn overdue(handlers: &[HandlerStatus]) -> Vec<Overdue> {
-        let Some(longest) = handlers
-            .iter()
-            .filter_map(|handler| handler.retention)
-            .max()
-        else {
-            return Vec::new();
-        };
-        let slack = 2 * crate::store::purge::purge_interval(longest) + Duration::from_secs(1);
-        handlers
-            .iter()
-            .filter_map(|handler| {
-                let retention = handler.retention?;
-                let oldest_age = handler.oldest_age?;
-                let overdue = oldest_age.checked_sub(retention)?;
-                (overdue > slack).then(|| Overdue {
-                    handler: handler.name.clone(),
-                    retention,
-                    oldest_age,
-                    overdue,
-                })
-            })
-            .collect()
-    }
-
     #[cfg(test)]
     mod tests {
         use super::*;
+        use crate::status::HandlerStatus;
 
         fn handler(name: &str, retention: Option<u64>, oldest: Option<u64>) -> HandlerStatus {
             HandlerStatus {
@@ -554,5 +557,58 @@ pub mod sqlite {
             assert_eq!(late[0].handler, "late");
             assert_eq!(late[0].overdue, Duration::from_secs(122));
         }
+    }
+}
+
+/// What operators read of MariaDB besides the claims (feature `mariadb`):
+/// the settings that decide whether acked commits survive a crash, and the
+/// schema's version. Expiry is read with [`overdue`], as on SQLite.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::MySqlPool) -> Result<(), sqlx::Error> {
+/// for warning in idem_runtime::status::mariadb::durability(&pool).await?.warnings {
+///     eprintln!("{warning}");
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "mariadb")]
+pub mod mariadb {
+    use sqlx::MySqlPool;
+
+    /// How durable MariaDB makes the commits idem acks after, with the
+    /// warnings a router's start-up gives about the same settings.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    #[non_exhaustive]
+    pub struct Durability {
+        /// The server's `VERSION()`.
+        pub version: String,
+        /// `innodb_flush_log_at_trx_commit`: 1 flushes the log at every
+        /// commit.
+        pub flush_log_at_trx_commit: i64,
+        /// Whether the binary log is on.
+        pub log_bin: bool,
+        /// `sync_binlog`: 1 syncs the binary log at every commit.
+        pub sync_binlog: i64,
+        /// What can lose acked commits: empty when nothing.
+        pub warnings: Vec<String>,
+    }
+
+    /// Reads [`Durability`] from the server.
+    pub async fn durability(pool: &MySqlPool) -> Result<Durability, sqlx::Error> {
+        let settings = crate::store::mariadb::Settings::read(pool).await?;
+        Ok(Durability {
+            warnings: settings.warnings(),
+            version: settings.version,
+            flush_log_at_trx_commit: settings.flush_log_at_trx_commit,
+            log_bin: settings.log_bin != 0,
+            sync_binlog: settings.sync_binlog,
+        })
+    }
+
+    /// The newest idem migration applied to the database, from idem's
+    /// history table; `None` before the first.
+    pub async fn schema_version(pool: &MySqlPool) -> Result<Option<i64>, sqlx::Error> {
+        crate::store::mariadb::schema_version(pool).await
     }
 }

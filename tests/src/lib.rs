@@ -86,7 +86,7 @@ pub use crate::fault_proxy::FaultProxy;
 pub use crate::logs::{Logs, capture_logs};
 pub use idem_test::harness::pg_proxy;
 pub use idem_test::harness::{
-    ClusterEnv, NatsCluster, NatsServer, Postgres, create_idem_streams_r3, die_with_test,
+    ClusterEnv, Mariadb, NatsCluster, NatsServer, Postgres, create_idem_streams_r3, die_with_test,
     eventually, init_tracing, unique_name,
 };
 

@@ -34,19 +34,20 @@ use crate::store::connections::Leased;
 use crate::store::purge::{Figures, PurgeReport};
 use crate::store::reads::HandlerRow;
 
+pub(crate) use tables::schema_version;
 pub use transaction::{Begin, Session};
 
-/// The server's settings a router reads at start-up.
+/// The server's settings a router reads at start-up (and `idem status`).
 #[derive(Debug)]
-struct Settings {
-    version: String,
-    flush_log_at_trx_commit: i64,
-    log_bin: i64,
-    sync_binlog: i64,
+pub(crate) struct Settings {
+    pub(crate) version: String,
+    pub(crate) flush_log_at_trx_commit: i64,
+    pub(crate) log_bin: i64,
+    pub(crate) sync_binlog: i64,
 }
 
 impl Settings {
-    async fn read(pool: &Pool<MySql>) -> Result<Settings, sqlx::Error> {
+    pub(crate) async fn read(pool: &Pool<MySql>) -> Result<Settings, sqlx::Error> {
         let (version, flush_log_at_trx_commit, log_bin, sync_binlog) = sqlx::query_as(
             "SELECT VERSION(), CAST(@@innodb_flush_log_at_trx_commit AS SIGNED),
                     CAST(@@log_bin AS SIGNED), CAST(@@sync_binlog AS SIGNED)",
@@ -75,7 +76,7 @@ impl Settings {
 
     /// Settings that can lose commits the server acknowledged, and so let
     /// an acked message's effect vanish.
-    fn warnings(&self) -> Vec<String> {
+    pub(crate) fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         if self.flush_log_at_trx_commit != 1 {
             warnings.push(format!(
