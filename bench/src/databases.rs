@@ -354,12 +354,12 @@ pub async fn sqlite(args: DatabaseArgs, servers: &Servers) -> Result<(), BenchEr
         let stream = publish(&js, "sqlite", mode, &args).await?;
         let path = dir.path().join(format!("{}.db", mode.name()));
         let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
-            .and_then(|options| {
-                Ok(options
+            .map(|options| {
+                options
                     .create_if_missing(true)
                     .journal_mode(SqliteJournalMode::Wal)
                     .synchronous(SqliteSynchronous::Full)
-                    .busy_timeout(Duration::from_secs(30)))
+                    .busy_timeout(Duration::from_secs(30))
             })
             .map_err(|e| BenchError::setup(format!("SQLite options: {e}")))?;
         let pool = SqlitePoolOptions::new()
