@@ -16,7 +16,7 @@
 //! Every mode must end with one row per message; the ratios are against
 //! `naive` of the same run. The SQL is the same text on both databases
 //! (`?` placeholders); each database's module (written by
-//! [`database_bench!`]) holds its handlers, its pool and its naive consumer.
+//! `database_bench!`) holds its handlers, its pool and its naive consumer.
 
 use std::str::FromStr;
 use std::time::{Duration, Instant};

@@ -268,12 +268,10 @@ async fn postgres_status(pool: &PgPool, claims: &Claims<'_>) -> Result<Report, C
 /// their retention; `journal_mode` and `synchronous`; and whether SQLite's
 /// write lock can be taken, since while another connection holds it no
 /// router on the file makes progress.
-/// `idem status` on MariaDB: the claims, expiry by deletes (as on SQLite),
-/// no outbox, and the server's durability settings.
-async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<Report, CliError> {
-    let durability = status::mariadb::durability(pool)
-        .await
-        .map_err(database_error)?;
+/// Expiry on a database that deletes the claims past their handler's
+/// retention (SQLite, MariaDB: no generations), as JSON and as text: the
+/// longest retention, and the handlers whose oldest claim is overdue.
+fn expiry_by_deletes(claims: &Claims<'_>, database: &str) -> (Value, String) {
     let longest = claims
         .handlers
         .iter()
@@ -281,33 +279,21 @@ async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<R
         .max();
     let overdue = status::overdue(claims.handlers);
     let json = json!({
-        "consumers": claims.consumers_json(),
-        "handlers": claims.handlers_json(),
-        "outbox": null,
-        "expiry": {
-            "retention_seconds": longest.map(|r| r.as_secs_f64()),
-            "behind": !overdue.is_empty(),
-            "overdue": overdue.iter().map(|late| json!({
-                "handler": late.handler,
-                "retention_seconds": late.retention.as_secs_f64(),
-                "oldest_claim_age_seconds": late.oldest_age.as_secs_f64(),
-                "overdue_seconds": late.overdue.as_secs_f64(),
-            })).collect::<Vec<_>>(),
-        },
-        "database_durability": {
-            "version": durability.version,
-            "innodb_flush_log_at_trx_commit": durability.flush_log_at_trx_commit,
-            "log_bin": durability.log_bin,
-            "sync_binlog": durability.sync_binlog,
-            "warnings": durability.warnings,
-        },
+        "retention_seconds": longest.map(|r| r.as_secs_f64()),
+        "behind": !overdue.is_empty(),
+        "overdue": overdue.iter().map(|late| json!({
+            "handler": late.handler,
+            "retention_seconds": late.retention.as_secs_f64(),
+            "oldest_claim_age_seconds": late.oldest_age.as_secs_f64(),
+            "overdue_seconds": late.overdue.as_secs_f64(),
+        })).collect::<Vec<_>>(),
     });
-    let mut text = claims.text();
+    let mut text = String::new();
     if longest.is_none() {
         text.push_str("expiry: no handler lets its claims expire\n");
     } else if overdue.is_empty() {
         text.push_str(&format!(
-            "expiry: each purge deletes the claims past their handler's retention (MariaDB has no generations), on time; the longest retention {}\n",
+            "expiry: each purge deletes the claims past their handler's retention ({database} has no generations), on time; the longest retention {}\n",
             retention(longest)
         ));
     }
@@ -320,6 +306,31 @@ async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<R
             retention(Some(late.retention)),
         ));
     }
+    (json, text)
+}
+
+/// `idem status` on MariaDB: the claims, expiry by deletes (as on SQLite),
+/// no outbox, and the server's durability settings.
+async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<Report, CliError> {
+    let durability = status::mariadb::durability(pool)
+        .await
+        .map_err(database_error)?;
+    let (expiry_json, expiry_text) = expiry_by_deletes(claims, "MariaDB");
+    let json = json!({
+        "consumers": claims.consumers_json(),
+        "handlers": claims.handlers_json(),
+        "outbox": null,
+        "expiry": expiry_json,
+        "database_durability": {
+            "version": durability.version,
+            "innodb_flush_log_at_trx_commit": durability.flush_log_at_trx_commit,
+            "log_bin": durability.log_bin,
+            "sync_binlog": durability.sync_binlog,
+            "warnings": durability.warnings,
+        },
+    });
+    let mut text = claims.text();
+    text.push_str(&expiry_text);
     text.push_str("outbox: none (MariaDB has no outbox in this idem)");
     text.push_str(&format!(
         "\ndatabase durability: {}, innodb_flush_log_at_trx_commit {}, binary log {}",
@@ -344,27 +355,13 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
     let write_lock = status::sqlite::write_lock(pool, CONNECT_TIMEOUT)
         .await
         .map_err(database_error)?;
-    let longest = claims
-        .handlers
-        .iter()
-        .filter_map(|handler| handler.retention)
-        .max();
-    let overdue = status::sqlite::overdue(claims.handlers);
+    let (expiry_json, expiry_text) = expiry_by_deletes(claims, "SQLite");
 
     let json = json!({
         "consumers": claims.consumers_json(),
         "handlers": claims.handlers_json(),
         "outbox": null,
-        "expiry": {
-            "retention_seconds": longest.map(|r| r.as_secs_f64()),
-            "behind": !overdue.is_empty(),
-            "overdue": overdue.iter().map(|late| json!({
-                "handler": late.handler,
-                "retention_seconds": late.retention.as_secs_f64(),
-                "oldest_claim_age_seconds": late.oldest_age.as_secs_f64(),
-                "overdue_seconds": late.overdue.as_secs_f64(),
-            })).collect::<Vec<_>>(),
-        },
+        "expiry": expiry_json,
         "database_durability": {
             "journal_mode": durability.journal_mode,
             "command_synchronous": durability.synchronous,
@@ -390,23 +387,7 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
     });
 
     let mut text = claims.text();
-    if longest.is_none() {
-        text.push_str("expiry: no handler lets its claims expire\n");
-    } else if overdue.is_empty() {
-        text.push_str(&format!(
-            "expiry: each purge deletes the claims past their handler's retention (SQLite has no generations), on time; the longest retention {}\n",
-            retention(longest)
-        ));
-    }
-    for late in &overdue {
-        text.push_str(&format!(
-            "expiry behind: `{}`'s oldest claim is {} old, {} past its retention {}: is a router with a retention, or a cron job of `idem purge`, running?\n",
-            late.handler,
-            human(late.oldest_age),
-            human(late.overdue),
-            retention(Some(late.retention)),
-        ));
-    }
+    text.push_str(&expiry_text);
     text.push_str("outbox: none (SQLite has no outbox in this idem)");
     text.push_str(&format!(
         "\ndatabase durability: journal_mode {}, synchronous {} (this command's connections: each connection sets its own, and a service's start-up warns when its own is below FULL), on a {} filesystem",
