@@ -75,8 +75,8 @@ fi
 # --- MariaDB ------------------------------------------------------------------
 # The compliance suite's MariaDB tests run a server of their own per test
 # (mariadb-install-db in a temp dir, a unix socket only), never the system
-# one. Debian's package may try to start that one; in a container without an
-# init system it cannot, which is fine.
+# one. Debian's package starts that one on port 3306 unless the machine's
+# policy-rc.d forbids it (containers usually do); nothing here uses it.
 if [ -x /usr/sbin/mariadbd ] && command -v mariadb-install-db >/dev/null 2>&1; then
     log "MariaDB: present ($(/usr/sbin/mariadbd --version | head -1))"
 else

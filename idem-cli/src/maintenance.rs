@@ -136,7 +136,10 @@ pub async fn migrate(database: &Database) -> Result<Report, CliError> {
     with_pool!(database, pool => schema::migrate(pool).await).map_err(|error| {
         CliError::new(
             format!("the migration failed: {error}"),
-            "each migration runs in its own transaction, so the schema is at the last one that committed; fix the cause (permissions? a conflicting table?) and run `idem migrate` again",
+            match database {
+                Database::Mariadb(_) => "MariaDB commits each DDL statement by itself, so a failed migration stays recorded as failed (`success = 0` in _idem_migrations) and every later run stops on it; fix the cause (permissions?), delete that row, and run `idem migrate` again (idem's statements are CREATE TABLE IF NOT EXISTS, safe to run twice)",
+                _ => "each migration runs in its own transaction, so the schema is at the last one that committed; fix the cause (permissions? a conflicting table?) and run `idem migrate` again",
+            },
         )
     })?;
     let version = applied_version(database).await?;

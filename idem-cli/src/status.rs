@@ -264,10 +264,6 @@ async fn postgres_status(pool: &PgPool, claims: &Claims<'_>) -> Result<Report, C
     Ok(Report::done(json, text))
 }
 
-/// `idem status` on SQLite: no outbox; the handlers whose claims outlived
-/// their retention; `journal_mode` and `synchronous`; and whether SQLite's
-/// write lock can be taken, since while another connection holds it no
-/// router on the file makes progress.
 /// Expiry on a database that deletes the claims past their handler's
 /// retention (SQLite, MariaDB: no generations), as JSON and as text: the
 /// longest retention, and the handlers whose oldest claim is overdue.
@@ -348,6 +344,10 @@ async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<R
     Ok(Report::done(json, text))
 }
 
+/// `idem status` on SQLite: no outbox; the handlers whose claims outlived
+/// their retention; `journal_mode` and `synchronous`; and whether SQLite's
+/// write lock can be taken, since while another connection holds it no
+/// router on the file makes progress.
 async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report, CliError> {
     let durability = status::sqlite::durability(pool)
         .await

@@ -341,7 +341,7 @@ pub struct Overdue {
 /// the longest of all handlers gives the most slack.
 ///
 /// ```no_run
-/// # async fn f(pool: sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+/// # async fn f(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
 /// let handlers = idem_runtime::status::handlers(&pool).await?;
 /// for late in idem_runtime::status::overdue(&handlers) {
 ///     eprintln!("{}: claims {:?} past their retention", late.handler, late.overdue);

@@ -16,7 +16,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 STARTED_NATS_PIDFILE=
 STARTED_PG_DATA=
-STARTED_MARIADB_PIDFILE=
+STARTED_MARIADB_PID=
 
 # How long a server gets to start; generous for a busy CI machine.
 SERVER_START_TIMEOUT=60
@@ -125,13 +125,16 @@ start_mariadb() {
             cat "$dir/install.log" >&2
             die "mariadb-install-db failed"
         }
-    STARTED_MARIADB_PIDFILE=$dir/mariadbd.pid
     setsid /usr/sbin/mariadbd --no-defaults --datadir="$dir/data" --tmpdir="$dir/tmp" "${user[@]}" \
-        --socket="$dir/mariadbd.sock" --pid-file="$STARTED_MARIADB_PIDFILE" --skip-networking \
+        --socket="$dir/mariadbd.sock" --pid-file="$dir/mariadbd.pid" --skip-networking \
         </dev/null >>"$dir/mariadb.log" 2>&1 &
+    # Its pid at once, so that stop_servers finds it even if start-up is
+    # interrupted before the server writes its pid file.
+    STARTED_MARIADB_PID=$!
     # Not this shell's job: stop_servers SIGKILLs it, which bash would report.
     disown
     for ((i = 0; i < SERVER_START_TIMEOUT * 10; i++)); do
+        kill -0 "$STARTED_MARIADB_PID" 2>/dev/null || break
         if mariadb --no-defaults -S "$dir/mariadbd.sock" -uroot -e "CREATE DATABASE IF NOT EXISTS ledger" 2>/dev/null; then
             export DATABASE_URL="mysql://root@localhost/ledger?socket=$dir/mariadbd.sock"
             log "MariaDB on $DATABASE_URL (files in $dir)"
@@ -164,9 +167,9 @@ stop_servers() {
             pg_tool pg_ctl stop -w -m immediate -D "$STARTED_PG_DATA" >/dev/null 2>&1 || true
     fi
     STARTED_PG_DATA=
-    if [ -n "$STARTED_MARIADB_PIDFILE" ] && [ -f "$STARTED_MARIADB_PIDFILE" ]; then
+    if [ -n "$STARTED_MARIADB_PID" ]; then
         # The data is thrown away: no clean shutdown needed.
-        kill -KILL "$(cat "$STARTED_MARIADB_PIDFILE")" 2>/dev/null || true
+        kill -KILL "$STARTED_MARIADB_PID" 2>/dev/null || true
     fi
-    STARTED_MARIADB_PIDFILE=
+    STARTED_MARIADB_PID=
 }

@@ -8,7 +8,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{ConnectOptions, Connection, MySqlPool};
 use tempfile::TempDir;
 
-use super::process::{POLL, STARTUP_TIMEOUT, ServerProcess, temp_dir};
+use super::process::{POLL, STARTUP_TIMEOUT, ServerProcess, free_port, temp_dir};
 
 /// The database every test's server holds, empty.
 const DATABASE: &str = "idem";
@@ -17,8 +17,8 @@ const DATABASE: &str = "idem";
 ///
 /// [`Mariadb::start`] makes a data dir in a temp dir (`mariadb-install-db`,
 /// about a second) and runs `mariadbd` on it, reached through a unix socket
-/// in the same dir only (no TCP port, so none to race for), with an empty
-/// database `idem`. Durability settings keep their defaults
+/// in the same dir only (no TCP port, so none to race for;
+/// [`Mariadb::start_on_tcp`] adds one), with an empty database `idem`. Durability settings keep their defaults
 /// (`innodb_flush_log_at_trx_commit = 1`). Dropping it kills the server and
 /// removes the dir.
 ///
@@ -31,6 +31,8 @@ const DATABASE: &str = "idem";
 /// ```
 pub struct Mariadb {
     options: MySqlConnectOptions,
+    /// The loopback port, when the server listens on one too.
+    port: Option<u16>,
     /// Fields drop in order: the server stops before its dir is removed.
     _process: ServerProcess,
     _dir: TempDir,
@@ -45,6 +47,21 @@ impl Mariadb {
     /// If MariaDB is not installed, or does not become ready within a
     /// minute; the message includes the tail of its log.
     pub async fn start() -> Mariadb {
+        Self::start_listening(false).await
+    }
+
+    /// Starts a server that also listens on a loopback TCP port (random),
+    /// for a test that puts a proxy between it and its clients
+    /// ([`Mariadb::tcp_url`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`Mariadb::start`].
+    pub async fn start_on_tcp() -> Mariadb {
+        Self::start_listening(true).await
+    }
+
+    async fn start_listening(tcp: bool) -> Mariadb {
         let dir = temp_dir("mariadb");
         let data = dir.path().join("data");
         let log = dir.path().join("mariadb.log");
@@ -53,15 +70,34 @@ impl Mariadb {
         // pid, and installs in parallel tests collided in /tmp.
         let tmp = dir.path().join("tmp");
         std::fs::create_dir(&tmp).expect("a temp dir for MariaDB");
-        install(&data, &tmp, &log);
-        let mut process = spawn(&data, &tmp, &socket, &log);
+        {
+            // Blocking work (about a second): off the runtime's threads.
+            let (data, tmp, log) = (data.clone(), tmp.clone(), log.clone());
+            tokio::task::spawn_blocking(move || install(&data, &tmp, &log))
+                .await
+                .expect("mariadb-install-db ran");
+        }
         let root = MySqlConnectOptions::new()
             .socket(&socket)
             .username("root")
             .disable_statement_logging();
-        if let Err(log) = wait_until_ready(&root, &mut process).await {
-            panic!("MariaDB did not start\n{log}");
-        }
+        // We pick the port, so another process can take it first: then
+        // another is drawn.
+        let mut tries = 0;
+        let (process, port) = loop {
+            tries += 1;
+            let port = tcp.then(free_port);
+            let mut process = spawn(&data, &tmp, &socket, &log, port);
+            match wait_until_ready(&root, &mut process).await {
+                Ok(()) => break (process, port),
+                Err(text)
+                    if port.is_some() && tries < 5 && text.contains("Address already in use") =>
+                {
+                    continue;
+                }
+                Err(text) => panic!("MariaDB did not start\n{text}"),
+            }
+        };
         let mut admin = root.connect().await.expect("MariaDB accepts root");
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {DATABASE}")))
             .execute(&mut admin)
@@ -70,6 +106,7 @@ impl Mariadb {
         let _ = admin.close().await;
         Mariadb {
             options: root.database(DATABASE),
+            port,
             _process: process,
             _dir: dir,
         }
@@ -88,6 +125,19 @@ impl Mariadb {
             "mysql://root@localhost/{DATABASE}?socket={}",
             socket.display()
         )
+    }
+
+    /// A URL for the test database over TCP on loopback
+    /// (`mysql://root@127.0.0.1:PORT/idem`).
+    ///
+    /// # Panics
+    ///
+    /// If the server was not started with [`Mariadb::start_on_tcp`].
+    pub fn tcp_url(&self) -> String {
+        let port = self
+            .port
+            .expect("a server started with Mariadb::start_on_tcp listens on TCP");
+        format!("mysql://root@127.0.0.1:{port}/{DATABASE}")
     }
 
     /// A new pool on the test database (10 connections).
@@ -145,7 +195,7 @@ fn install(data: &Path, tmp: &Path, log: &Path) {
     );
 }
 
-fn spawn(data: &Path, tmp: &Path, socket: &Path, log: &Path) -> ServerProcess {
+fn spawn(data: &Path, tmp: &Path, socket: &Path, log: &Path, port: Option<u16>) -> ServerProcess {
     let mut cmd = Command::new(server_binary());
     cmd.arg("--no-defaults")
         .arg(format!("--datadir={}", data.display()))
@@ -155,9 +205,16 @@ fn spawn(data: &Path, tmp: &Path, socket: &Path, log: &Path) -> ServerProcess {
             "--pid-file={}",
             data.join("mariadbd.pid").display()
         ))
-        .arg("--skip-networking")
         .args(SMALL)
         .arg("--max-connections=200");
+    match port {
+        Some(port) => cmd.args([
+            format!("--port={port}"),
+            "--bind-address=127.0.0.1".to_owned(),
+            "--skip-name-resolve".to_owned(),
+        ]),
+        None => cmd.arg("--skip-networking"),
+    };
     if as_root() {
         cmd.arg("--user=root");
     }

@@ -18,13 +18,13 @@
 //!
 //! | Not here | Because | Where instead |
 //! |---|---|---|
-//! | An ambiguous COMMIT (the connection cut while COMMIT is in flight) | PostgreSQL only: SQLite is a library in the worker's process, so its COMMIT has no connection to lose; it returns, or the process dies (the crash tests). MariaDB could have one cut, but the COMMIT-cutting proxy speaks PostgreSQL's protocol only, and the test server listens on a unix socket | `commit_ack/ambiguous.rs` |
+//! | An ambiguous COMMIT (the connection cut while COMMIT is in flight) | Injected differently: PostgreSQL's proxy reads its protocol to cut at COMMIT; MariaDB's test pauses a protocol-blind proxy from the handler, so that the COMMIT runs and its answer is held, then resets the connection. SQLite is a library in the worker's process, so its COMMIT has no connection to lose; it returns, or the process dies (the crash tests) | `commit_ack/ambiguous.rs`, `mariadb/` |
 //! | The outbox | SQLite and MariaDB have no outbox in this idem yet | `outbox/` |
 //! | Expiry | The stores expire differently: PostgreSQL drops generations of partitions, SQLite and MariaDB delete claims past their retention | `retention/`, `sqlite/`, `mariadb/` |
 //! | Database restarts and outages | A SQLite file cannot go away and come back as a server does; MariaDB's restart is not written yet | `outages/` |
 //! | Scale-out across processes and the chaos suite's kill mode | A process's kills are another harness: the chaos suite's on PostgreSQL, and one kill run written once (`idem_tests::kill_run`) for SQLite and MariaDB, each with a worker binary of its own | `chaos/`, `cluster.rs`, `sqlite/kills.rs`, `mariadb/kills.rs` |
 //! | `ROLLBACK TO` idem's savepoint, a trigger's `RAISE(ROLLBACK)`, a write lock held at start-up | Ways SQLite alone ends or blocks a transaction | `sqlite/` |
-//! | A deadlock's victim that swallowed the error, the session settings a route sets, a registration blocked by an open transaction | MariaDB's own | `mariadb/` |
+//! | A deadlock's victim that swallowed the error, the session settings a route sets and their restoring, the locks a handler takes that outlive a transaction | MariaDB's own | `mariadb/` |
 //! | A swallowed error, a deferred constraint, a lost claim in a batch | PostgreSQL's aborted-transaction and COMMIT-time behaviours | `commit_ack/commit_check.rs` |
 
 mod bed;

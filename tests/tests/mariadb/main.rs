@@ -1,7 +1,8 @@
 //! What only MariaDB does to a handler's transaction (feature `mariadb`):
 //! InnoDB rolling a deadlocked transaction back by itself, the session
 //! settings a route's transactions run under, a registration blocked by a
-//! transaction left open, durability settings, and expiry by deletes. What
+//! transaction left open, durability settings, expiry by deletes, and an
+//! ambiguous COMMIT (through a proxy that cuts the connection). What
 //! holds on every database (the crash between COMMIT and ack, the racing
 //! redelivery, failures, timeouts, stored results) is the compliance
 //! suite's (`tests/tests/compliance/`), which runs on MariaDB too.
@@ -14,9 +15,11 @@ mod kills;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use idem_runtime::fault::{AfterCommit, FaultHooks};
 use idem_runtime::retention::Unbounded;
 use idem_runtime::{BoxError, Delivery, Route, Router, RouterHandle, idempotent};
 use idem_test::harness::Mariadb;
+use idem_tests::fault_proxy::{Cut, Direction, FaultProxy};
 use idem_tests::scenario::{
     Deposit, dead_letters, deposit, eventually, fast, publish, stop, wait_all_acked,
 };
@@ -238,10 +241,6 @@ async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
         .await
         .expect("the other side ran")
         .expect("the other side got row 1: the handler's transaction was the victim");
-    assert!(
-        VICTIM.load(Ordering::SeqCst),
-        "the handler's statement met the deadlock (error 1213)"
-    );
 
     let stats = handle.stats("c").unwrap();
     eventually(
@@ -251,6 +250,10 @@ async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
     )
     .await;
     stop(handle.clone(), task).await;
+    assert!(
+        VICTIM.load(Ordering::SeqCst),
+        "the handler's statement met the deadlock (error 1213)"
+    );
     // Nothing of the first attempt committed, so the message was retried
     // (`Aborted`), not dead-lettered as a claim lost, and applied once by a
     // later attempt.
@@ -272,6 +275,114 @@ async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
 }
 
 // ---------------------------------------------------------------------------
+// An ambiguous COMMIT.
+
+/// The proxy between the router and the server in
+/// [`an_ambiguous_commit_is_resolved_by_the_claim_and_applied_once`].
+static PROXY: std::sync::OnceLock<FaultProxy> = std::sync::OnceLock::new();
+/// Set by the first attempt, which holds the server's answers back.
+static PAUSED_ONCE: AtomicBool = AtomicBool::new(false);
+/// The first attempt's handler has paused the server's answers.
+static ANSWERS_HELD: Notify = Notify::const_new();
+
+/// Records its effect; on its first attempt, then holds back everything the
+/// server sends the router (through the proxy), so that its COMMIT runs on
+/// the server and its answer never arrives.
+#[idempotent(name = "ambiguous")]
+async fn ambiguous(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), BoxError> {
+    record(tx, "ambiguous", delivery, &d).await?;
+    if !PAUSED_ONCE.swap(true, Ordering::SeqCst) {
+        PROXY
+            .get()
+            .expect("the proxy runs")
+            .pause(Direction::ToClient);
+        ANSWERS_HELD.notify_one();
+    }
+    Ok(())
+}
+
+/// The connection is cut (an RST) after the server ran the message's
+/// COMMIT and before its answer reached the worker: the worker cannot know
+/// whether it committed. It must neither ack the message as applied on a
+/// guess nor apply it again: the redelivery finds the claim, and the
+/// message is applied once.
+#[tokio::test]
+async fn an_ambiguous_commit_is_resolved_by_the_claim_and_applied_once() {
+    init_tracing();
+    let (mariadb, nats_server) = tokio::join!(Mariadb::start_on_tcp(), NatsServer::start());
+    let direct = mariadb.pool().await;
+    idem_runtime::schema::migrate(&direct).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE effects (handler TEXT NOT NULL, msg_id TEXT NOT NULL,
+                               account TEXT NOT NULL, amount BIGINT NOT NULL,
+                               delivered BIGINT NOT NULL)",
+    )
+    .execute(&direct)
+    .await
+    .unwrap();
+    let proxy = PROXY.get_or_init(|| FaultProxy::start("mariadb", &mariadb.tcp_url()));
+    let through_proxy = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(10)
+        .connect(&proxy.url_for(&mariadb.tcp_url()))
+        .await
+        .expect("MariaDB through the proxy");
+    let nats = nats_server.client().await;
+    let js = async_nats::jetstream::new(nats.clone());
+    let stream = unique_name("MARIAAMBIGUOUS");
+    let subject = format!("{stream}.deposit");
+    idem_tests::scenario::create_stream(&js, &stream, &subject, Duration::from_secs(60)).await;
+    let route = fast(Route::new(&stream, "c"))
+        .per_message()
+        .ack_wait(Duration::from_secs(2));
+    let (handle, task) = spawn(
+        Router::mariadb().route(route, ambiguous),
+        &nats,
+        &through_proxy,
+    );
+    publish(&js, &subject, &deposit("a-1", 1), Some("a-1")).await;
+
+    tokio::time::timeout(Duration::from_secs(30), ANSWERS_HELD.notified())
+        .await
+        .expect("the handler held the server's answers back");
+    // The COMMIT ran on the server (read without the proxy), its answer
+    // held back.
+    eventually(
+        "the COMMIT ran on the server",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM effects")
+                .fetch_one(&direct)
+                .await
+                .unwrap_or(0)
+                == 1
+        },
+    )
+    .await;
+    let cut = proxy.cut(Cut::Reset).await;
+    let paused = proxy.resume();
+    assert!(cut > 0, "a live connection was reset");
+    assert!(
+        paused.held_to_client > 0,
+        "the COMMIT's answer was held back, never delivered: {paused:?}"
+    );
+
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let stats = handle.stats("c").unwrap();
+    assert!(
+        stats.commit_failed() >= 1,
+        "the worker saw the COMMIT's outcome as unknown: {stats:?}"
+    );
+    assert_eq!(stats.dead_lettered(), 0, "nothing dead-lettered: {stats:?}");
+    let (effects, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT msg_id) FROM effects")
+            .fetch_one(&direct)
+            .await
+            .unwrap();
+    assert_eq!((effects, distinct), (1, 1), "applied once");
+}
+
+// ---------------------------------------------------------------------------
 // The session a route's transactions run under.
 
 #[idempotent(name = "fails-first")]
@@ -289,11 +400,16 @@ async fn fails_first(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result
 const OWN_SETTINGS: &str = "SET SESSION max_statement_time = 42, innodb_lock_wait_timeout = 7,
     idle_transaction_timeout = 3600";
 
+/// Connections the test's pool opened (its `after_connect` ran).
+static OPENED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// A route's transactions run under `autocommit = 0` and its bounds
 /// (`max_statement_time`, `innodb_lock_wait_timeout`,
 /// `idle_transaction_timeout`), session settings that would outlive them:
 /// every connection goes back to the application's pool with the settings
 /// the application gave it, after commits, rollbacks and duplicates alike.
+/// The pool's two connections are the same throughout (none was closed and
+/// replaced, which would hide settings left behind).
 #[tokio::test]
 async fn connections_go_back_to_the_pool_with_the_applications_settings() {
     const MESSAGES: usize = 20;
@@ -303,6 +419,7 @@ async fn connections_go_back_to_the_pool_with_the_applications_settings() {
         .max_connections(2)
         .after_connect(|connection, _| {
             Box::pin(async move {
+                OPENED.fetch_add(1, Ordering::SeqCst);
                 sqlx::raw_sql(OWN_SETTINGS).execute(connection).await?;
                 Ok(())
             })
@@ -312,20 +429,27 @@ async fn connections_go_back_to_the_pool_with_the_applications_settings() {
         .unwrap();
     let own: (i64, f64, i64, i64) = (1, 42.0, 7, 3600);
     bed.publish((0..MESSAGES).map(|i| format!("s-{i}"))).await;
-    // Every id again: duplicates.
-    bed.publish((0..MESSAGES).map(|i| format!("s-{i}"))).await;
-    let route = fast(Route::new(&bed.stream, "c")).handler_timeout(Duration::from_secs(5));
-    let (handle, task) = spawn(
-        Router::mariadb().route(route, fails_first),
-        &bed.nats,
-        &pool,
+    let route = fast(Route::new(&bed.stream, "c"))
+        .handler_timeout(Duration::from_secs(5))
+        .ack_wait(Duration::from_secs(1));
+    // Each message's first commit is never acked: its redelivery is a
+    // duplicate, whose claim fails and is rolled back.
+    let router = Router::mariadb().route(route, fails_first).fault_hooks(
+        FaultHooks::default().after_commit(|delivery| {
+            if delivery.delivered() <= 2 {
+                AfterCommit::DropWithoutAck
+            } else {
+                AfterCommit::Ack
+            }
+        }),
     );
+    let (handle, task) = spawn(router, &bed.nats, &pool);
     wait_all_acked(&bed.js, &bed.stream, "c").await;
     stop(handle.clone(), task).await;
     let stats = handle.stats("c").unwrap();
     assert!(
-        stats.failed() >= 1 && stats.processed() >= 1,
-        "rollbacks and commits both ran: {stats:?}"
+        stats.failed() >= 1 && stats.processed() >= 1 && stats.duplicates() >= 1,
+        "rollbacks, commits and duplicates all ran: {stats:?}"
     );
     assert_eq!(
         bed.ledger("fails-first").await,
@@ -346,7 +470,15 @@ async fn connections_go_back_to_the_pool_with_the_applications_settings() {
         assert_eq!(session, own, "the session's settings are the application's");
         held.push(connection);
     }
+    assert_eq!(
+        OPENED.load(Ordering::SeqCst),
+        2,
+        "the pool's two connections were kept, never closed and replaced"
+    );
 }
+
+/// The connection the last [`locks`] call ran on.
+static LOCKING_CONNECTION: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
 
 /// Takes a named lock (`GET_LOCK`), which outlives transactions, and on
 /// message `t-lock` locks a table (`LOCK TABLES`, which also commits the
@@ -356,6 +488,10 @@ async fn locks(tx: &mut Tx<'_>, delivery: &Delivery, d: Deposit) -> Result<(), B
     sqlx::query("SELECT GET_LOCK('idem-test-named', 0)")
         .execute(&mut **tx)
         .await?;
+    let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
+        .fetch_one(&mut **tx)
+        .await?;
+    LOCKING_CONNECTION.store(id, Ordering::SeqCst);
     if delivery.message_id().as_str().contains("t-lock") {
         sqlx::raw_sql("LOCK TABLES hot WRITE")
             .execute(&mut **tx)
@@ -401,8 +537,15 @@ async fn a_handlers_named_and_table_locks_do_not_outlive_it() {
         (1, 1),
         "t-named applied; t-lock, whose LOCK TABLES committed its claim, dead-lettered"
     );
-    let kept = pool.size();
-    assert_eq!(kept, 1, "the handlers' connection is still in the pool");
+    let kept: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        kept,
+        LOCKING_CONNECTION.load(Ordering::SeqCst),
+        "the handlers' connection is still the pool's (kept, not closed: closing would free its locks)"
+    );
     let mut other = bed.pool.acquire().await.unwrap();
     let named: i64 = sqlx::query_scalar("SELECT GET_LOCK('idem-test-named', 1)")
         .fetch_one(&mut *other)

@@ -13,7 +13,7 @@
 //! - **Expiry** deletes claims older than their handler's retention, in
 //!   chunks (`tables.rs`): there are no generations.
 //! - **Not here yet**: the outbox and its relay (a router on MariaDB runs
-//!   none), and `idem` (the CLI).
+//!   none).
 //!
 //! MySQL is refused at start-up: the batch claim needs MariaDB's `INSERT
 //! ... RETURNING`, and the bounds its `max_statement_time`. The guide's
