@@ -18,12 +18,10 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::mysql::MySqlConnectOptions;
+use sqlx::postgres::PgConnectOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
-use sqlx::{
-    Connection, MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection, SqlitePool,
-};
+use sqlx::{Connection, MySqlPool, PgPool, SqliteConnection, SqlitePool};
 
 use crate::output::CliError;
 
@@ -152,25 +150,7 @@ async fn postgres(url: &str) -> Result<PgPool, CliError> {
             "DATABASE_URL (or --database-url) must look like postgres://USER[:PASSWORD]@HOST[:PORT]/DB",
         )
     })?;
-    let unreachable = |cause: String| {
-        CliError::new(
-            scrub(
-                &format!("cannot connect to the database at {}: {cause}", redact(url)),
-                url,
-            ),
-            "check that PostgreSQL runs and that DATABASE_URL (or --database-url) is right",
-        )
-    };
-    // A timeout around a connection attempt, never around a transaction.
-    let probe = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options))
-        .await
-        .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
-        .map_err(|error| unreachable(error.to_string()))?;
-    let _ = probe.close().await;
-    Ok(PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(CONNECT_TIMEOUT)
-        .connect_lazy_with(options))
+    server_pool::<sqlx::Postgres>(url, options, "PostgreSQL").await
 }
 
 /// A small pool on the MariaDB database at `url` (`mariadb://` is read as
@@ -188,22 +168,34 @@ async fn mariadb(url: &str) -> Result<MySqlPool, CliError> {
             "DATABASE_URL (or --database-url) must look like mysql://USER[:PASSWORD]@HOST[:PORT]/DB",
         )
     })?;
+    server_pool::<sqlx::MySql>(url, options, "MariaDB").await
+}
+
+/// A small pool on the database server at `url` (`server` names it in the
+/// hint), once one connection proved it reachable, so that a failure shows
+/// the real cause rather than a pool timeout. The URL may hold a password:
+/// errors never print it.
+async fn server_pool<DB: sqlx::Database>(
+    url: &str,
+    options: <DB::Connection as Connection>::Options,
+    server: &str,
+) -> Result<sqlx::Pool<DB>, CliError> {
     let unreachable = |cause: String| {
         CliError::new(
             scrub(
                 &format!("cannot connect to the database at {}: {cause}", redact(url)),
                 url,
             ),
-            "check that MariaDB runs and that DATABASE_URL (or --database-url) is right",
+            format!("check that {server} runs and that DATABASE_URL (or --database-url) is right"),
         )
     };
     // A timeout around a connection attempt, never around a transaction.
-    let probe = tokio::time::timeout(CONNECT_TIMEOUT, MySqlConnection::connect_with(&options))
+    let probe = tokio::time::timeout(CONNECT_TIMEOUT, DB::Connection::connect_with(&options))
         .await
         .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
         .map_err(|error| unreachable(error.to_string()))?;
     let _ = probe.close().await;
-    Ok(MySqlPoolOptions::new()
+    Ok(sqlx::pool::PoolOptions::<DB>::new()
         .max_connections(2)
         .acquire_timeout(CONNECT_TIMEOUT)
         .connect_lazy_with(options))
