@@ -8,10 +8,10 @@ use time::OffsetDateTime;
 /// tables, its dead letters, its retention and its schema.
 ///
 /// Connects with the same NATS_URL and DATABASE_URL as the services; the
-/// database URL's scheme chooses PostgreSQL (postgres://) or a SQLite file
-/// (sqlite:). Prints tables for people, or JSON with --json. Exits 0 on
-/// success, 1 when the operation failed or did not apply to everything it
-/// selected, 2 on a bad command line.
+/// database URL's scheme chooses PostgreSQL (postgres://), a SQLite file
+/// (sqlite:) or MariaDB (mysql://). Prints tables for people, or JSON with
+/// --json. Exits 0 on success, 1 when the operation failed or did not apply
+/// to everything it selected, 2 on a bad command line.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, max_term_width = 100)]
 pub struct Cli {
@@ -26,10 +26,11 @@ pub struct Cli {
     pub nats_url: Option<String>,
 
     /// The database with idem's dedup schema: PostgreSQL
-    /// (postgres://user@host/db or postgresql://...) or a SQLite file on this
-    /// machine (sqlite:///absolute/path.db, sqlite://relative/path.db). MySQL
-    /// and MariaDB are not supported yet. A SQLite file is never created,
-    /// except by `idem migrate` when the URL ends in ?mode=rwc.
+    /// (postgres://user@host/db or postgresql://...), a SQLite file on this
+    /// machine (sqlite:///absolute/path.db, sqlite://relative/path.db) or
+    /// MariaDB (mysql://user@host/db or mariadb://..., or ?socket=PATH). A
+    /// SQLite file is never created, except by `idem migrate` when the URL
+    /// ends in ?mode=rwc.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -55,13 +56,15 @@ pub enum Command {
     /// outbox's pending rows, and those that keep failing with why. Needs
     /// NATS and the database.
     ///
-    /// On SQLite there is no outbox ("outbox": null with --json); expiry
-    /// names the handlers whose claims outlived their retention; durability
-    /// shows journal_mode and synchronous (synchronous as this command's
-    /// connections have it: each connection sets its own); and "write_lock"
-    /// says whether SQLite's write lock could be taken within 5 s, since
-    /// while another connection holds it no router on the file makes
-    /// progress.
+    /// The outbox reads the same on every database, but only PostgreSQL
+    /// has its NOTIFY trigger ("notify_trigger": null with --json on SQLite
+    /// and MariaDB, whose relays poll). On SQLite and MariaDB expiry names
+    /// the handlers whose claims outlived their retention. On SQLite
+    /// durability shows journal_mode and synchronous (synchronous as this
+    /// command's connections have it: each connection sets its own); and
+    /// "write_lock" says whether SQLite's write lock could be taken within
+    /// 5 s, since while another connection holds it no router on the file
+    /// makes progress.
     Status,
 
     /// List, show, replay and discard dead letters. Needs NATS.
@@ -72,15 +75,14 @@ pub enum Command {
     #[command(subcommand)]
     Dedup(Dedup),
 
-    /// Act on the transactional outbox's rows. Needs the database:
-    /// PostgreSQL, since SQLite has no outbox in this idem.
+    /// Act on the transactional outbox's rows. Needs the database.
     #[command(subcommand)]
     Outbox(OutboxAction),
 
     /// Run the retention purge now. On PostgreSQL: end a generation
-    /// transition, rotate, drop expired generations. On SQLite: delete each
-    /// handler's claims older than its retention (--json: "deleted"). Needs
-    /// the database.
+    /// transition, rotate, drop expired generations. On SQLite and MariaDB:
+    /// delete each handler's claims older than its retention (--json:
+    /// "deleted"). Needs the database.
     Purge,
 
     /// Create or upgrade idem's dedup schema. Needs the database. A SQLite
@@ -296,7 +298,7 @@ pub enum OutboxAction {
     /// they failed), and restart their back-off: once the cause is fixed
     /// (the stream created, the permission granted, the stream's
     /// max_msg_size raised). A running relay publishes them within about a
-    /// second. PostgreSQL only: on SQLite it fails and changes nothing.
+    /// second, on PostgreSQL, SQLite and MariaDB alike.
     Retry {
         /// Only the rows of this subject.
         #[arg(long, value_name = "SUBJECT")]

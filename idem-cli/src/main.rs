@@ -4,7 +4,7 @@
 //! (`idem_runtime::status`, `idem_runtime::dead_letter`,
 //! `idem_runtime::retention::expiry`, `idem_runtime::schema`, `idem_runtime::outbox`):
 //! whatever it shows or does, a program can do with the library too. The
-//! database URL's scheme chooses PostgreSQL or SQLite (`connect.rs`). See
+//! database URL's scheme chooses PostgreSQL, SQLite or MariaDB (`connect.rs`). See
 //! `idem --help`, and the guide's "Operating" chapter (`idem_runtime::guide::operating`).
 
 mod args;

@@ -1,16 +1,19 @@
-//! `idem status` and `idem dedup check`, on PostgreSQL or SQLite.
+//! `idem status` and `idem dedup check`, on PostgreSQL, SQLite or MariaDB.
 //!
-//! Consumers (from NATS) and the handlers' claims read the same on both.
-//! The rest is each database's own: on PostgreSQL the generations' expiry,
-//! the outbox and `synchronous_commit`; on SQLite, which has no outbox,
-//! the claims past their retention, `journal_mode` and `synchronous`, and
-//! whether the write lock that every claim takes can be taken.
+//! Consumers (from NATS), the handlers' claims and the outbox read the
+//! same on all three (only PostgreSQL has the outbox's NOTIFY trigger).
+//! The rest is each database's own: on PostgreSQL the generations' expiry
+//! and `synchronous_commit`; on SQLite the claims past their retention,
+//! `journal_mode` and `synchronous`, and whether the write lock that every
+//! claim takes can be taken; on MariaDB the claims past their retention
+//! and the server's durability settings.
 
 use async_nats::jetstream;
+use idem_runtime::outbox::{self, Lag};
 use idem_runtime::retention::expiry::Transition;
+use idem_runtime::status;
 use idem_runtime::status::sqlite::WriteLock;
 use idem_runtime::status::{ExpiryStatus, HandlerStatus};
-use idem_runtime::{outbox, status};
 use serde_json::{Value, json};
 use sqlx::{PgPool, SqlitePool};
 
@@ -154,28 +157,17 @@ impl Claims<'_> {
 /// `idem status` on PostgreSQL: expiry by generations, the outbox with the
 /// rows that keep failing and why, and `synchronous_commit`.
 async fn postgres_status(pool: &PgPool, claims: &Claims<'_>) -> Result<Report, CliError> {
-    let lag = outbox::lag(pool).await.map_err(database_error)?;
-    let notify = status::outbox_notify(pool).await.map_err(database_error)?;
+    let outbox = OutboxStatus {
+        lag: outbox::lag(pool).await.map_err(database_error)?,
+        wakeups: Wakeups::Notify(status::outbox_notify(pool).await.map_err(database_error)?),
+    };
     let expiry = status::expiry(pool).await.map_err(database_error)?;
     let durability = status::durability(pool).await.map_err(database_error)?;
 
     let json = json!({
         "consumers": claims.consumers_json(),
         "handlers": claims.handlers_json(),
-        "outbox": {
-            "pending": lag.pending,
-            "oldest_age_seconds": lag.oldest.as_secs_f64(),
-            "failing": lag.failing,
-            "notify_trigger": notify,
-            "failures": lag.failures.iter().map(|failing| json!({
-                "subject": failing.subject,
-                "error": failing.error,
-                "rows": failing.rows,
-                "attempts": failing.attempts,
-                "oldest_age_seconds": failing.oldest.as_secs_f64(),
-                "next_attempt_seconds": failing.next_attempt.as_secs_f64(),
-            })).collect::<Vec<_>>(),
-        },
+        "outbox": outbox.json(),
         "expiry": expiry_json(&expiry),
         "database_durability": {
             "synchronous_commit": durability.synchronous_commit,
@@ -194,50 +186,7 @@ async fn postgres_status(pool: &PgPool, claims: &Claims<'_>) -> Result<Report, C
         text.push_str(&line);
         text.push('\n');
     }
-    text.push_str(&format!(
-        "outbox: {} pending{}",
-        lag.pending,
-        if lag.pending > 0 {
-            format!(", the oldest {} old", human(lag.oldest))
-        } else {
-            String::new()
-        }
-    ));
-    text.push_str(if notify {
-        "; NOTIFY trigger on: each queuing COMMIT notifies the relays (and takes PostgreSQL's server-wide notification lock, so such commits run one at a time)"
-    } else {
-        "; NOTIFY trigger off: relays are woken by their own process's commits, and poll"
-    });
-    if lag.failing > 0 {
-        text.push_str(&format!(
-            "; {} failing: their publishes fail while NATS answers, so each is retried after its own back-off while the rows after them go out. Fix the cause, then `idem outbox retry`.\n\n",
-            lag.failing
-        ));
-        let mut table =
-            output::table(["SUBJECT", "ROWS", "ATTEMPTS", "NEXT TRY", "OLDEST", "ERROR"]);
-        for failing in &lag.failures {
-            table.add_row([
-                failing.subject.clone(),
-                failing.rows.to_string(),
-                failing.attempts.to_string(),
-                if failing.next_attempt.is_zero() {
-                    "due".to_owned()
-                } else {
-                    format!("in {}", human(failing.next_attempt))
-                },
-                human(failing.oldest),
-                failing.error.clone(),
-            ]);
-        }
-        text.push_str(&output::render(&table));
-        let listed: i64 = lag.failures.iter().map(|failing| failing.rows).sum();
-        if listed < lag.failing {
-            text.push_str(&format!(
-                "\n(and {} more rows of other subjects or errors)",
-                lag.failing - listed
-            ));
-        }
-    }
+    text.push_str(&outbox.text());
     text.push_str(&format!(
         "\ndatabase durability: synchronous_commit {} (idem commits with {}), {}",
         durability.synchronous_commit,
@@ -262,6 +211,106 @@ async fn postgres_status(pool: &PgPool, claims: &Claims<'_>) -> Result<Report, C
         text.push_str(&format!("\n  warning: {warning}"));
     }
     Ok(Report::done(json, text))
+}
+
+/// The outbox as `idem status` shows it, on any database: how far its
+/// relays are behind, the rows that keep failing and why, and how relays
+/// learn of new rows.
+struct OutboxStatus {
+    lag: Lag,
+    wakeups: Wakeups,
+}
+
+/// How a relay learns that rows were queued.
+enum Wakeups {
+    /// PostgreSQL's: whether the outbox's NOTIFY trigger is enabled, so
+    /// that relays in other processes hear of each queuing COMMIT.
+    Notify(bool),
+    /// A database without notifications (SQLite, MariaDB, named here):
+    /// relays are woken by their own process's commits, and poll.
+    Polled(&'static str),
+}
+
+impl OutboxStatus {
+    /// The same shape on every database; `notify_trigger` is null where
+    /// the database has no notifications.
+    fn json(&self) -> Value {
+        let lag = &self.lag;
+        json!({
+            "pending": lag.pending,
+            "oldest_age_seconds": lag.oldest.as_secs_f64(),
+            "failing": lag.failing,
+            "notify_trigger": match self.wakeups {
+                Wakeups::Notify(enabled) => Some(enabled),
+                Wakeups::Polled(_) => None,
+            },
+            "failures": lag.failures.iter().map(|failing| json!({
+                "subject": failing.subject,
+                "error": failing.error,
+                "rows": failing.rows,
+                "attempts": failing.attempts,
+                "oldest_age_seconds": failing.oldest.as_secs_f64(),
+                "next_attempt_seconds": failing.next_attempt.as_secs_f64(),
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    /// `outbox: ...`, and a table of the failing rows if any; no newline
+    /// at the end.
+    fn text(&self) -> String {
+        let lag = &self.lag;
+        let mut text = format!(
+            "outbox: {} pending{}",
+            lag.pending,
+            if lag.pending > 0 {
+                format!(", the oldest {} old", human(lag.oldest))
+            } else {
+                String::new()
+            }
+        );
+        match self.wakeups {
+            Wakeups::Notify(true) => text.push_str(
+                "; NOTIFY trigger on: each queuing COMMIT notifies the relays (and takes PostgreSQL's server-wide notification lock, so such commits run one at a time)",
+            ),
+            Wakeups::Notify(false) => text.push_str(
+                "; NOTIFY trigger off: relays are woken by their own process's commits, and poll",
+            ),
+            Wakeups::Polled(database) => text.push_str(&format!(
+                "; relays are woken by their own process's commits, and poll ({database} has no notifications)"
+            )),
+        }
+        if lag.failing > 0 {
+            text.push_str(&format!(
+                "; {} failing: their publishes fail while NATS answers, so each is retried after its own back-off while the rows after them go out. Fix the cause, then `idem outbox retry`.\n\n",
+                lag.failing
+            ));
+            let mut table =
+                output::table(["SUBJECT", "ROWS", "ATTEMPTS", "NEXT TRY", "OLDEST", "ERROR"]);
+            for failing in &lag.failures {
+                table.add_row([
+                    failing.subject.clone(),
+                    failing.rows.to_string(),
+                    failing.attempts.to_string(),
+                    if failing.next_attempt.is_zero() {
+                        "due".to_owned()
+                    } else {
+                        format!("in {}", human(failing.next_attempt))
+                    },
+                    human(failing.oldest),
+                    failing.error.clone(),
+                ]);
+            }
+            text.push_str(&output::render(&table));
+            let listed: i64 = lag.failures.iter().map(|failing| failing.rows).sum();
+            if listed < lag.failing {
+                text.push_str(&format!(
+                    "\n(and {} more rows of other subjects or errors)",
+                    lag.failing - listed
+                ));
+            }
+        }
+        text
+    }
 }
 
 /// Expiry on a database that deletes the claims past their handler's
@@ -306,8 +355,13 @@ fn expiry_by_deletes(claims: &Claims<'_>, database: &str) -> (Value, String) {
 }
 
 /// `idem status` on MariaDB: the claims, expiry by deletes (as on SQLite),
-/// no outbox, and the server's durability settings.
+/// the outbox (as on PostgreSQL, without notifications), and the server's
+/// durability settings.
 async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<Report, CliError> {
+    let outbox = OutboxStatus {
+        lag: outbox::lag(pool).await.map_err(database_error)?,
+        wakeups: Wakeups::Polled("MariaDB"),
+    };
     let durability = status::mariadb::durability(pool)
         .await
         .map_err(database_error)?;
@@ -315,7 +369,7 @@ async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<R
     let json = json!({
         "consumers": claims.consumers_json(),
         "handlers": claims.handlers_json(),
-        "outbox": null,
+        "outbox": outbox.json(),
         "expiry": expiry_json,
         "database_durability": {
             "version": durability.version,
@@ -327,7 +381,7 @@ async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<R
     });
     let mut text = claims.text();
     text.push_str(&expiry_text);
-    text.push_str("outbox: none (MariaDB has no outbox in this idem)");
+    text.push_str(&outbox.text());
     text.push_str(&format!(
         "\ndatabase durability: {}, innodb_flush_log_at_trx_commit {}, binary log {}",
         durability.version,
@@ -344,11 +398,16 @@ async fn mariadb_status(pool: &sqlx::MySqlPool, claims: &Claims<'_>) -> Result<R
     Ok(Report::done(json, text))
 }
 
-/// `idem status` on SQLite: no outbox; the handlers whose claims outlived
-/// their retention; `journal_mode` and `synchronous`; and whether SQLite's
-/// write lock can be taken, since while another connection holds it no
-/// router on the file makes progress.
+/// `idem status` on SQLite: the handlers whose claims outlived their
+/// retention; the outbox (as on PostgreSQL, without notifications);
+/// `journal_mode` and `synchronous`; and whether SQLite's write lock can be
+/// taken, since while another connection holds it no router on the file
+/// makes progress.
 async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report, CliError> {
+    let outbox = OutboxStatus {
+        lag: outbox::lag(pool).await.map_err(database_error)?,
+        wakeups: Wakeups::Polled("SQLite"),
+    };
     let durability = status::sqlite::durability(pool)
         .await
         .map_err(database_error)?;
@@ -360,7 +419,7 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
     let json = json!({
         "consumers": claims.consumers_json(),
         "handlers": claims.handlers_json(),
-        "outbox": null,
+        "outbox": outbox.json(),
         "expiry": expiry_json,
         "database_durability": {
             "journal_mode": durability.journal_mode,
@@ -388,7 +447,7 @@ async fn sqlite_status(pool: &SqlitePool, claims: &Claims<'_>) -> Result<Report,
 
     let mut text = claims.text();
     text.push_str(&expiry_text);
-    text.push_str("outbox: none (SQLite has no outbox in this idem)");
+    text.push_str(&outbox.text());
     text.push_str(&format!(
         "\ndatabase durability: journal_mode {}, synchronous {} (this command's connections: each connection sets its own, and a service's start-up warns when its own is below FULL), on a {} filesystem",
         durability.journal_mode, durability.synchronous, durability.filesystem,

@@ -123,8 +123,8 @@
 //! |---|---|---|
 //! | `prost` | off | `codec = protobuf`: `codec::Protobuf` for any `prost::Message` |
 //! | `otel` | off | trace context across services, through the outbox too (`idem_runtime::trace`) |
-//! | `sqlite` | off | handlers on a SQLite file: `Router::sqlite`, `status::sqlite` and the guide's SQLite chapter; no outbox there yet |
-//! | `mariadb` | off | handlers on MariaDB 10.11+ (InnoDB): `Router::mariadb` and the guide's MariaDB chapter; no outbox there yet |
+//! | `sqlite` | off | handlers on a SQLite file: `Router::sqlite`, `status::sqlite` and the guide's SQLite chapter; the outbox too |
+//! | `mariadb` | off | handlers on MariaDB 10.11+ (InnoDB): `Router::mariadb` and the guide's MariaDB chapter; the outbox too |
 //! | `fault-injection` | off | hooks the integration tests use to inject faults; never in production |
 //!
 //! idem re-exports the [`sqlx`] and [`async_nats`] it is built on, so that

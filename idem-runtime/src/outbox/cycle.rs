@@ -65,11 +65,11 @@ use async_nats::jetstream::{self, publish::PublishAck};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use sqlx::PgPool;
+use sqlx::Pool;
 
 use super::stats::{Cycle, Published, RelayStats};
 use super::{MAX_SUBJECT_LEN, check_subject, message_headers};
-use crate::store::outbox::{Lane, Marks, Row, Session, Take};
+use crate::store::outbox::{Lane, Marks, OutboxStore, RelaySession, Row, Take};
 
 /// A failing row's first back-off; it doubles with each failure.
 pub(super) const FIRST_ROW_BACKOFF: Duration = Duration::from_secs(1);
@@ -226,14 +226,14 @@ impl Cycles {
     /// One whole cycle of `lane` on a session of its own (see the module
     /// docs): what [`Relay::relay_batch`](super::Relay::relay_batch) and
     /// the retry lane run.
-    pub(super) async fn one(
+    pub(super) async fn one<DB: OutboxStore>(
         &self,
         js: &jetstream::Context,
-        pool: &PgPool,
+        pool: &Pool<DB>,
         lane: Lane,
         alone: bool,
     ) -> Result<Cycle, RelayError> {
-        let mut session = Session::acquire(pool).await?;
+        let mut session = DB::Relay::acquire(pool).await?;
         let take = self.take(lane, alone);
         let Some(open) = Open::of(take, session.take(take).await?) else {
             self.stats.empty_cycle();
@@ -342,7 +342,11 @@ impl Cycles {
 
     /// Ends a cycle the fault hook crashed, as a dead process's connection
     /// would: its locks go now.
-    pub(super) async fn crash(&self, session: &mut Session, acked: &Acked) -> RelayError {
+    pub(super) async fn crash<S: RelaySession<DB>, DB>(
+        &self,
+        session: &mut S,
+        acked: &Acked,
+    ) -> RelayError {
         if let Err(error) = session.rollback().await {
             return RelayError::Database(error);
         }

@@ -50,21 +50,26 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use async_nats::jetstream;
-use sqlx::PgPool;
+use sqlx::Pool;
 
 use super::cycle::{Acked, Cycles, LostConnections, Open, RelayError};
 use super::stats::Drain;
-use crate::store::outbox::{Advanced, Lane, Marks, Session, Take};
+use crate::store::outbox::{Advanced, Lane, Marks, OutboxStore, RelaySession, Take};
 
 /// The fresh lane's connections: two while its cycles overlap, taken from
 /// the pool as they are first needed. The lane keeps them between drains
 /// while it is busy (each outside a transaction then), and gives them back
 /// once a poll finds nothing to do ([`Sessions::release`]); a dropped
 /// session that may be inside a transaction is closed instead.
-#[derive(Default)]
-pub(super) struct Sessions([Option<Session>; 2]);
+pub(super) struct Sessions<S>([Option<S>; 2]);
 
-impl Sessions {
+impl<S> Default for Sessions<S> {
+    fn default() -> Self {
+        Sessions([None, None])
+    }
+}
+
+impl<S> Sessions<S> {
     /// Gives both back to the pool (or closes one a transaction may be open
     /// on, after an error).
     pub(super) fn release(&mut self) {
@@ -94,11 +99,11 @@ pub(super) struct Signals {
 /// last (publish, PubAcks: NATS only), the finish of the cycle before it,
 /// and the next take, on the session the head does not hold (after the
 /// finish, in one message, when the finish is on that session too).
-pub(super) async fn drain(
+pub(super) async fn drain<DB: OutboxStore>(
     cycles: &Cycles,
     js: &jetstream::Context,
-    pool: &PgPool,
-    sessions: &mut Sessions,
+    pool: &Pool<DB>,
+    sessions: &mut Sessions<DB::Relay>,
     lost: &mut LostConnections,
     signals: &Signals,
     most: usize,
@@ -300,15 +305,15 @@ pub(super) async fn drain(
 }
 
 /// Runs `finishing` and `take` on the session in `slot` (taken from the
-/// pool if there is none): see [`Session::advance`].
-async fn advance(
-    slot: &mut Option<Session>,
-    pool: &PgPool,
+/// pool if there is none): see [`RelaySession::advance`].
+async fn advance<DB: OutboxStore>(
+    slot: &mut Option<DB::Relay>,
+    pool: &Pool<DB>,
     finishing: Option<(&[i64], &Marks)>,
     take: Option<Take>,
 ) -> Advanced {
     if slot.is_none() {
-        match Session::acquire(pool).await {
+        match DB::Relay::acquire(pool).await {
             Ok(session) => *slot = Some(session),
             Err(error) => {
                 return Advanced {
@@ -333,9 +338,9 @@ fn stopping(signals: &Signals) -> bool {
 /// Finishes `acked` on its own session after the drain failed elsewhere,
 /// if it can: its acknowledged rows are deleted rather than published
 /// again. A failure here is logged; the error already met is the drain's.
-async fn finish_alone(
+async fn finish_alone<S: RelaySession<DB>, DB>(
     cycles: &Cycles,
-    sessions: &mut Sessions,
+    sessions: &mut Sessions<S>,
     slot: usize,
     acked: Acked,
     drain: &mut Drain,

@@ -7,7 +7,9 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
+use sqlx::{PgPool, Pool};
+
+use crate::store::outbox::OutboxStore;
 
 /// How far the relays are behind: what [`lag`] reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -62,15 +64,17 @@ pub struct Failing {
 /// # Ok(())
 /// # }
 /// ```
-pub async fn lag(pool: &PgPool) -> Result<Lag, sqlx::Error> {
+pub async fn lag<DB: OutboxStore>(pool: &Pool<DB>) -> Result<Lag, sqlx::Error> {
     Ok(lag_and_notify(pool).await?.0)
 }
 
 /// The [`lag`], and whether the NOTIFY trigger is enabled (see
 /// [`notify_trigger_enabled`]): what a relay reads about once a second, in
 /// one query (two while rows are failing).
-pub(crate) async fn lag_and_notify(pool: &PgPool) -> Result<(Lag, bool), sqlx::Error> {
-    let (pending, oldest, failing, notify) = crate::store::outbox::lag(pool).await?;
+pub(crate) async fn lag_and_notify<DB: OutboxStore>(
+    pool: &Pool<DB>,
+) -> Result<(Lag, bool), sqlx::Error> {
+    let (pending, oldest, failing, notify) = DB::lag(pool).await?;
     let failures = if failing > 0 {
         failures(pool).await?
     } else {
@@ -91,8 +95,8 @@ pub(crate) async fn notify_trigger_enabled(pool: &PgPool) -> Result<bool, sqlx::
     crate::store::outbox::notify_trigger_enabled(pool).await
 }
 
-async fn failures(pool: &PgPool) -> Result<Vec<Failing>, sqlx::Error> {
-    let rows = crate::store::outbox::failing(pool, MOST_FAILURES).await?;
+async fn failures<DB: OutboxStore>(pool: &Pool<DB>) -> Result<Vec<Failing>, sqlx::Error> {
+    let rows = DB::failing(pool, MOST_FAILURES).await?;
     Ok(rows
         .into_iter()
         .map(|(subject, error, rows, oldest, attempts, next)| Failing {
@@ -136,8 +140,11 @@ fn seconds(value: Option<f64>) -> Duration {
 /// A row that can never be published as it is (above the server's
 /// `max_payload`) fails again; to drop one for good, `DELETE FROM
 /// idem_outbox WHERE msg_id = '...'`: its message is then never sent.
-pub async fn retry_failing(pool: &PgPool, subject: Option<&str>) -> Result<u64, sqlx::Error> {
-    crate::store::outbox::retry_failing(pool, subject).await
+pub async fn retry_failing<DB: OutboxStore>(
+    pool: &Pool<DB>,
+    subject: Option<&str>,
+) -> Result<u64, sqlx::Error> {
+    DB::retry_failing(pool, subject).await
 }
 
 /// The outbox's lag, into its gauges: from the router's poll, and from each

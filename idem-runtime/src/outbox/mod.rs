@@ -22,6 +22,14 @@
 //! While one relay transaction awaits its PubAcks, the one before it
 //! commits and the one after it takes its rows, on a second connection.
 //!
+//! That is PostgreSQL's relay, and MariaDB's (whose cycles run at READ
+//! COMMITTED, see the guide's MariaDB chapter). On SQLite, which has one
+//! writer at a time, a cycle leases its rows in a short write transaction,
+//! publishes with none open, and deletes them in a second one (see the
+//! guide's SQLite chapter). The same [`Outbox`], [`Relay`], [`lag`](fn@lag)
+//! and [`retry_failing`] serve all three: a handler's transaction, and the
+//! pool a relay is given, choose the database.
+//!
 //! # Ids
 //!
 //! Every queued message carries a `Nats-Msg-Id`, so that JetStream drops a
@@ -101,8 +109,9 @@
 //! The code: `relay.rs` holds the relay's two lanes (fresh rows; failing
 //! rows once due), `cycle.rs` one cycle's steps (take, publish, PubAcks,
 //! blame, finish), `drain.rs` how the fresh lane overlaps its cycles,
-//! `store/outbox.rs` the messages a cycle sends PostgreSQL (each step one
-//! round trip), `wake.rs` what wakes the fresh lane (this process's commits,
+//! `store/outbox.rs` what a relay asks of its database (`OutboxStore`)
+//! and the messages a cycle sends PostgreSQL (each step one round trip;
+//! `store/sqlite/outbox.rs` and `store/mariadb/outbox.rs` for the others), `wake.rs` what wakes the fresh lane (this process's commits,
 //! notifications and the poll, folded into one wake-up), `stats.rs` what
 //! the relay counts, `lag.rs` what an operator reads and retries.
 //!
@@ -125,12 +134,13 @@ use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use async_nats::HeaderMap;
-use sqlx::PgConnection;
+use sqlx::Transaction;
 
 use crate::codec::{Encode, EncodeError, Json};
 use crate::error::class::{Classifier, Classify, ErrorClass};
 use crate::handler::delivery::Delivery;
 use crate::handler::state::{FromBatch, FromDelivery, Parameter};
+use crate::store::outbox::OutboxStore;
 
 pub use cycle::RelayError;
 pub(crate) use lag::notify_trigger_enabled;
@@ -275,11 +285,12 @@ impl<C> Outbox<C> {
 
     /// Queues `value`, encoded with `C`, for `subject`, in the transaction
     /// `conn` belongs to (`tx` for a `tx: &mut PgTransaction`, `&mut tx` for
-    /// an owned one). Returns
+    /// an owned one; a transaction of any database idem runs on, or its
+    /// connection: see [`Transactional`]). Returns
     /// the message's `Nats-Msg-Id`.
     pub async fn send<T>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Transactional,
         subject: &str,
         value: &T,
     ) -> Result<String, OutboxError>
@@ -294,7 +305,7 @@ impl<C> Outbox<C> {
     /// replaced by the outbox's id.
     pub async fn send_with_headers<T>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Transactional,
         subject: &str,
         value: &T,
         headers: &HeaderMap,
@@ -406,7 +417,7 @@ impl<S, C> FromBatch<S> for BatchOutbox<C> {
 /// transaction `conn` belongs to. A pending message with the same id makes
 /// this one a no-op (JetStream would drop it anyway).
 pub async fn enqueue(
-    conn: &mut PgConnection,
+    conn: &mut impl Transactional,
     msg_id: &str,
     subject: &str,
     payload: &[u8],
@@ -419,9 +430,86 @@ pub async fn enqueue(
     if !valid_id(msg_id) {
         return Err(OutboxError::InvalidId(msg_id.to_owned()));
     }
-    crate::store::outbox::queue(conn, msg_id, subject, payload, headers_to_json(headers)).await?;
+    conn.queue(msg_id, subject, payload, headers_to_json(headers))
+        .await?;
     Ok(())
 }
+
+/// What an outbox message is queued in: a transaction (`&mut
+/// sqlx::Transaction<'_, DB>`) on a database idem runs on, or the
+/// connection of one (`&mut sqlx::PgConnection`, `&mut
+/// sqlx::SqliteConnection`, `&mut sqlx::MySqlConnection`, each with its
+/// feature), or a pooled connection (the row then commits on its own).
+/// Sealed: idem implements it for those types only.
+pub trait Transactional: sealed::Sealed + Send {
+    /// Queues a row in the transaction this is, or belongs to.
+    #[doc(hidden)]
+    fn queue(
+        &mut self,
+        msg_id: &str,
+        subject: &str,
+        payload: &[u8],
+        headers: Option<String>,
+    ) -> impl std::future::Future<Output = Result<(), sqlx::Error>> + Send;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+impl<DB: OutboxStore> sealed::Sealed for Transaction<'_, DB> {}
+
+impl<DB: OutboxStore> Transactional for Transaction<'_, DB> {
+    async fn queue(
+        &mut self,
+        msg_id: &str,
+        subject: &str,
+        payload: &[u8],
+        headers: Option<String>,
+    ) -> Result<(), sqlx::Error> {
+        DB::queue(&mut **self, msg_id, subject, payload, headers).await
+    }
+}
+
+impl<DB: OutboxStore> sealed::Sealed for sqlx::pool::PoolConnection<DB> {}
+
+/// A pooled connection outside a transaction: the row is queued on its own.
+impl<DB: OutboxStore> Transactional for sqlx::pool::PoolConnection<DB> {
+    async fn queue(
+        &mut self,
+        msg_id: &str,
+        subject: &str,
+        payload: &[u8],
+        headers: Option<String>,
+    ) -> Result<(), sqlx::Error> {
+        DB::queue(&mut **self, msg_id, subject, payload, headers).await
+    }
+}
+
+/// A database's connection type, as a [`Transactional`].
+macro_rules! transactional_connection {
+    ($connection:ty, $database:ty) => {
+        impl sealed::Sealed for $connection {}
+
+        impl Transactional for $connection {
+            async fn queue(
+                &mut self,
+                msg_id: &str,
+                subject: &str,
+                payload: &[u8],
+                headers: Option<String>,
+            ) -> Result<(), sqlx::Error> {
+                <$database as OutboxStore>::queue(self, msg_id, subject, payload, headers).await
+            }
+        }
+    };
+}
+
+transactional_connection!(sqlx::PgConnection, sqlx::Postgres);
+#[cfg(feature = "sqlite")]
+transactional_connection!(sqlx::SqliteConnection, sqlx::Sqlite);
+#[cfg(feature = "mariadb")]
+transactional_connection!(sqlx::MySqlConnection, sqlx::MySql);
 
 /// A message that could not be queued.
 #[derive(Debug, thiserror::Error)]

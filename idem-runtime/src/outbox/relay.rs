@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures_util::FutureExt;
-use sqlx::PgPool;
+use sqlx::Pool;
 use tokio::sync::watch;
 
 use super::cycle::{Cycles, FIRST_ROW_BACKOFF, LostConnections, RelayError};
@@ -46,7 +46,7 @@ use super::lag::lag_and_notify;
 use super::stats::Published;
 use super::stats::{Cycle, Drain, RelayStats};
 use super::wake::{Bell, Poll, Wakeup, Woken};
-use crate::store::outbox::{Lane, any_fresh, next_due};
+use crate::store::outbox::{Lane, OutboxStore};
 
 /// Publishes committed outbox rows to JetStream; see the [module
 /// docs](super).
@@ -257,10 +257,10 @@ impl Relay {
     /// early at the first cycle that is not full or finds NATS away: those
     /// rows stay for the next relay. The retry lane ends its cycle and
     /// stops.
-    pub async fn run_until(
+    pub async fn run_until<DB: OutboxStore>(
         self,
         nats: async_nats::Client,
-        pool: PgPool,
+        pool: Pool<DB>,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), RelayError> {
         let js = jetstream::new(nats);
@@ -287,10 +287,10 @@ impl Relay {
     /// The fresh lane: a wake-up, then drains while they take all they can
     /// or something announces rows, then a wait; a back-off instead while
     /// NATS is away.
-    async fn run_fresh(
+    async fn run_fresh<DB: OutboxStore>(
         &self,
         js: &jetstream::Context,
-        pool: &PgPool,
+        pool: &Pool<DB>,
         shutdown: impl Future<Output = ()>,
         mut stopped: watch::Receiver<bool>,
         away: &LaneAway,
@@ -431,8 +431,8 @@ impl Relay {
     /// Whether a fresh row is pending: a look before a drain that only the
     /// poll called for. An error says yes (the drain then meets it, and
     /// backs off).
-    async fn any_fresh(&self, pool: &PgPool) -> bool {
-        any_fresh(pool).await.unwrap_or_else(|error| {
+    async fn any_fresh<DB: OutboxStore>(&self, pool: &Pool<DB>) -> bool {
+        DB::any_fresh(pool).await.unwrap_or_else(|error| {
             tracing::debug!(%error, "outbox relay's look for rows failed; running a cycle");
             true
         })
@@ -440,10 +440,10 @@ impl Relay {
 
     /// The retry lane: a cycle whenever a failing row is due (looked for
     /// about once a second), a back-off while NATS is away.
-    async fn run_retries(
+    async fn run_retries<DB: OutboxStore>(
         &self,
         js: &jetstream::Context,
-        pool: &PgPool,
+        pool: &Pool<DB>,
         mut stopped: watch::Receiver<bool>,
         away: &LaneAway,
     ) -> Result<(), RelayError> {
@@ -456,7 +456,7 @@ impl Relay {
         loop {
             let wait = match backoff.current() {
                 Some(wait) => wait,
-                None => match next_due(pool).await {
+                None => match DB::next_due(pool).await {
                     Ok(due) => {
                         let due = due.unwrap_or(RETRY_CHECK_EVERY).min(RETRY_CHECK_EVERY);
                         if std::mem::take(&mut pause) {
@@ -489,7 +489,9 @@ impl Relay {
                 Ok(cycle) => {
                     lost.count(&cycle);
                     self.settle(&Drain::of(&cycle), &mut backoff, away, Lane::Retry);
-                    pause = cycle.taken > 0 && cycle.published.is_empty();
+                    // Also after a cycle that took nothing: the rows due are
+                    // another relay's, and would be looked for at once again.
+                    pause = cycle.published.is_empty();
                 }
                 Err(RelayError::Database(error)) => {
                     let wait = backoff.next(self.max_backoff);
@@ -530,11 +532,11 @@ impl Relay {
 
     /// The cycles a stopping relay runs, so that a router's relay publishes
     /// what its last handlers queued (see [`Relay::run_until`]).
-    async fn final_cycles(
+    async fn final_cycles<DB: OutboxStore>(
         &self,
         js: &jetstream::Context,
-        pool: &PgPool,
-        sessions: &mut Sessions,
+        pool: &Pool<DB>,
+        sessions: &mut Sessions<DB::Relay>,
         lost: &mut LostConnections,
     ) -> Result<(), RelayError> {
         let signals = Signals::default();
@@ -573,7 +575,7 @@ impl Relay {
     /// relays are behind, or cannot publish) or some rows are failing, at
     /// debug otherwise. Returns whether the NOTIFY trigger is enabled, if
     /// that could be read.
-    async fn read_lag(&self, pool: &PgPool) -> Option<bool> {
+    async fn read_lag<DB: OutboxStore>(&self, pool: &Pool<DB>) -> Option<bool> {
         match lag_and_notify(pool).await {
             Ok((lag, notify)) => {
                 super::lag::record_gauges(&lag);
@@ -603,20 +605,20 @@ impl Relay {
     /// one), publishes them, and in one transaction deletes those JetStream
     /// acknowledged and records the failures NATS answered for (see the
     /// [module docs](super)).
-    pub async fn relay_batch(
+    pub async fn relay_batch<DB: OutboxStore>(
         &self,
         js: &jetstream::Context,
-        pool: &PgPool,
+        pool: &Pool<DB>,
     ) -> Result<Cycle, RelayError> {
         self.cycles.one(js, pool, Lane::Fresh, false).await
     }
 
     /// One cycle of the retry lane: as [`relay_batch`](Self::relay_batch),
     /// for failing rows that are due, the earliest due first.
-    pub async fn retry_batch(
+    pub async fn retry_batch<DB: OutboxStore>(
         &self,
         js: &jetstream::Context,
-        pool: &PgPool,
+        pool: &Pool<DB>,
     ) -> Result<Cycle, RelayError> {
         self.cycles.one(js, pool, Lane::Retry, false).await
     }
@@ -634,7 +636,11 @@ impl Relay {
     /// # Ok(())
     /// # }
     /// ```
-    pub async fn drain(&self, js: &jetstream::Context, pool: &PgPool) -> Result<Drain, RelayError> {
+    pub async fn drain<DB: OutboxStore>(
+        &self,
+        js: &jetstream::Context,
+        pool: &Pool<DB>,
+    ) -> Result<Drain, RelayError> {
         let mut lost = LostConnections::default();
         drain(
             &self.cycles,

@@ -63,7 +63,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use sqlx::{PgPool, Pool};
+use sqlx::Pool;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -71,7 +71,7 @@ use super::CHANNEL;
 use super::stats::RelayStats;
 use crate::handler::delivery::Delivery;
 use crate::store::backend::Backend;
-use crate::store::outbox::{Heard, Listener};
+use crate::store::outbox::{Heard, Listener, OutboxStore};
 
 /// The bell of one database's relays in this process: rung after each
 /// COMMIT that queued outbox rows there. A `watch` remembers a ring for
@@ -149,7 +149,7 @@ pub fn wake_local_relays() {
 /// # Ok(())
 /// # }
 /// ```
-pub fn wake_relays(pool: &PgPool) {
+pub fn wake_relays<DB: Backend>(pool: &Pool<DB>) {
     Bell::of(pool).ring();
 }
 
@@ -234,7 +234,7 @@ impl Wakeup {
     /// listening; stops listening (`UNLISTEN`, and the connection goes back
     /// to the pool) if not. Without a LISTEN connection the relay polls;
     /// this is tried again before each wait.
-    pub(super) async fn listen(&mut self, pool: &PgPool, enabled: bool) {
+    pub(super) async fn listen<DB: OutboxStore>(&mut self, pool: &Pool<DB>, enabled: bool) {
         if !enabled {
             self.listener = None;
             return;
@@ -242,7 +242,7 @@ impl Wakeup {
         if self.listener.is_some() {
             return;
         }
-        match Listener::connect(pool, CHANNEL).await {
+        match DB::listen(pool, CHANNEL).await {
             Ok(listener) => self.listener = Some(listener),
             Err(error) => tracing::warn!(%error, "outbox LISTEN failed; polling"),
         }

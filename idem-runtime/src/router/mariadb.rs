@@ -64,17 +64,18 @@ impl<S: Send + Sync + 'static> Router<S, MySql> {
     }
 
     /// Runs until `shutdown` resolves, as [`Router::run_until`] does on
-    /// PostgreSQL, without an outbox relay (MariaDB has no outbox yet).
+    /// PostgreSQL, with the router's outbox [relay](Router::relay) if it has one.
     ///
     /// `pool` is MariaDB 10.11 or newer, its tables InnoDB; start-up
     /// warns about `innodb_flush_log_at_trx_commit` other than 1, and
     /// refuses MySQL.
     pub async fn run_until(
-        self,
+        mut self,
         nats: async_nats::Client,
         pool: MySqlPool,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), Error> {
-        self.run_with(nats, pool, shutdown, Beside::nothing()).await
+        let beside = Beside::outbox(self.relay.take(), &nats, &pool);
+        self.run_with(nats, pool, shutdown, beside).await
     }
 }

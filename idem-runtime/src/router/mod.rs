@@ -177,19 +177,6 @@ impl<S: Send + Sync + 'static> Router<S> {
         Self::empty(state)
     }
 
-    /// Runs `relay` beside the handlers, so that the messages they queue in
-    /// the [outbox](crate::outbox) are published. It starts once the routes
-    /// are bound and stops after they have settled their last message at
-    /// shutdown (finishing the cycle it is in), so what the last handlers
-    /// queued goes out before `run` returns, unless NATS is away: then the
-    /// rows stay in the outbox for the next start or another relay.
-    ///
-    /// Its counters and the outbox's lag are in [`RouterHandle::relay`].
-    pub fn relay(mut self, relay: Relay) -> Self {
-        self.relay = Some(relay);
-        self
-    }
-
     /// Runs until Ctrl-C or SIGTERM, then shuts down gracefully.
     ///
     /// NATS or PostgreSQL may be down when it starts: it waits for them (see
@@ -253,12 +240,25 @@ impl<S: Send + Sync + 'static> Router<S> {
         pool: PgPool,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), Error> {
-        let beside = run::Beside::postgres(self.relay.take(), &nats, &pool);
+        let beside = run::Beside::outbox(self.relay.take(), &nats, &pool);
         self.run_with(nats, pool, shutdown, beside).await
     }
 }
 
 impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
+    /// Runs `relay` beside the handlers, so that the messages they queue in
+    /// the [outbox](crate::outbox) are published. It starts once the routes
+    /// are bound and stops after they have settled their last message at
+    /// shutdown (finishing the cycle it is in), so what the last handlers
+    /// queued goes out before `run` returns, unless NATS is away: then the
+    /// rows stay in the outbox for the next start or another relay.
+    ///
+    /// Its counters and the outbox's lag are in [`RouterHandle::relay`].
+    pub fn relay(mut self, relay: Relay) -> Self {
+        self.relay = Some(relay);
+        self
+    }
+
     /// A router with no routes, on any database.
     fn empty(state: S) -> Self {
         let (trigger, signal) = tasks::channel();

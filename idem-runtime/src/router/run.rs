@@ -2,12 +2,13 @@
 
 use std::time::Duration;
 
-use sqlx::{PgPool, Pool};
+use sqlx::Pool;
 use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::outbox::{Relay, RelayError};
 use crate::store::backend::Backend;
+use crate::store::outbox::OutboxStore;
 
 use super::Router;
 use super::poll::PollBeside;
@@ -49,22 +50,17 @@ type StartRelay =
     Box<dyn FnOnce(oneshot::Receiver<()>) -> JoinHandle<Result<(), RelayError>> + Send>;
 
 impl Beside {
-    /// A database's with nothing beside its routes (no outbox yet).
-    #[cfg(any(feature = "sqlite", feature = "mariadb"))]
-    pub(super) fn nothing() -> Self {
-        Beside {
-            relay_connections: 0,
-            relay: None,
-            poll: None,
-        }
-    }
-
-    /// PostgreSQL's: `relay` (if any) on `pool`, and the outbox's lag.
-    pub(super) fn postgres(relay: Option<Relay>, nats: &async_nats::Client, pool: &PgPool) -> Self {
-        // Its fresh lane two while its cycles overlap, its retry lane one
-        // per cycle, and its LISTEN connection one while the NOTIFY trigger
-        // is enabled.
-        let relay_connections = if relay.is_some() { 4 } else { 0 };
+    /// `relay` (if any) on `pool`, and the outbox's lag.
+    pub(super) fn outbox<DB: OutboxStore>(
+        relay: Option<Relay>,
+        nats: &async_nats::Client,
+        pool: &Pool<DB>,
+    ) -> Self {
+        let relay_connections = if relay.is_some() {
+            DB::RELAY_CONNECTIONS
+        } else {
+            0
+        };
         let relay = relay.map(|relay| {
             let (nats, pool) = (nats.clone(), pool.clone());
             Box::new(move |stopped: oneshot::Receiver<()>| {

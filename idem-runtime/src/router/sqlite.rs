@@ -64,17 +64,18 @@ impl<S: Send + Sync + 'static> Router<S, Sqlite> {
     }
 
     /// Runs until `shutdown` resolves, as [`Router::run_until`] does on
-    /// PostgreSQL, without an outbox relay (SQLite has no outbox yet).
+    /// PostgreSQL, with the router's outbox [relay](Router::relay) if it has one.
     ///
     /// Open `pool` with `journal_mode(Wal)` and `synchronous(Full)`
     /// (start-up warns otherwise), on a file on a local disk: SQLite's
     /// locks do not hold over a network filesystem.
     pub async fn run_until(
-        self,
+        mut self,
         nats: async_nats::Client,
         pool: SqlitePool,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), Error> {
-        self.run_with(nats, pool, shutdown, Beside::nothing()).await
+        let beside = Beside::outbox(self.relay.take(), &nats, &pool);
+        self.run_with(nats, pool, shutdown, beside).await
     }
 }

@@ -6,9 +6,10 @@
 //! behind `status`, `schema` and `handler::results::stored` are generic over
 //! `DB: Backend`. None of them calls a function of `store::transaction`,
 //! `store::claim`, `store::results`, `store::reads` or `store::migrations`
-//! directly. What is still PostgreSQL's alone is the outbox and its relay,
-//! which a router on PostgreSQL runs beside its routes (`router/run.rs`,
-//! `Beside`), and the entry points `Router::run` and `Router::run_until`.
+//! directly. The outbox and its relay have a trait of their own,
+//! `store::outbox::OutboxStore`, which a router runs beside its routes
+//! (`router/run.rs`, `Beside`); what is each database's own are the entry
+//! points `Router::run` and `Router::run_until`.
 //!
 //! The trait is written for the databases issue 22 names, not only for
 //! PostgreSQL. What its shape owes to the other two:

@@ -1,4 +1,11 @@
-//! The outbox's statements: the row a handler queues (in its own
+//! The outbox's statements, as one trait: [`OutboxStore`], what the
+//! outbox and its relay (`outbox/`) ask of a database, with a relay's
+//! connection ([`RelaySession`]) and the shapes they share ([`Row`],
+//! [`Take`], [`Marks`], [`Advanced`]). SQLite's and MariaDB's are in their
+//! own modules (`store/sqlite/outbox.rs`, `store/mariadb/outbox.rs`);
+//! PostgreSQL's are below.
+//!
+//! PostgreSQL's: the row a handler queues (in its own
 //! transaction, [`queue`]), what operators read of the rows ([`lag`],
 //! [`failing`], [`retry_failing`]), when the first failing row is due
 //! ([`next_due`]), a relay's LISTEN connection ([`Listener`], where the
@@ -40,13 +47,167 @@
 //! the pool, and the server rolls the transaction back and releases its
 //! rows at once.
 
+use std::future::Future;
+use std::time::Duration;
+
 use futures_util::{FutureExt, StreamExt};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgListener, PgRow};
-use sqlx::{AssertSqlSafe, Either, FromRow, PgPool, Postgres};
+use sqlx::{AssertSqlSafe, Either, FromRow, PgPool, Pool, Postgres};
 
 use crate::error::class::is_unprepared;
+use crate::store::backend::Backend;
 use crate::store::transaction::prepare_missing;
+
+/// What the outbox and its relay ask of a database (see the module docs):
+/// implemented on sqlx's database types, as [`Backend`] is.
+pub trait OutboxStore: Backend {
+    /// A relay's connection, whose cycles take, delete and mark rows.
+    type Relay: RelaySession<Self>;
+
+    /// The pool connections a relay may hold at once.
+    const RELAY_CONNECTIONS: usize;
+
+    /// Queues a row in the transaction `connection` is in: a pending row
+    /// with the same `msg_id` makes this a no-op. `headers`: a JSON array
+    /// of `[name, value]` pairs, or `None`.
+    fn queue(
+        connection: &mut Self::Connection,
+        msg_id: &str,
+        subject: &str,
+        payload: &[u8],
+        headers: Option<String>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// The outbox's rows in one query: how many are pending, the oldest
+    /// one's age (seconds), how many are failing, and whether a NOTIFY
+    /// trigger announces new rows (PostgreSQL's alone).
+    fn lag(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<(i64, Option<f64>, i64, bool), sqlx::Error>> + Send;
+
+    /// The failing rows grouped by subject and error, the largest groups
+    /// first, at most `most` groups.
+    fn failing(
+        pool: &Pool<Self>,
+        most: usize,
+    ) -> impl Future<Output = Result<Vec<FailingRow>, sqlx::Error>> + Send;
+
+    /// Makes the failing rows (of `subject` only, if given) due now, with
+    /// their back-off restarted; returns how many.
+    fn retry_failing(
+        pool: &Pool<Self>,
+        subject: Option<&str>,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// How long until the first failing row is due (zero if one is);
+    /// `None` when no row is failing.
+    fn next_due(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Option<Duration>, sqlx::Error>> + Send;
+
+    /// Whether a fresh row is pending, without locking or waiting (rows
+    /// another relay holds count too).
+    fn any_fresh(pool: &Pool<Self>) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// A connection LISTENing on `channel`, where the database has
+    /// notifications (PostgreSQL): asked for only while [`lag`](Self::lag)
+    /// says a trigger announces rows.
+    fn listen(
+        pool: &Pool<Self>,
+        channel: &str,
+    ) -> impl Future<Output = Result<Listener, sqlx::Error>> + Send;
+}
+
+/// A relay's connection to its database: each cycle takes its rows with
+/// [`advance`](Self::advance) (rows no other cycle holds until this one
+/// ends), publishes them, then ends with the next `advance`, which deletes
+/// the rows JetStream acknowledged and records the failures. Dropped in the
+/// middle, the rows it held are released to the other cycles, at once or
+/// after a bound the database keeps (a lease, an idle-transaction
+/// timeout).
+pub trait RelaySession<DB>: Send + Sized {
+    /// A session on `pool`, holding nothing.
+    fn acquire(pool: &Pool<DB>) -> impl Future<Output = Result<Self, sqlx::Error>> + Send
+    where
+        DB: sqlx::Database;
+
+    /// Ends the open cycle, if `finish` is given: records its marks,
+    /// deletes the acknowledged rows, and releases the rest; then, with
+    /// `next`, takes the next cycle's rows.
+    fn advance(
+        &mut self,
+        finish: Option<(&[i64], &Marks)>,
+        next: Option<Take>,
+    ) -> impl Future<Output = Advanced> + Send;
+
+    /// Ends the open cycle without deleting or marking anything: its rows
+    /// are released unpublished.
+    fn rollback(&mut self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Takes a cycle's rows on a session that holds none.
+    fn take(&mut self, take: Take) -> impl Future<Output = Result<Vec<Row>, sqlx::Error>> + Send {
+        async move { self.advance(None, Some(take)).await.taken }
+    }
+}
+
+/// PostgreSQL: the functions and the [`Session`] below.
+impl OutboxStore for Postgres {
+    type Relay = Session;
+
+    // Its fresh lane two while its cycles overlap, its retry lane one per
+    // cycle, and its LISTEN connection one while the NOTIFY trigger is
+    // enabled.
+    const RELAY_CONNECTIONS: usize = 4;
+
+    async fn queue(
+        connection: &mut Self::Connection,
+        msg_id: &str,
+        subject: &str,
+        payload: &[u8],
+        headers: Option<String>,
+    ) -> Result<(), sqlx::Error> {
+        queue(connection, msg_id, subject, payload, headers).await
+    }
+
+    async fn lag(pool: &Pool<Self>) -> Result<(i64, Option<f64>, i64, bool), sqlx::Error> {
+        lag(pool).await
+    }
+
+    async fn failing(pool: &Pool<Self>, most: usize) -> Result<Vec<FailingRow>, sqlx::Error> {
+        failing(pool, most).await
+    }
+
+    async fn retry_failing(pool: &Pool<Self>, subject: Option<&str>) -> Result<u64, sqlx::Error> {
+        retry_failing(pool, subject).await
+    }
+
+    async fn next_due(pool: &Pool<Self>) -> Result<Option<Duration>, sqlx::Error> {
+        next_due(pool).await
+    }
+
+    async fn any_fresh(pool: &Pool<Self>) -> Result<bool, sqlx::Error> {
+        any_fresh(pool).await
+    }
+
+    async fn listen(pool: &Pool<Self>, channel: &str) -> Result<Listener, sqlx::Error> {
+        Listener::connect(pool, channel).await
+    }
+}
+
+impl RelaySession<Postgres> for Session {
+    async fn acquire(pool: &PgPool) -> Result<Self, sqlx::Error> {
+        Session::acquire(pool).await
+    }
+
+    async fn advance(&mut self, finish: Option<(&[i64], &Marks)>, next: Option<Take>) -> Advanced {
+        Session::advance(self, finish, next).await
+    }
+
+    async fn rollback(&mut self) -> Result<(), sqlx::Error> {
+        Session::rollback(self).await
+    }
+}
 
 const INSERT_SQL: &str = "\
 INSERT INTO idem_outbox (msg_id, subject, payload, headers) VALUES ($1, $2, $3, $4::jsonb) \
@@ -86,10 +247,10 @@ pub(crate) async fn notify_trigger_enabled(pool: &PgPool) -> Result<bool, sqlx::
 /// A relay's LISTEN connection (sqlx's `PgListener`), reduced to what a
 /// relay asks of it: whether a notification came. A lost connection is
 /// reconnected by the next read.
-pub(crate) struct Listener(PgListener);
+pub struct Listener(PgListener);
 
 /// What a read of a [`Listener`] found.
-pub(crate) enum Heard {
+pub enum Heard {
     /// A notification.
     Notification,
     /// The connection was lost and is connected again: notifications sent
@@ -138,7 +299,7 @@ pub(crate) async fn lag(pool: &PgPool) -> Result<(i64, Option<f64>, i64, bool), 
 /// Failing rows by subject and error: subject, error, rows, the oldest
 /// one's age (seconds), the most attempts, and the seconds until the next
 /// is due.
-pub(crate) type FailingRow = (String, Option<String>, i64, Option<f64>, i32, Option<f64>);
+pub type FailingRow = (String, Option<String>, i64, Option<f64>, i32, Option<f64>);
 
 /// The failing rows grouped by subject and error, the largest groups first,
 /// at most `most` groups.
@@ -190,11 +351,11 @@ pub(crate) async fn next_due(pool: &PgPool) -> Result<Option<std::time::Duration
 
 /// The rows a take returns: id, msg_id, subject, payload, headers (JSON
 /// text), attempts, and how many rows the take locked.
-pub(crate) type Row = (i64, String, String, Vec<u8>, Option<String>, i32, i64);
+pub type Row = (i64, String, String, Vec<u8>, Option<String>, i32, i64);
 
 /// Which rows a take locks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Lane {
+pub enum Lane {
     /// Rows that never failed, in id order.
     Fresh,
     /// Failing rows that are due, the earliest due first.
@@ -213,7 +374,7 @@ impl Lane {
 /// What a take asks for: up to `limit` rows of `lane`, of those the
 /// longest prefix within `bytes` (always the first).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Take {
+pub struct Take {
     pub(crate) lane: Lane,
     pub(crate) limit: usize,
     pub(crate) bytes: usize,
@@ -342,14 +503,14 @@ pub(crate) async fn any_fresh(pool: &PgPool) -> Result<bool, sqlx::Error> {
 /// The failures to record on their rows at the end of a cycle: each row's
 /// id, error, and its next back-off in seconds.
 #[derive(Debug, Default)]
-pub(crate) struct Marks {
+pub struct Marks {
     pub(crate) ids: Vec<i64>,
     pub(crate) errors: Vec<String>,
     pub(crate) backoffs: Vec<f64>,
 }
 
 /// What a finish (with a take after it, perhaps) came to.
-pub(crate) struct Advanced {
+pub struct Advanced {
     /// Whether the finished cycle's COMMIT went through (false also when
     /// there was nothing to finish).
     pub(crate) committed: bool,
@@ -370,7 +531,7 @@ impl Advanced {
 
 /// A pooled connection whose transactions the relay begins and ends in the
 /// messages of the module docs.
-pub(crate) struct Session {
+pub struct Session {
     connection: PoolConnection<Postgres>,
     /// It holds the prepared statements (see [`prepare_sql`]): once a take
     /// has run on it.
@@ -400,12 +561,6 @@ impl Session {
             tried: false,
             open: false,
         })
-    }
-
-    /// Begins a cycle's transaction and takes its rows: one round trip. A
-    /// take that finds nothing ends its transaction (a second one).
-    pub(crate) async fn take(&mut self, take: Take) -> Result<Vec<Row>, sqlx::Error> {
-        self.advance(None, Some(take)).await.taken
     }
 
     /// A take (no finish) on a session new to this relay: the pooled

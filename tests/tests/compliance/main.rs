@@ -4,9 +4,10 @@
 //! (`stores/<store>.rs`: how its server or file is started, its pool and
 //! transaction types, its router, and the two things that cannot be said
 //! in portable SQL: a statement that never ends, and whether a session
-//! waits on a lock). Its tests are `<store>::<test>`, and
+//! waits on a lock). Its tests are `<store>::<test>`,
 //! `<store>::{per_message,batched,adaptive}::<test>` for those run in each
-//! batching mode.
+//! batching mode, and `<store>::outbox::<test>` for the outbox's
+//! ([`outbox::outbox_suite!`]).
 //!
 //! Every test runs a real nats-server and a real database (a PostgreSQL
 //! or MariaDB server of its own, or a SQLite file in WAL mode with
@@ -19,7 +20,6 @@
 //! | Not here | Because | Where instead |
 //! |---|---|---|
 //! | An ambiguous COMMIT (the connection cut while COMMIT is in flight) | Injected differently: PostgreSQL's proxy reads its protocol to cut at COMMIT; MariaDB's test pauses a protocol-blind proxy from the handler, so that the COMMIT runs and its answer is held, then resets the connection. SQLite is a library in the worker's process, so its COMMIT has no connection to lose; it returns, or the process dies (the crash tests) | `commit_ack/ambiguous.rs`, `mariadb/` |
-//! | The outbox | SQLite and MariaDB have no outbox in this idem yet | `outbox/` |
 //! | Expiry | The stores expire differently: PostgreSQL drops generations of partitions, SQLite and MariaDB delete claims past their retention | `retention/`, `sqlite/`, `mariadb/` |
 //! | Database restarts and outages | A SQLite file cannot go away and come back as a server does; MariaDB's restart is not written yet | `outages/` |
 //! | Scale-out across processes and the chaos suite's kill mode | A process's kills are another harness: the chaos suite's on PostgreSQL, and one kill run written once (`idem_tests::kill_run`) for SQLite and MariaDB, each with a worker binary of its own | `chaos/`, `cluster.rs`, `sqlite/kills.rs`, `mariadb/kills.rs` |
@@ -28,20 +28,24 @@
 //! | A swallowed error, a deferred constraint, a lost claim in a batch | PostgreSQL's aborted-transaction and COMMIT-time behaviours | `commit_ack/commit_check.rs` |
 
 mod bed;
+mod outbox;
 mod stores;
 mod suite;
 
 /// The suite on PostgreSQL.
 mod postgres {
     crate::suite::compliance_suite!(postgres);
+    crate::outbox::outbox_suite!();
 }
 
 /// The suite on MariaDB.
 mod mariadb {
     crate::suite::compliance_suite!(mariadb);
+    crate::outbox::outbox_suite!();
 }
 
 /// The suite on SQLite.
 mod sqlite {
     crate::suite::compliance_suite!(sqlite);
+    crate::outbox::outbox_suite!();
 }

@@ -11,6 +11,7 @@
 //! `harness::Mariadb`) and a nats-server.
 
 mod kills;
+mod outbox;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;

@@ -19,6 +19,7 @@
 //! ... RETURNING`, and the bounds its `max_statement_time`. The guide's
 //! MariaDB chapter says what differs from PostgreSQL, and why.
 
+mod outbox;
 mod tables;
 mod transaction;
 

@@ -21,10 +21,11 @@ use crate::store::reads::HandlerRow;
 /// (version, description, SQL) of every MariaDB migration, oldest first.
 /// sqlx's migrator takes a named lock (`GET_LOCK`) while it runs, so
 /// workers starting at once apply each migration once.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "claims",
-    "CREATE TABLE IF NOT EXISTS idem_handlers (
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "claims",
+        "CREATE TABLE IF NOT EXISTS idem_handlers (
          id INT AUTO_INCREMENT PRIMARY KEY,
          name VARCHAR(255) NOT NULL,
          retention_ms BIGINT NULL,
@@ -38,7 +39,9 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[(
          result LONGBLOB NULL,
          KEY idem_claims_by_age (handler_id, claimed_at)
      ) ENGINE = InnoDB;",
-)];
+    ),
+    (2, "the outbox", super::outbox::MIGRATION),
+];
 
 /// Claims deleted per statement by the purge.
 const PURGE_CHUNK: i64 = 1_000;

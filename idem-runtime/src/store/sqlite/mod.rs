@@ -23,6 +23,7 @@
 //! guide's SQLite chapter says what differs from PostgreSQL, and why.
 
 mod filesystem;
+mod outbox;
 mod settings;
 mod tables;
 mod transaction;

@@ -47,6 +47,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "ALTER TABLE idem_handlers ADD COLUMN router_journal_mode TEXT;
          ALTER TABLE idem_handlers ADD COLUMN router_synchronous INTEGER;",
     ),
+    (3, "the outbox", super::outbox::MIGRATION),
 ];
 
 /// Claims deleted per transaction by the purge.
