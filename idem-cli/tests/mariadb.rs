@@ -10,17 +10,16 @@ mod common;
 
 use std::time::Duration;
 
-use async_nats::jetstream;
-use idem_runtime::outbox::{self, Outbox, Relay, RelayStats};
 use idem_runtime::retention::Unbounded;
 use idem_runtime::{Delivery, Route, Router, idempotent};
 use idem_tests::scenario::{
     Deposit, create_stream, deposit, fast, publish, stop, unique_name, wait_all_acked,
 };
-use idem_tests::{Mariadb, NatsServer, eventually, init_tracing};
-use serde_json::{Value, json};
+use idem_tests::{Mariadb, NatsServer, init_tracing};
+use serde_json::json;
 use sqlx::{MySql, MySqlPool};
 
+use common::outbox::{self, Dialect};
 use common::{Run, idem_in};
 
 const HANDLER: &str = "mariadb.cli.credit.v1";
@@ -44,6 +43,18 @@ async fn credit(
     Ok(())
 }
 
+/// A MariaDB server of the test's own, migrated by the runtime, and a
+/// nats-server.
+async fn migrated() -> (Mariadb, MySqlPool, NatsServer) {
+    init_tracing();
+    let (mariadb, nats) = tokio::join!(Mariadb::start(), NatsServer::start());
+    let pool = mariadb.pool().await;
+    idem_runtime::schema::migrate(&pool)
+        .await
+        .expect("migrations run");
+    (mariadb, pool, nats)
+}
+
 /// A MariaDB server and a nats-server, with [`MESSAGES`] deposits (ids
 /// `c-0`, `c-1`, ...) processed once each by a MariaDB router.
 struct Bed {
@@ -56,12 +67,7 @@ struct Bed {
 impl Bed {
     /// The router's route keeps claims for `retention` (`None`: forever).
     async fn processed(retention: Option<Duration>) -> Bed {
-        init_tracing();
-        let (mariadb, nats) = tokio::join!(Mariadb::start(), NatsServer::start());
-        let pool = mariadb.pool().await;
-        idem_runtime::schema::migrate(&pool)
-            .await
-            .expect("migrations run");
+        let (mariadb, pool, nats) = migrated().await;
         sqlx::raw_sql(
             "CREATE TABLE effects (msg_id TEXT NOT NULL, account TEXT NOT NULL, amount BIGINT NOT NULL)",
         )
@@ -138,17 +144,7 @@ async fn status_counts_one_claim_per_message_shows_an_empty_outbox_and_warns_abo
     assert_eq!(consumer["handler"], HANDLER, "{status:#}");
     assert_eq!(consumer["claims"], MESSAGES, "{status:#}");
     assert_eq!(status["handlers"][0]["claims"], MESSAGES, "{status:#}");
-    assert_eq!(
-        status["outbox"],
-        json!({
-            "pending": 0,
-            "oldest_age_seconds": 0.0,
-            "failing": 0,
-            "notify_trigger": null,
-            "failures": [],
-        }),
-        "the router queued nothing, and MariaDB has no NOTIFY trigger: {status:#}"
-    );
+    outbox::assert_empty_outbox(&status, "MariaDB");
     assert_eq!(status["expiry"]["behind"], false, "{status:#}");
     let durability = &status["database_durability"];
     assert_eq!(
@@ -230,188 +226,23 @@ async fn dedup_check_and_purge_on_mariadb() {
     assert_eq!(status["expiry"]["behind"], false, "{status:#}");
 }
 
-/// Rows queued for a subject no stream stores fail while the relay
-/// publishes the others; `idem status` lists them with their subject and
-/// why; once the stream exists, `idem outbox retry` makes them due with
-/// their back-off restarted, and the relay publishes them, each once.
+/// Failing outbox rows, as `idem status` lists them and `idem outbox retry`
+/// makes them due, on MariaDB: see
+/// [`outbox::status_lists_failing_rows_and_retry_makes_them_due`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_lists_failing_outbox_rows_and_outbox_retry_makes_them_due() {
-    init_tracing();
-    let (mariadb, nats) = tokio::join!(Mariadb::start(), NatsServer::start());
-    let pool = mariadb.pool().await;
-    idem_runtime::schema::migrate(&pool)
-        .await
-        .expect("migrations run");
-    let url = mariadb.url();
-    let client = nats.client().await;
-    let js = jetstream::new(client.clone());
-    let (late, ok) = (unique_name("LATE"), unique_name("OK"));
-    let (late_subject, ok_subject) = (format!("{late}.paid"), format!("{ok}.paid"));
-    create_stream(&js, &ok, &format!("{ok}.>"), Duration::from_secs(60)).await;
-    let outbox: Outbox = Outbox::keyed("mariadb-cli-outbox");
-    let mut tx = pool.begin().await.expect("a transaction");
-    outbox
-        .send(&mut tx, &late_subject, &1)
-        .await
-        .expect("queued");
-    outbox.send(&mut tx, &ok_subject, &1).await.expect("queued");
-    tx.commit().await.expect("committed");
-
-    let (relay, stats) = relay_on(&client, &pool);
-    eventually(
-        "the relay publishes one row and records the other's failure",
-        Duration::from_secs(30),
-        async || {
-            stored(&js, &ok).await == 1
-                && outbox::lag(&pool)
-                    .await
-                    .is_ok_and(|lag| lag.pending == 1 && lag.failing == 1)
+    let (mariadb, pool, nats) = migrated().await;
+    outbox::status_lists_failing_rows_and_retry_makes_them_due(
+        &pool,
+        &mariadb.url(),
+        &nats,
+        Dialect {
+            name: "MariaDB",
+            push_back_off: "UPDATE idem_outbox SET not_before = UNIX_TIMESTAMP(NOW(6)) + 3600",
+            row_state: "SELECT attempts, CAST(not_before - UNIX_TIMESTAMP(NOW(6)) AS DOUBLE) FROM idem_outbox",
         },
     )
     .await;
-    relay.stop().await;
-    // Pushed out as a long back-off would have them.
-    sqlx::query("UPDATE idem_outbox SET not_before = UNIX_TIMESTAMP(NOW(6)) + 3600")
-        .execute(&pool)
-        .await
-        .expect("the back-off is pushed out");
-
-    let status = idem_in(None, Some(nats.url()), &url, &["status", "--json"])
-        .await
-        .json(0);
-    let listed = &status["outbox"];
-    assert_eq!(listed["pending"], 1, "{status:#}");
-    assert_eq!(listed["failing"], 1, "{status:#}");
-    assert_eq!(listed["notify_trigger"], Value::Null, "{status:#}");
-    let failures = listed["failures"].as_array().expect("failures");
-    assert_eq!(failures.len(), 1, "{status:#}");
-    assert_eq!(failures[0]["subject"], late_subject.as_str(), "{status:#}");
-    assert_eq!(failures[0]["rows"], 1, "{status:#}");
-    assert!(
-        failures[0]["attempts"].as_i64().is_some_and(|n| n >= 1),
-        "{status:#}"
-    );
-    assert!(
-        failures[0]["error"]
-            .as_str()
-            .is_some_and(|error| error.contains("no stream")),
-        "{status:#}"
-    );
-    let next = failures[0]["next_attempt_seconds"]
-        .as_f64()
-        .expect("seconds");
-    assert!((3000.0..=3600.0).contains(&next), "next attempt in {next}");
-    let text = idem_in(None, Some(nats.url()), &url, &["status"]).await;
-    for part in [
-        "outbox: 1 pending, the oldest ",
-        "(MariaDB has no notifications); 1 failing: ",
-        "Fix the cause, then `idem outbox retry`.",
-        late_subject.as_str(),
-        "no stream",
-    ] {
-        assert!(text.text().contains(part), "{part}: {text:#?}");
-    }
-
-    // Another subject's rows: none failing, nothing changed.
-    let other = idem_in(
-        None,
-        None,
-        &url,
-        &["outbox", "retry", "--subject", &ok_subject],
-    )
-    .await;
-    assert_eq!(
-        other.text().trim(),
-        format!("no failing outbox rows of `{ok_subject}`: nothing to retry")
-    );
-    assert_eq!(row_state(&pool).await.0, 1, "the failing row is untouched");
-
-    create_stream(&js, &late, &format!("{late}.>"), Duration::from_secs(60)).await;
-    let retried = idem_in(None, None, &url, &["outbox", "retry", "--json"])
-        .await
-        .json(0);
-    assert_eq!(
-        retried,
-        json!({ "retried": 1, "subject": null }),
-        "{retried:#}"
-    );
-    let (attempts, due_in) = row_state(&pool).await;
-    assert_eq!(attempts, 0, "its back-off restarts");
-    assert!(due_in <= 0.0, "it is due now, not in {due_in}s");
-
-    let (relay, stats_after) = relay_on(&client, &pool);
-    eventually(
-        "the retried row is published",
-        Duration::from_secs(10),
-        async || {
-            stored(&js, &late).await == 1
-                && outbox::lag(&pool).await.is_ok_and(|lag| lag.pending == 0)
-        },
-    )
-    .await;
-    relay.stop().await;
-    assert_eq!(
-        stats.duplicates() + stats_after.duplicates(),
-        0,
-        "each stored once"
-    );
-    let none = idem_in(None, None, &url, &["outbox", "retry"]).await;
-    assert_eq!(
-        none.text().trim(),
-        "no failing outbox rows: nothing to retry"
-    );
-}
-
-/// The failing row's attempts, and in how many seconds it is due.
-async fn row_state(pool: &MySqlPool) -> (i32, f64) {
-    sqlx::query_as(
-        "SELECT attempts, CAST(not_before - UNIX_TIMESTAMP(NOW(6)) AS DOUBLE) FROM idem_outbox",
-    )
-    .fetch_one(pool)
-    .await
-    .expect("the one row left reads")
-}
-
-/// A relay running on `pool` until stopped, with an hour's back-off
-/// between a row's attempts: only a retry by hand sends a failed row soon.
-fn relay_on(client: &async_nats::Client, pool: &MySqlPool) -> (RunningRelay, RelayStats) {
-    let relay = Relay::new()
-        .poll_interval(Duration::from_millis(100))
-        .max_row_backoff(Duration::from_secs(3600));
-    let stats = relay.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(relay.run_until(client.clone(), pool.clone(), async {
-        let _ = stopped.await;
-    }));
-    (RunningRelay { stop, task }, stats)
-}
-
-struct RunningRelay {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), outbox::RelayError>>,
-}
-
-impl RunningRelay {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("the relay stops")
-            .expect("the relay does not panic")
-            .expect("the relay returns Ok");
-    }
-}
-
-/// The messages `stream` holds.
-async fn stored(js: &jetstream::Context, stream: &str) -> u64 {
-    js.get_stream(stream)
-        .await
-        .expect("the stream exists")
-        .info()
-        .await
-        .expect("its info")
-        .state
-        .messages
 }
 
 #[tokio::test]

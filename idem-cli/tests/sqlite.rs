@@ -14,18 +14,17 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
-use async_nats::jetstream;
-use idem_runtime::outbox::{self, Outbox, Relay, RelayStats};
 use idem_runtime::retention::Unbounded;
 use idem_runtime::{Delivery, Route, Router, idempotent};
 use idem_tests::scenario::{
     Deposit, create_stream, deposit, fast, publish, stop, unique_name, wait_all_acked, wait_pulling,
 };
-use idem_tests::{NatsServer, eventually, init_tracing};
+use idem_tests::{NatsServer, init_tracing};
 use serde_json::{Value, json};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Sqlite, SqlitePool};
 
+use common::outbox::{self, Dialect};
 use common::{Run, idem_in};
 
 const HANDLER: &str = "sqlite.cli.credit.v1";
@@ -216,17 +215,7 @@ async fn status_counts_one_claim_per_processed_message_and_shows_an_empty_outbox
         .expect("an age");
     assert!((0.0..600.0).contains(&oldest), "oldest claim age {oldest}");
 
-    assert_eq!(
-        status["outbox"],
-        json!({
-            "pending": 0,
-            "oldest_age_seconds": 0.0,
-            "failing": 0,
-            "notify_trigger": null,
-            "failures": [],
-        }),
-        "the router queued nothing, and SQLite has no NOTIFY trigger: {status:#}"
-    );
+    outbox::assert_empty_outbox(&status, "SQLite");
     assert_eq!(status["expiry"]["behind"], false, "{status:#}");
     assert_eq!(
         status["database_durability"],
@@ -343,186 +332,24 @@ async fn purge_deletes_the_claims_aged_past_their_retention_and_says_how_many() 
     assert!(!text.contains("generation"), "{text}");
 }
 
-/// Rows queued for a subject no stream stores fail while the relay
-/// publishes the others; `idem status` lists them with their subject and
-/// why; once the stream exists, `idem outbox retry` makes them due with
-/// their back-off restarted, and the relay publishes them, each once.
+/// Failing outbox rows, as `idem status` lists them and `idem outbox retry`
+/// makes them due, on SQLite: see
+/// [`outbox::status_lists_failing_rows_and_retry_makes_them_due`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_lists_failing_outbox_rows_and_outbox_retry_makes_them_due() {
     let db = Db::migrated().await;
     let nats = NatsServer::start().await;
-    let client = nats.client().await;
-    let js = jetstream::new(client.clone());
-    let (late, ok) = (unique_name("LATE"), unique_name("OK"));
-    let (late_subject, ok_subject) = (format!("{late}.paid"), format!("{ok}.paid"));
-    create_stream(&js, &ok, &format!("{ok}.>"), Duration::from_secs(60)).await;
-    let outbox: Outbox = Outbox::keyed("sqlite-cli-outbox");
-    let mut tx = db.pool.begin().await.expect("a transaction");
-    outbox
-        .send(&mut tx, &late_subject, &1)
-        .await
-        .expect("queued");
-    outbox.send(&mut tx, &ok_subject, &1).await.expect("queued");
-    tx.commit().await.expect("committed");
-
-    let (relay, stats) = relay_on(&client, &db.pool);
-    eventually(
-        "the relay publishes one row and records the other's failure",
-        Duration::from_secs(30),
-        async || {
-            stored(&js, &ok).await == 1
-                && outbox::lag(&db.pool)
-                    .await
-                    .is_ok_and(|lag| lag.pending == 1 && lag.failing == 1)
-        },
-    )
-    .await;
-    relay.stop().await;
-    // Pushed out as a long back-off would have them.
-    sqlx::query("UPDATE idem_outbox SET not_before = unixepoch('subsec') + 3600")
-        .execute(&db.pool)
-        .await
-        .expect("the back-off is pushed out");
-
-    let status = idem(Some(nats.url()), &db.url, &["status", "--json"])
-        .await
-        .json(0);
-    let listed = &status["outbox"];
-    assert_eq!(listed["pending"], 1, "{status:#}");
-    assert_eq!(listed["failing"], 1, "{status:#}");
-    assert_eq!(listed["notify_trigger"], Value::Null, "{status:#}");
-    let failures = listed["failures"].as_array().expect("failures");
-    assert_eq!(failures.len(), 1, "{status:#}");
-    assert_eq!(failures[0]["subject"], late_subject.as_str(), "{status:#}");
-    assert_eq!(failures[0]["rows"], 1, "{status:#}");
-    assert!(
-        failures[0]["attempts"].as_i64().is_some_and(|n| n >= 1),
-        "{status:#}"
-    );
-    assert!(
-        failures[0]["error"]
-            .as_str()
-            .is_some_and(|error| error.contains("no stream")),
-        "{status:#}"
-    );
-    let next = failures[0]["next_attempt_seconds"]
-        .as_f64()
-        .expect("seconds");
-    assert!((3000.0..=3600.0).contains(&next), "next attempt in {next}");
-    let text = idem(Some(nats.url()), &db.url, &["status"]).await;
-    for part in [
-        "outbox: 1 pending, the oldest ",
-        "(SQLite has no notifications); 1 failing: ",
-        "Fix the cause, then `idem outbox retry`.",
-        late_subject.as_str(),
-        "no stream",
-    ] {
-        assert!(text.text().contains(part), "{part}: {text:#?}");
-    }
-
-    // Another subject's rows: none failing, nothing changed.
-    let other = idem(
-        None,
+    outbox::status_lists_failing_rows_and_retry_makes_them_due(
+        &db.pool,
         &db.url,
-        &["outbox", "retry", "--subject", &ok_subject],
-    )
-    .await;
-    assert_eq!(
-        other.text().trim(),
-        format!("no failing outbox rows of `{ok_subject}`: nothing to retry")
-    );
-    assert_eq!(
-        row_state(&db.pool).await.0,
-        1,
-        "the failing row is untouched"
-    );
-
-    create_stream(&js, &late, &format!("{late}.>"), Duration::from_secs(60)).await;
-    let retried = idem(None, &db.url, &["outbox", "retry", "--json"])
-        .await
-        .json(0);
-    assert_eq!(
-        retried,
-        json!({ "retried": 1, "subject": null }),
-        "{retried:#}"
-    );
-    let (attempts, due_in) = row_state(&db.pool).await;
-    assert_eq!(attempts, 0, "its back-off restarts");
-    assert!(due_in <= 0.0, "it is due now, not in {due_in}s");
-
-    let (relay, stats_after) = relay_on(&client, &db.pool);
-    eventually(
-        "the retried row is published",
-        Duration::from_secs(10),
-        async || {
-            stored(&js, &late).await == 1
-                && outbox::lag(&db.pool)
-                    .await
-                    .is_ok_and(|lag| lag.pending == 0)
+        &nats,
+        Dialect {
+            name: "SQLite",
+            push_back_off: "UPDATE idem_outbox SET not_before = unixepoch('subsec') + 3600",
+            row_state: "SELECT attempts, not_before - unixepoch('subsec') FROM idem_outbox",
         },
     )
     .await;
-    relay.stop().await;
-    assert_eq!(
-        stats.duplicates() + stats_after.duplicates(),
-        0,
-        "each stored once"
-    );
-    let none = idem(None, &db.url, &["outbox", "retry"]).await;
-    assert_eq!(
-        none.text().trim(),
-        "no failing outbox rows: nothing to retry"
-    );
-}
-
-/// The failing row's attempts, and in how many seconds it is due.
-async fn row_state(pool: &SqlitePool) -> (i64, f64) {
-    sqlx::query_as("SELECT attempts, not_before - unixepoch('subsec') FROM idem_outbox")
-        .fetch_one(pool)
-        .await
-        .expect("the one row left reads")
-}
-
-/// A relay running on `pool` until stopped, with an hour's back-off
-/// between a row's attempts: only a retry by hand sends a failed row soon.
-fn relay_on(client: &async_nats::Client, pool: &SqlitePool) -> (RunningRelay, RelayStats) {
-    let relay = Relay::new()
-        .poll_interval(Duration::from_millis(100))
-        .max_row_backoff(Duration::from_secs(3600));
-    let stats = relay.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(relay.run_until(client.clone(), pool.clone(), async {
-        let _ = stopped.await;
-    }));
-    (RunningRelay { stop, task }, stats)
-}
-
-struct RunningRelay {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), outbox::RelayError>>,
-}
-
-impl RunningRelay {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("the relay stops")
-            .expect("the relay does not panic")
-            .expect("the relay returns Ok");
-    }
-}
-
-/// The messages `stream` holds.
-async fn stored(js: &jetstream::Context, stream: &str) -> u64 {
-    js.get_stream(stream)
-        .await
-        .expect("the stream exists")
-        .info()
-        .await
-        .expect("its info")
-        .state
-        .messages
 }
 
 #[tokio::test]

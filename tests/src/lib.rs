@@ -45,6 +45,8 @@
 //! - [`pg_proxy`] and [`fault_proxy`]: proxies that cut a COMMIT, or pause,
 //!   drop and reset connections.
 //! - [`ack_events`]: every ack JetStream receives, parsed, with a probe.
+//! - [`outbox`]: the streams an outbox relay publishes to, what they store,
+//!   and a relay run as a task, on any database the outbox runs on.
 //! - [`sqlite`]: SQLite files opened as the guide asks.
 //! - [`worker_process`]: a worker binary run as a child process, its
 //!   journal read back, SIGKILLed or held between COMMIT and ack.
@@ -74,6 +76,7 @@ pub mod fault_proxy;
 pub mod kill_run;
 pub mod kill_worker;
 mod logs;
+pub mod outbox;
 pub mod scenario;
 pub mod seeded;
 pub mod sqlite;

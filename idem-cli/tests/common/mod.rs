@@ -1,7 +1,10 @@
-//! Running the built `idem` binary, for the tests of each command.
+//! Running the built `idem` binary, for the tests of each command; and
+//! [`outbox`], the outbox's checks written once for SQLite and MariaDB.
 
 // Each test binary uses part of it.
 #![allow(dead_code)]
+
+pub mod outbox;
 
 use std::path::Path;
 

@@ -457,41 +457,14 @@ mod sealed {
     pub trait Sealed {}
 }
 
-impl<DB: OutboxStore> sealed::Sealed for Transaction<'_, DB> {}
+/// `$type`, on `$database`, as a [`Transactional`]: its row goes in
+/// through `$database`'s [`OutboxStore::queue`], given `&mut *self` (a
+/// transaction or a pooled connection derefs to its connection).
+macro_rules! transactional {
+    ([$($generics:tt)*] $type:ty, $database:ty) => {
+        impl $($generics)* sealed::Sealed for $type {}
 
-impl<DB: OutboxStore> Transactional for Transaction<'_, DB> {
-    async fn queue(
-        &mut self,
-        msg_id: &str,
-        subject: &str,
-        payload: &[u8],
-        headers: Option<String>,
-    ) -> Result<(), sqlx::Error> {
-        DB::queue(&mut **self, msg_id, subject, payload, headers).await
-    }
-}
-
-impl<DB: OutboxStore> sealed::Sealed for sqlx::pool::PoolConnection<DB> {}
-
-/// A pooled connection outside a transaction: the row is queued on its own.
-impl<DB: OutboxStore> Transactional for sqlx::pool::PoolConnection<DB> {
-    async fn queue(
-        &mut self,
-        msg_id: &str,
-        subject: &str,
-        payload: &[u8],
-        headers: Option<String>,
-    ) -> Result<(), sqlx::Error> {
-        DB::queue(&mut **self, msg_id, subject, payload, headers).await
-    }
-}
-
-/// A database's connection type, as a [`Transactional`].
-macro_rules! transactional_connection {
-    ($connection:ty, $database:ty) => {
-        impl sealed::Sealed for $connection {}
-
-        impl Transactional for $connection {
+        impl $($generics)* Transactional for $type {
             async fn queue(
                 &mut self,
                 msg_id: &str,
@@ -499,17 +472,21 @@ macro_rules! transactional_connection {
                 payload: &[u8],
                 headers: Option<String>,
             ) -> Result<(), sqlx::Error> {
-                <$database as OutboxStore>::queue(self, msg_id, subject, payload, headers).await
+                <$database as OutboxStore>::queue(&mut *self, msg_id, subject, payload, headers)
+                    .await
             }
         }
     };
 }
 
-transactional_connection!(sqlx::PgConnection, sqlx::Postgres);
+transactional!([<'c, DB: OutboxStore>] Transaction<'c, DB>, DB);
+// A pooled connection outside a transaction: the row is queued on its own.
+transactional!([<DB: OutboxStore>] sqlx::pool::PoolConnection<DB>, DB);
+transactional!([] sqlx::PgConnection, sqlx::Postgres);
 #[cfg(feature = "sqlite")]
-transactional_connection!(sqlx::SqliteConnection, sqlx::Sqlite);
+transactional!([] sqlx::SqliteConnection, sqlx::Sqlite);
 #[cfg(feature = "mariadb")]
-transactional_connection!(sqlx::MySqlConnection, sqlx::MySql);
+transactional!([] sqlx::MySqlConnection, sqlx::MySql);
 
 /// A message that could not be queued.
 #[derive(Debug, thiserror::Error)]

@@ -444,6 +444,24 @@ fn prepare_sql() -> String {
 }
 
 impl Take {
+    /// Of `candidates` (id, size in bytes), in the take's order, the ids of
+    /// the longest prefix within the take's bytes (always the first): the
+    /// cut PostgreSQL's take makes on the server, for the databases whose
+    /// take makes it in two steps.
+    #[cfg(any(feature = "sqlite", feature = "mariadb"))]
+    pub(crate) fn fitting(&self, candidates: &[(i64, i64)]) -> Vec<i64> {
+        let mut chosen = Vec::with_capacity(candidates.len());
+        let mut bytes = 0usize;
+        for &(id, size) in candidates {
+            bytes = bytes.saturating_add(usize::try_from(size).unwrap_or(usize::MAX));
+            if !chosen.is_empty() && bytes > self.bytes {
+                break;
+            }
+            chosen.push(id);
+        }
+        chosen
+    }
+
     /// The statements that begin a cycle's transaction, bound it on the
     /// server (a cycle whose process froze, or whose network went away
     /// without a reset, must not keep its rows locked until TCP keepalive

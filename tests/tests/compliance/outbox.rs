@@ -23,58 +23,18 @@ macro_rules! outbox_suite {
             use std::sync::atomic::{AtomicUsize, Ordering};
             use std::time::Duration;
 
-            use async_nats::jetstream;
             use idem_runtime::fault::{AfterCommit, AfterPubAcks, FaultHooks};
             use idem_runtime::outbox::{self, Outbox, OutboxError, Relay, RelayError};
             use idem_runtime::{Delivery, Route, Transient, idempotent};
+            use idem_tests::outbox::{
+                out_stream, pending_rows, spawn_relay, stop_relay, stored_ids,
+            };
             use idem_tests::scenario::{
-                Deposit, create_stream, eventually, fast, header, stop, wait_all_acked,
+                Deposit, create_stream, eventually, fast, stop, wait_all_acked,
             };
             use idem_tests::unique_name;
-            use tokio::sync::oneshot;
 
-            use super::{Bed, Tx, bed, ledger, record, spawn, store};
-
-            /// A stream for the outbox's messages: it stores `<name>.>`.
-            async fn out_stream(js: &jetstream::Context, prefix: &str) -> String {
-                let name = unique_name(prefix);
-                create_stream(js, &name, &format!("{name}.>"), Duration::from_secs(120)).await;
-                name
-            }
-
-            /// Every message `stream` stores, in stream order.
-            async fn stored(
-                js: &jetstream::Context,
-                stream: &str,
-            ) -> Vec<jetstream::message::StreamMessage> {
-                let mut handle = js.get_stream(stream).await.expect("stream exists");
-                let last = handle
-                    .info()
-                    .await
-                    .expect("stream info")
-                    .state
-                    .last_sequence;
-                let mut messages = Vec::new();
-                for sequence in 1..=last {
-                    if let Ok(message) = handle.get_raw_message(sequence).await {
-                        messages.push(message);
-                    }
-                }
-                messages
-            }
-
-            /// The `Nats-Msg-Id` of every message `stream` stores.
-            async fn stored_ids(js: &jetstream::Context, stream: &str) -> Vec<String> {
-                stored(js, stream)
-                    .await
-                    .iter()
-                    .map(|m| header(m, "Nats-Msg-Id"))
-                    .collect()
-            }
-
-            async fn pending_rows(pool: &store::Pool) -> i64 {
-                outbox::lag(pool).await.expect("the lag reads").pending
-            }
+            use super::{Tx, bed, ledger, record, spawn, store};
 
             /// Queues `count` deposits for `subject` in one committed
             /// transaction, with ids derived from `key`; their ids.
@@ -101,30 +61,6 @@ macro_rules! outbox_suite {
                 }
                 tx.commit().await.expect("the rows commit");
                 ids
-            }
-
-            type RelayTask = tokio::task::JoinHandle<Result<(), RelayError>>;
-
-            fn spawn_relay(
-                relay: Relay,
-                bed: &Bed<store::Pool>,
-                pool: &store::Pool,
-            ) -> (oneshot::Sender<()>, RelayTask) {
-                let (stop, stopped) = oneshot::channel::<()>();
-                let task =
-                    tokio::spawn(relay.run_until(bed.nats.clone(), pool.clone(), async move {
-                        let _ = stopped.await;
-                    }));
-                (stop, task)
-            }
-
-            async fn stop_relay(stop: oneshot::Sender<()>, task: RelayTask) {
-                let _ = stop.send(());
-                tokio::time::timeout(Duration::from_secs(30), task)
-                    .await
-                    .expect("the relay stops within 30 s")
-                    .expect("the relay task does not panic")
-                    .expect("the relay returns Ok");
             }
 
             #[derive(Debug, thiserror::Error)]
@@ -264,7 +200,7 @@ macro_rules! outbox_suite {
 
                 let relay = Relay::new();
                 let stats = relay.stats();
-                let (stop, task) = spawn_relay(relay, &bed, &bed.pool);
+                let (stop, task) = spawn_relay(relay, bed.nats.clone(), bed.pool.clone());
                 eventually(
                     "the good rows go out and the stuck one is failing",
                     Duration::from_secs(30),
@@ -391,8 +327,8 @@ macro_rules! outbox_suite {
                 let out = out_stream(&bed.js, "OBTWOOUT").await;
                 let (a, b) = (Relay::new().batch_size(8), Relay::new().batch_size(8));
                 let (stats_a, stats_b) = (a.stats(), b.stats());
-                let (stop_a, task_a) = spawn_relay(a, &bed, &bed.pool);
-                let (stop_b, task_b) = spawn_relay(b, &bed, &bed.second_pool);
+                let (stop_a, task_a) = spawn_relay(a, bed.nats.clone(), bed.pool.clone());
+                let (stop_b, task_b) = spawn_relay(b, bed.nats.clone(), bed.second_pool.clone());
                 eventually("both relays cycle", Duration::from_secs(30), || async {
                     stats_a.empty_cycles() > 0 && stats_b.empty_cycles() > 0
                 })

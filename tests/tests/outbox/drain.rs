@@ -14,35 +14,9 @@ use async_nats::jetstream;
 use idem_runtime::outbox::{Outbox, Relay};
 use idem_tests::FaultProxy;
 use idem_tests::fault_proxy::Direction;
+use idem_tests::outbox::{out_stream, pending_rows, stored_count, stored_ids};
 use idem_tests::scenario::*;
 use sqlx::PgPool;
-
-use crate::{pending_rows, stored_count};
-
-/// A stream that stores `<name>.>`.
-async fn out_stream(js: &jetstream::Context, prefix: &str) -> String {
-    let name = unique_name(prefix);
-    create_stream(js, &name, &format!("{name}.>"), Duration::from_secs(120)).await;
-    name
-}
-
-/// Every `Nats-Msg-Id` stored in `stream`, in stream order.
-async fn stored_ids(js: &jetstream::Context, stream: &str) -> Vec<String> {
-    let mut handle = js.get_stream(stream).await.expect("stream exists");
-    let last = handle
-        .info()
-        .await
-        .expect("stream info")
-        .state
-        .last_sequence;
-    let mut ids = Vec::new();
-    for sequence in 1..=last {
-        if let Ok(message) = handle.get_raw_message(sequence).await {
-            ids.push(header(&message, "Nats-Msg-Id"));
-        }
-    }
-    ids
-}
 
 /// Queues one message per entry of `pads` for `subject` (a string of that
 /// many bytes), in one committed transaction with ids from `key`; returns

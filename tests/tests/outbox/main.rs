@@ -14,26 +14,7 @@ mod publishing;
 mod relay_liveness;
 mod wake;
 
-use async_nats::jetstream;
-use idem_runtime::outbox;
 use sqlx::PgPool;
-
-/// How many messages `stream` stores.
-async fn stored_count(js: &jetstream::Context, stream: &str) -> u64 {
-    js.get_stream(stream)
-        .await
-        .expect("stream exists")
-        .info()
-        .await
-        .expect("stream info")
-        .state
-        .messages
-}
-
-/// The outbox rows not yet published.
-async fn pending_rows(pool: &PgPool) -> i64 {
-    outbox::lag(pool).await.expect("lag is read").pending
-}
 
 /// Whether the outbox's NOTIFY trigger is enabled (migration 7 disables
 /// it).

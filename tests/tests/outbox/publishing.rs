@@ -10,40 +10,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::stored_count;
-use crate::{notify_trigger_enabled, pending_rows};
+use crate::notify_trigger_enabled;
 use async_nats::jetstream;
 use idem_runtime::fault::AfterPubAcks;
 use idem_runtime::outbox::{self, BatchOutbox, Outbox, OutboxError, Relay, RelayError};
 use idem_runtime::{Classify, Delivery, ErrorClass, Route, Router, State, idempotent};
+use idem_tests::outbox::{
+    out_stream, out_stream_with_window, pending_rows, spawn_relay, stop_relay, stored, stored_count,
+};
 use idem_tests::scenario::*;
 use sqlx::PgPool;
-use tokio::sync::oneshot;
-
-/// A stream for the outbox's messages: it stores `<name>.>`.
-async fn out_stream(js: &jetstream::Context, prefix: &str, window: Duration) -> String {
-    let name = unique_name(prefix);
-    create_stream(js, &name, &format!("{name}.>"), window).await;
-    name
-}
-
-/// Every message stored in `stream`, in stream order.
-async fn stored(js: &jetstream::Context, stream: &str) -> Vec<jetstream::message::StreamMessage> {
-    let mut handle = js.get_stream(stream).await.expect("stream exists");
-    let last = handle
-        .info()
-        .await
-        .expect("stream info")
-        .state
-        .last_sequence;
-    let mut messages = Vec::new();
-    for sequence in 1..=last {
-        if let Ok(message) = handle.get_raw_message(sequence).await {
-            messages.push(message);
-        }
-    }
-    messages
-}
 
 /// Queues `count` deposits for `subject` in one committed transaction,
 /// with ids derived from `key`. Returns their ids in queue order.
@@ -60,33 +36,6 @@ async fn queue(pool: &PgPool, key: &str, subject: &str, count: i64) -> Vec<Strin
     }
     tx.commit().await.unwrap();
     ids
-}
-
-fn spawn_relay(
-    relay: Relay,
-    nats: async_nats::Client,
-    pool: PgPool,
-) -> (
-    oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), RelayError>>,
-) {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(relay.run_until(nats, pool, async move {
-        let _ = stopped.await;
-    }));
-    (stop, task)
-}
-
-async fn stop_relay(
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), RelayError>>,
-) {
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(30), task)
-        .await
-        .expect("the relay stops within 30 s")
-        .expect("the relay task does not panic")
-        .expect("the relay returns Ok");
 }
 
 /// The ids a handler queued, one entry per call.
@@ -138,7 +87,7 @@ async fn a_handler_that_rolls_back_publishes_nothing() {
         stream,
         subject,
     } = scenario("OBROLL", Duration::from_secs(120)).await;
-    let out = out_stream(&js, "OBROLL_OUT", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBROLL_OUT").await;
     let relay = Relay::new();
     let relay_stats = relay.stats();
     let (stop_sender, relay_task) = spawn_relay(relay, nats.clone(), pool.clone());
@@ -231,7 +180,7 @@ async fn a_relay_that_crashes_after_the_puback_republishes_one_copy() {
     prepare_database(&pool).await;
     let nats = env.nats().await;
     let js = jetstream::new(nats.clone());
-    let out = out_stream(&js, "OBCRASH", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBCRASH").await;
     let ids = queue(&pool, "crash", &format!("{out}.paid"), 5).await;
 
     let crashes = Arc::new(AtomicUsize::new(0));
@@ -284,7 +233,7 @@ async fn a_relay_down_past_the_window_stores_twice_and_downstream_applies_once()
     prepare_database(&pool).await;
     let nats = env.nats().await;
     let js = jetstream::new(nats.clone());
-    let out = out_stream(&js, "OBLATE", Duration::from_millis(300)).await;
+    let out = out_stream_with_window(&js, "OBLATE", Duration::from_millis(300)).await;
     let ids = queue(&pool, "late", &format!("{out}.paid"), 1).await;
 
     // The relay dies after each PubAck while JetStream still drops the
@@ -349,7 +298,7 @@ async fn two_relays_publish_every_row_once() {
     prepare_database(&pool).await;
     let nats = env.nats().await;
     let js = jetstream::new(nats.clone());
-    let out = out_stream(&js, "OBTWO", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBTWO").await;
 
     let (a, b) = (Relay::new().batch_size(8), Relay::new().batch_size(8));
     let (stats_a, stats_b) = (a.stats(), b.stats());
@@ -417,7 +366,7 @@ async fn one_relay_keeps_each_transactions_order() {
     prepare_database(&pool).await;
     let nats = env.nats().await;
     let js = jetstream::new(nats.clone());
-    let out = out_stream(&js, "OBORDER", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBORDER").await;
 
     // Batches of 7 split each transaction's 20 rows across cycles.
     let relay = Relay::new().batch_size(7);
@@ -474,7 +423,7 @@ async fn a_relay_keeps_its_rows_and_backs_off_while_nats_is_down() {
     prepare_database(&pool).await;
     let nats = env.nats().await;
     let js = jetstream::new(nats.clone());
-    let out = out_stream(&js, "OBDOWN", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBDOWN").await;
     let relay = Relay::new().max_backoff(Duration::from_millis(400));
     let stats = relay.stats();
     let (stop_sender, task) = spawn_relay(relay, nats.clone(), pool.clone());
@@ -536,7 +485,7 @@ async fn a_router_s_relay_publishes_what_is_pending_before_run_returns() {
         stream,
         ..
     } = scenario("OBLAST", Duration::from_secs(120)).await;
-    let out = out_stream(&js, "OBLAST_OUT", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBLAST_OUT").await;
     // No trigger (migration 7), no ring (rows queued outside a handler,
     // without `wake_local_relays`) and a poll too rare to come: once idle,
     // the relay publishes nothing until the router stops it.
@@ -665,7 +614,7 @@ async fn a_batch_handler_queues_each_message_s_ids_and_its_fallback_queues_the_s
         stream,
         subject,
     } = scenario("OBBATCH", Duration::from_secs(120)).await;
-    let out = out_stream(&js, "OBBATCH_OUT", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBBATCH_OUT").await;
     // All published before the router starts, so that batches form; one
     // message fails its batch.
     publish_deposits(&js, &subject, &out, "bq", 30).await;
@@ -755,7 +704,7 @@ async fn a_row_too_big_to_publish_stays_pending_and_does_not_block_the_rows_afte
         js,
         ..
     } = scenario("OBBIG", Duration::from_secs(120)).await;
-    let out = out_stream(&js, "OBBIG_OUT", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBBIG_OUT").await;
     let max_payload = nats.server_info().max_payload;
     let subject = format!("{out}.big");
     let mut tx = pool.begin().await.unwrap();
@@ -840,7 +789,7 @@ async fn relay_rate_against_raw_publish() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(1024);
     // Raw: the same pipelining as the relay (a batch sent, then its PubAcks).
-    let raw = out_stream(&js, "OBRAW", Duration::from_secs(120)).await;
+    let raw = out_stream(&js, "OBRAW").await;
     let started = std::time::Instant::now();
     for chunk in (0..messages).collect::<Vec<_>>().chunks(batch) {
         let mut acks = Vec::new();
@@ -861,7 +810,7 @@ async fn relay_rate_against_raw_publish() {
     }
     let raw_rate = messages as f64 / started.elapsed().as_secs_f64();
 
-    let out = out_stream(&js, "OBRATE", Duration::from_secs(120)).await;
+    let out = out_stream(&js, "OBRATE").await;
     for transaction in 0..messages / 100 {
         let outbox: Outbox = Outbox::keyed(&format!("rate-{transaction}"));
         let mut tx = pool.begin().await.unwrap();

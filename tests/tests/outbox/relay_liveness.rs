@@ -14,41 +14,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::pending_rows;
-use crate::stored_count;
 use async_nats::jetstream::{self, stream};
-use idem_runtime::outbox::{self, Outbox, OutboxError, Relay, RelayError, RelayStats};
+use idem_runtime::outbox::{self, Outbox, OutboxError, Relay, RelayStats};
 use idem_runtime::{Delivery, Route, Router, idempotent};
 use idem_tests::FaultProxy;
 use idem_tests::fault_proxy::Direction;
+use idem_tests::outbox::{
+    out_stream, pending_rows, spawn_relay, stop_relay, stored_count, stored_ids,
+};
 use idem_tests::scenario::*;
 use sqlx::PgPool;
-use tokio::sync::oneshot;
-
-/// A stream that stores `<name>.>`.
-async fn out_stream(js: &jetstream::Context, prefix: &str) -> String {
-    let name = unique_name(prefix);
-    create_stream(js, &name, &format!("{name}.>"), Duration::from_secs(120)).await;
-    name
-}
-
-/// Every `Nats-Msg-Id` stored in `stream`, in stream order.
-async fn stored_ids(js: &jetstream::Context, stream: &str) -> Vec<String> {
-    let mut handle = js.get_stream(stream).await.expect("stream exists");
-    let last = handle
-        .info()
-        .await
-        .expect("stream info")
-        .state
-        .last_sequence;
-    let mut ids = Vec::new();
-    for sequence in 1..=last {
-        if let Ok(message) = handle.get_raw_message(sequence).await {
-            ids.push(header(&message, "Nats-Msg-Id"));
-        }
-    }
-    ids
-}
 
 /// Queues `count` deposits for `subject` in one committed transaction, with
 /// ids derived from `key`, each payload `pad` bytes of padding long. Returns
@@ -76,29 +51,6 @@ async fn queue_padded(
 
 async fn queue(pool: &PgPool, key: &str, subject: &str, count: i64) -> Vec<String> {
     queue_padded(pool, key, subject, count, 1).await
-}
-
-type RelayTask = tokio::task::JoinHandle<Result<(), RelayError>>;
-
-fn spawn_relay(
-    relay: Relay,
-    nats: async_nats::Client,
-    pool: PgPool,
-) -> (oneshot::Sender<()>, RelayTask) {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(relay.run_until(nats, pool, async move {
-        let _ = stopped.await;
-    }));
-    (stop, task)
-}
-
-async fn stop_relay(stop: oneshot::Sender<()>, task: RelayTask) {
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(30), task)
-        .await
-        .expect("the relay stops within 30 s")
-        .expect("the relay task does not panic")
-        .expect("the relay returns Ok");
 }
 
 /// What a relay test reports when its condition does not come: the figures

@@ -12,22 +12,13 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use futures_util::StreamExt;
 use idem_runtime::fault::{AfterCommit, FaultHooks};
-use idem_runtime::outbox::{
-    Outbox, OutboxError, Relay, RelayError, wake_local_relays, wake_relays,
-};
+use idem_runtime::outbox::{Outbox, OutboxError, Relay, wake_local_relays, wake_relays};
 use idem_runtime::{Route, Router, State, idempotent};
+use idem_tests::outbox::{out_stream, pending_rows, spawn_relay, stop_relay, stored_count};
 use idem_tests::scenario::*;
 use sqlx::PgPool;
-use tokio::sync::oneshot;
 
-use crate::{notify_trigger_enabled, pending_rows, stored_count};
-
-/// A stream for the outbox's messages: it stores `<name>.>`.
-async fn out_stream(js: &jetstream::Context, prefix: &str) -> String {
-    let name = unique_name(prefix);
-    create_stream(js, &name, &format!("{name}.>"), Duration::from_secs(120)).await;
-    name
-}
+use crate::notify_trigger_enabled;
 
 /// Where the handler queues, and when each call was about to commit.
 #[derive(Clone)]
@@ -63,33 +54,6 @@ async fn queue_elsewhere(pool: &PgPool, key: &str, subject: &str, amount: i64) {
         .await
         .unwrap();
     tx.commit().await.unwrap();
-}
-
-fn spawn_relay(
-    relay: Relay,
-    nats: async_nats::Client,
-    pool: PgPool,
-) -> (
-    oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), RelayError>>,
-) {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(relay.run_until(nats, pool, async move {
-        let _ = stopped.await;
-    }));
-    (stop, task)
-}
-
-async fn stop_relay(
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), RelayError>>,
-) {
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(30), task)
-        .await
-        .expect("the relay stops within 30 s")
-        .expect("the relay task does not panic")
-        .expect("the relay returns Ok");
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {

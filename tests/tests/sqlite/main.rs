@@ -9,6 +9,7 @@
 //! mode with `synchronous = FULL`, as the guide asks.
 
 mod kills;
+mod outbox;
 
 use std::time::Duration;
 

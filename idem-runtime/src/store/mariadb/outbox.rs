@@ -245,15 +245,7 @@ impl Session {
         .bind(limit)
         .fetch_all(&mut *self.connection)
         .await?;
-        let mut chosen = Vec::with_capacity(locked.len());
-        let mut bytes = 0usize;
-        for &(id, size) in &locked {
-            bytes = bytes.saturating_add(usize::try_from(size).unwrap_or(usize::MAX));
-            if !chosen.is_empty() && bytes > take.bytes {
-                break;
-            }
-            chosen.push(id.to_string());
-        }
+        let chosen: Vec<String> = take.fitting(&locked).iter().map(i64::to_string).collect();
         if chosen.is_empty() {
             self.end("COMMIT").await?;
             return Ok(Vec::new());

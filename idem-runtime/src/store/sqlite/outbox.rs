@@ -254,15 +254,7 @@ impl Session {
         .bind(limit)
         .fetch_all(&mut *tx)
         .await?;
-        let mut chosen = Vec::with_capacity(candidates.len());
-        let mut bytes = 0usize;
-        for &(id, size) in &candidates {
-            bytes = bytes.saturating_add(usize::try_from(size).unwrap_or(usize::MAX));
-            if !chosen.is_empty() && bytes > take.bytes {
-                break;
-            }
-            chosen.push(id);
-        }
+        let chosen = take.fitting(&candidates);
         if chosen.is_empty() {
             tx.commit().await?;
             return Ok(Vec::new());
