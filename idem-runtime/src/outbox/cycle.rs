@@ -4,7 +4,9 @@
 //!
 //! # A cycle, step by step
 //!
-//! One transaction each, on a [`Session`]:
+//! One transaction each, on a [`RelaySession`] (PostgreSQL's, MariaDB's;
+//! on SQLite a cycle is two short transactions around its publishes, see
+//! `store/sqlite/outbox.rs`):
 //!
 //! 1. **Take** up to `batch_size` rows with `FOR UPDATE SKIP LOCKED` (so
 //!    relays never take the same row), and of those the longest prefix that
@@ -50,7 +52,7 @@
 //!    cycle's take when it runs on the same session.
 //!
 //! Steps 2 to 4 are [`Cycles::head`] (NATS only, no database), step 5
-//! [`Cycles::finished`] after [`Session::advance`].
+//! [`Cycles::finished`] after [`RelaySession::advance`].
 
 use std::collections::BTreeMap;
 #[cfg(feature = "fault-injection")]
