@@ -216,6 +216,10 @@ async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
     tokio::time::timeout(Duration::from_secs(30), HOLDS_ROW_1.notified())
         .await
         .expect("the handler took row 1");
+    let other_id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
+        .fetch_one(&mut *other)
+        .await
+        .expect("the connection's id reads");
     let waiting = tokio::spawn(async move {
         let taken = sqlx::query("UPDATE hot SET v = v + 1 WHERE id = 1")
             .execute(&mut *other)
@@ -227,12 +231,25 @@ async fn a_handler_that_swallows_a_deadlock_commits_none_of_its_later_writes() {
         "the test's transaction waits for row 1",
         Duration::from_secs(30),
         || async {
+            // Had its UPDATE ended, the handler's transaction no longer
+            // held row 1: say so now rather than wait out the 30 s.
+            assert!(
+                !waiting.is_finished(),
+                "the test's UPDATE of row 1 ended without waiting for the handler's transaction"
+            );
+            // Its UPDATE of row 1 has run for half a second. Under load
+            // InnoDB's `innodb_trx` was seen to report such a wait as
+            // RUNNING for 30 s, so the wait is read from the process list;
+            // that it was a lock wait is proven below: the handler's
+            // statement met the deadlock.
             sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM information_schema.innodb_lock_waits",
+                "SELECT count(*) FROM information_schema.processlist
+                  WHERE ID = ? AND INFO LIKE 'UPDATE hot%' AND TIME_MS >= 500",
             )
+            .bind(other_id)
             .fetch_one(&observer)
             .await
-            .unwrap_or(0)
+            .expect("the process list reads")
                 > 0
         },
     )
