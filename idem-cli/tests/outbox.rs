@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use idem_runtime::outbox::{self, Outbox, Relay};
+use idem_tests::outbox::stored_count;
 use idem_tests::{TestEnv, eventually};
 use serde_json::Value;
 
@@ -35,17 +36,6 @@ async fn idem_json(env: &TestEnv, args: &[&str]) -> Value {
     let (code, stdout) = idem(env, args).await;
     assert_eq!(code, 0, "idem {args:?} exits 0");
     serde_json::from_str(&stdout).expect("stdout is JSON")
-}
-
-async fn stored(js: &jetstream::Context, stream: &str) -> u64 {
-    js.get_stream(stream)
-        .await
-        .expect("stream exists")
-        .info()
-        .await
-        .expect("stream info")
-        .state
-        .messages
 }
 
 #[tokio::test]
@@ -91,7 +81,7 @@ async fn idem_status_lists_failing_outbox_rows_and_idem_outbox_retry_sends_them_
         "the failing rows are recorded",
         Duration::from_secs(30),
         async || {
-            stored(&js, &ok).await == 3
+            stored_count(&js, &ok).await == 3
                 && outbox::lag(&pool).await.is_ok_and(|lag| lag.failing == 3)
         },
     )
@@ -133,7 +123,7 @@ async fn idem_status_lists_failing_outbox_rows_and_idem_outbox_retry_sends_them_
         "the retried rows are published",
         Duration::from_secs(10),
         async || {
-            stored(&js, &late).await == 3
+            stored_count(&js, &late).await == 3
                 && outbox::lag(&pool).await.is_ok_and(|lag| lag.pending == 0)
         },
     )
