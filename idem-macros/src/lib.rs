@@ -133,9 +133,13 @@ use proc_macro::TokenStream;
 /// ) -> Result<(), sqlx::Error> {
 ///     let accounts: Vec<i64> = cmds.iter().map(|cmd| cmd.account).collect();
 ///     let amounts: Vec<i64> = cmds.iter().map(|cmd| cmd.amount).collect();
+///     // Summed per account first: two credits to one account may share a
+///     // batch, and an UPDATE ... FROM changes a row once.
 ///     sqlx::query(
 ///         "UPDATE accounts SET balance = balance + c.amount
-///          FROM unnest($1::int8[], $2::int8[]) AS c(id, amount) WHERE accounts.id = c.id",
+///          FROM (SELECT id, sum(amount) AS amount
+///                  FROM unnest($1::int8[], $2::int8[]) AS m(id, amount) GROUP BY id) AS c
+///          WHERE accounts.id = c.id",
 ///     )
 ///     .bind(&accounts)
 ///     .bind(&amounts)

@@ -14,7 +14,9 @@ pub async fn credit_many(
     let _ = deliveries;
     sqlx::query(
         "UPDATE accounts SET balance = balance + c.amount
-         FROM unnest($1::int8[], $2::int8[]) AS c(account, amount) WHERE id = c.account",
+         FROM (SELECT account, sum(amount) AS amount
+                 FROM unnest($1::int8[], $2::int8[]) AS m(account, amount) GROUP BY account) AS c
+         WHERE id = c.account",
     )
     .bind(&accounts)
     .bind(&amounts)

@@ -49,7 +49,7 @@
 //! | `idem_expiry_rotation_overdue_seconds` | gauge | | how long past its rotation the current generation is, with no transition under way (0 when not): above a few purge intervals, no purge is running |
 //! | `idem_expiry_transition_seconds` | gauge | | how long the rotation in transition has lasted (0 when none) |
 //! | `idem_expiry_transition_blocking_transactions` | gauge | | transactions that rotation still waits for, as the last purge run found them |
-//! | `idem_startup_retries_total` | counter | `server` | start-up attempts that failed because `postgresql` or `nats` could not be reached (the router tries again; it takes no message until then) |
+//! | `idem_startup_retries_total` | counter | `server` | start-up attempts that failed because the database (`postgresql`, `sqlite` or `mariadb`) or `nats` could not be reached, or a lock held elsewhere kept the handlers from being registered (the database's label; the router tries again; it takes no message until then) |
 //!
 //! The expiry gauges are read by a router's purge after each of its runs
 //! (one cheap query; every router on a database reports the same figures).
@@ -165,7 +165,8 @@ pub const STARTUP_RETRIES: &str = "idem_startup_retries_total";
 pub const ROUTE_LABEL: &str = "route";
 /// The label of [`DEAD_LETTERED`]: the dead letter's `Idem-Failure`.
 pub const REASON_LABEL: &str = "reason";
-/// The label of [`STARTUP_RETRIES`]: `postgresql` or `nats`.
+/// The label of [`STARTUP_RETRIES`]: the database (`postgresql`, `sqlite`
+/// or `mariadb`) or `nats`.
 pub const SERVER_LABEL: &str = "server";
 
 /// How often each router reads its consumers' info and the outbox's lag.
@@ -372,7 +373,7 @@ pub fn describe() {
     describe_counter!(
         STARTUP_RETRIES,
         Unit::Count,
-        "Router start-up attempts that failed because a server (label server: postgresql or nats) could not be reached; the router tries again and takes no message until then."
+        "Router start-up attempts that failed because a server (label server: postgresql, sqlite, mariadb or nats) could not be reached; the router tries again and takes no message until then."
     );
 }
 

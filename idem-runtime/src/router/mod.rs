@@ -220,7 +220,7 @@ impl<S: Send + Sync + 'static> Router<S> {
     /// on its stream (a reply route's: below its client-retry horizon plus
     /// a transaction), or two reply routes' subjects overlap.
     ///
-    /// If a server cannot be reached at start-up (no PostgreSQL, no NATS,
+    /// If a server cannot be reached at start-up (the database down, no NATS,
     /// JetStream not answering), start-up is tried again, with a pause that
     /// grows from 0.5 s to 30 s and a warning that names what is down, until
     /// it succeeds or the router is shut down (then `run_until` returns
@@ -312,9 +312,14 @@ impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
     ///
     /// A route left at the default batching runs a handler that declares
     /// [`PER_MESSAGE`](crate::handler::Handler::PER_MESSAGE) one message per
-    /// transaction.
+    /// transaction, and a batch handler
+    /// ([`BATCHES`](crate::handler::Handler::BATCHES)) in adaptive batches
+    /// of up to [`DEFAULT_ADAPTIVE_MAX_BATCH_HANDLER`](crate::route::DEFAULT_ADAPTIVE_MAX_BATCH_HANDLER).
     pub fn route<M, I: IntoHandler<S, M, DB>>(mut self, route: Route, handler: I) -> Self {
-        let route = route.for_handler(<I::Handler as Handler<S, DB>>::PER_MESSAGE);
+        let route = route.for_handler(
+            <I::Handler as Handler<S, DB>>::PER_MESSAGE,
+            <I::Handler as Handler<S, DB>>::BATCHES,
+        );
         let handler = handler.into_handler();
         let stats = Arc::new(Stats::default());
         self.stats

@@ -57,7 +57,7 @@ impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
             let Some(down) = unreachable(&error, js).await else {
                 return Err(error);
             };
-            crate::observe::metrics::start_up_retry(down.label());
+            crate::observe::metrics::start_up_retry(down.label::<DB>());
             let holders = if down == Unreachable::HandlersLocked {
                 DB::register_blockers(pool).await.map_or_else(
                     |error| format!("(could not read them: {error})"),
@@ -71,7 +71,7 @@ impl<S: Send + Sync + 'static, DB: Backend> Router<S, DB> {
                 holders,
                 retry_in_ms = pause.as_millis() as u64,
                 "{} at start-up; the router takes no message until it can set up its routes, and tries again until then or until it is shut down",
-                down.describe()
+                down.describe::<DB>()
             );
             tokio::select! {
                 _ = shutdown.as_mut() => {
@@ -188,32 +188,36 @@ const START_UP_MAX_PAUSE: Duration = Duration::from_secs(30);
 /// A server that start-up could not reach.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Unreachable {
-    /// No connection to PostgreSQL, or it is starting or stopping.
-    Postgres,
+    /// No connection to the database, or it is starting or stopping.
+    Database,
     /// NATS is not connected, or JetStream does not answer.
     Nats,
-    /// PostgreSQL answers, but registering the handlers waited past its
+    /// The database answers, but registering the handlers waited past its
     /// lock timeout for a lock on `idem_handlers` another session holds (a
-    /// transaction left open after an `UPDATE` of it, say).
+    /// transaction left open after an `UPDATE` of it, say; on SQLite, the
+    /// file's write lock).
     HandlersLocked,
 }
 
 impl Unreachable {
-    /// Its label on [`crate::observe::metrics::STARTUP_RETRIES`].
-    pub(crate) fn label(self) -> &'static str {
+    /// Its label on [`crate::observe::metrics::STARTUP_RETRIES`]: the
+    /// database's own ([`Backend::LABEL`]), or `nats`.
+    pub(crate) fn label<DB: Backend>(self) -> &'static str {
         match self {
-            Unreachable::Postgres | Unreachable::HandlersLocked => "postgresql",
+            Unreachable::Database | Unreachable::HandlersLocked => DB::LABEL,
             Unreachable::Nats => "nats",
         }
     }
 
-    fn describe(self) -> &'static str {
+    /// What its warning says: which server, and why.
+    fn describe<DB: Backend>(self) -> String {
         match self {
-            Unreachable::Postgres => "PostgreSQL cannot be reached",
-            Unreachable::Nats => "NATS (JetStream) does not answer",
-            Unreachable::HandlersLocked => {
-                "another session holds a lock on idem_handlers, or SQLite's write lock (a transaction left open?), so the handlers cannot be registered"
-            }
+            Unreachable::Database => format!("{} cannot be reached", DB::SERVER_NAME),
+            Unreachable::Nats => "NATS (JetStream) does not answer".to_owned(),
+            Unreachable::HandlersLocked => format!(
+                "another session holds {} (a transaction left open?), so the handlers cannot be registered",
+                DB::REGISTER_LOCK
+            ),
         }
     }
 }
@@ -232,7 +236,7 @@ async fn unreachable(error: &Error, js: &jetstream::Context) -> Option<Unreachab
             return Some(Unreachable::HandlersLocked);
         }
         Error::Database(error) => {
-            return is_unreachable(error).then_some(Unreachable::Postgres);
+            return is_unreachable(error).then_some(Unreachable::Database);
         }
         Error::JetStream { source, .. }
         | Error::StreamMissing { source, .. }
@@ -531,4 +535,50 @@ fn consumer_differences(existing: &consumer::Config, wanted: &pull::Config) -> V
         filters(&wanted.filter_subject, &wanted.filter_subjects),
     );
     differences
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Unreachable;
+
+    /// Each database names itself in the warning and on the metric.
+    #[test]
+    fn start_up_names_the_routers_own_database() {
+        use sqlx::Postgres;
+        assert_eq!(Unreachable::Database.label::<Postgres>(), "postgresql");
+        assert_eq!(Unreachable::Nats.label::<Postgres>(), "nats");
+        assert_eq!(
+            Unreachable::Database.describe::<Postgres>(),
+            "PostgreSQL cannot be reached"
+        );
+        assert!(
+            Unreachable::HandlersLocked
+                .describe::<Postgres>()
+                .contains("a lock on idem_handlers")
+        );
+        #[cfg(feature = "mariadb")]
+        {
+            use sqlx::MySql;
+            assert_eq!(Unreachable::Database.label::<MySql>(), "mariadb");
+            assert_eq!(Unreachable::HandlersLocked.label::<MySql>(), "mariadb");
+            assert_eq!(
+                Unreachable::Database.describe::<MySql>(),
+                "MariaDB cannot be reached"
+            );
+        }
+        #[cfg(feature = "sqlite")]
+        {
+            use sqlx::Sqlite;
+            assert_eq!(Unreachable::Database.label::<Sqlite>(), "sqlite");
+            assert_eq!(
+                Unreachable::Database.describe::<Sqlite>(),
+                "SQLite cannot be reached"
+            );
+            assert!(
+                Unreachable::HandlersLocked
+                    .describe::<Sqlite>()
+                    .contains("SQLite's write lock")
+            );
+        }
+    }
 }

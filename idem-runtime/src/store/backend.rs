@@ -74,6 +74,18 @@ pub trait Backend: sqlx::Database {
     /// database's own busy wait.
     const WRITERS_AT_ONCE: Option<usize> = None;
 
+    /// The database's name in warnings: "PostgreSQL", "SQLite", "MariaDB"
+    /// (sqlx's own `NAME` says "MySQL" for the last).
+    const SERVER_NAME: &'static str;
+
+    /// The database's value of the `server` label on
+    /// [`STARTUP_RETRIES`](crate::metrics::STARTUP_RETRIES) ("postgresql").
+    const LABEL: &'static str;
+
+    /// What a [`Backend::register`] that timed out on a lock waited for, in
+    /// start-up's warning: "a lock on idem_handlers", or SQLite's write lock.
+    const REGISTER_LOCK: &'static str = "a lock on idem_handlers";
+
     // A router's start-up.
 
     /// Asks the server what [`Backend::Session`] holds, and warns, if
@@ -274,6 +286,9 @@ pub trait Backend: sqlx::Database {
 impl Backend for Postgres {
     type Session = crate::store::transaction::Session;
     type Begin = crate::store::transaction::Begin;
+
+    const SERVER_NAME: &'static str = "PostgreSQL";
+    const LABEL: &'static str = "postgresql";
 
     async fn probe(pool: &Pool<Self>, warn: bool) -> Result<Self::Session, sqlx::Error> {
         crate::store::transaction::Session::probe(pool, warn).await

@@ -24,6 +24,25 @@ use sha2::{Digest, Sha256};
 use sqlx::postgres::PgConnection;
 use sqlx::{PgPool, PgTransaction};
 
+/// The claim's statement, with `$bound` (a condition on the probed claim
+/// `c`, ending in a space, or nothing) narrowing the probe of the sealed
+/// generations.
+macro_rules! claim_sql {
+    ($bound:literal) => {
+        concat!(
+            "INSERT INTO idem_claims (key, gen, handler_id) \
+             SELECT $2, g.gen, $1 \
+               FROM idem_dedup_state AS s, \
+                    LATERAL ((SELECT c.gen FROM idem_claims AS c \
+                               WHERE c.key = $2 AND c.gen < s.current_gen - s.transition::integer ",
+            $bound,
+            "LIMIT 1) \
+                             UNION ALL SELECT s.current_gen - 1 WHERE s.transition \
+                             UNION ALL SELECT s.current_gen) AS g(gen)"
+        )
+    };
+}
+
 /// Claims key `$2` for the handler with id `$1` (an `integer` and a `uuid`),
 /// or fails with a unique violation if it was claimed before. `$3`
 /// (`bigint`, Unix seconds, or NULL if unknown) is the earliest time an
@@ -57,19 +76,27 @@ use sqlx::{PgPool, PgTransaction};
 /// It returns nothing: the statement before it, in the same message, records
 /// the transaction's id for the check before COMMIT (see the runtime's
 /// `store/transaction.rs`).
-pub const CLAIM_SQL: &str = "\
-INSERT INTO idem_claims (key, gen, handler_id) \
-SELECT $2, g.gen, $1 \
-  FROM idem_dedup_state AS s, \
-       LATERAL ((SELECT c.gen FROM idem_claims AS c \
-                  WHERE c.key = $2 AND c.gen < s.current_gen - s.transition::integer \
-                    AND (c.gen = 0 \
-                         OR c.gen >= (SELECT min(gen) FILTER (WHERE $3 IS NULL OR sealed_at IS NULL \
-                                                                 OR sealed_at >= to_timestamp($3)) \
-                                        FROM idem_generations)) \
-                  LIMIT 1) \
-                UNION ALL SELECT s.current_gen - 1 WHERE s.transition \
-                UNION ALL SELECT s.current_gen) AS g(gen)";
+pub const CLAIM_SQL: &str = claim_sql!(
+    "AND (c.gen = 0 \
+          OR c.gen >= (SELECT min(gen) FILTER (WHERE $3 IS NULL OR sealed_at IS NULL \
+                                                  OR sealed_at >= to_timestamp($3)) \
+                         FROM idem_generations)) "
+);
+
+/// [`CLAIM_SQL`] for a message whose earliest claim time is not known
+/// (`$3` NULL), with two parameters: it probes every generation older
+/// than the open ones, as `CLAIM_SQL` does then, without the subquery over
+/// `idem_generations` that can only bound the probe when `$3` is given.
+/// The same claims conflict either way (a partition older than every
+/// generation `idem_generations` lists, one being detached, is probed here
+/// too: a claim found there is a claim).
+///
+/// Measured (2026-12-07; the backend's CPU for `BEGIN; EXECUTE ..;
+/// ROLLBACK`, 20,000 times in one `psql` session, generic plans, 250,000
+/// claims in the table, three rounds): 158–162 µs a transaction with
+/// `CLAIM_SQL` and `$3` NULL, 148–150 µs with this one, 86–92 µs with
+/// `SELECT 1` in its place.
+pub(crate) const CLAIM_UNBOUNDED_SQL: &str = claim_sql!("");
 
 /// The claim key of `message_id` for the handler named `handler`: the first
 /// 16 bytes of SHA-256 over the handler name, a NUL byte and the message id,

@@ -57,6 +57,55 @@ async fn deposit_many(
     Ok(())
 }
 
+/// On a route left at its defaults, a batch handler's batches grow past
+/// the cap a handler called once per message gets (64), up to
+/// `DEFAULT_ADAPTIVE_MAX_BATCH_HANDLER` (128; with concurrency 2, 128 fit
+/// in the default max_ack_pending), and each message is applied once.
+#[tokio::test]
+async fn a_batch_handler_on_a_default_route_takes_batches_past_64() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("BHDEFAULT", Duration::from_secs(120)).await;
+    const MESSAGES: usize = 1_500;
+    for i in 0..MESSAGES {
+        let deposit = Deposit {
+            account: format!("acct-{i}"),
+            amount: 1,
+        };
+        publish(&js, &subject, &deposit, Some(&format!("d-{i}"))).await;
+    }
+    let calls = Calls::default();
+    let (handle, task) = spawn(
+        Router::with_state(calls.clone())
+            .route(Route::new(&stream, "c").concurrency(2), deposit_many),
+        nats,
+        pool.clone(),
+    );
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    let sizes = calls.sizes();
+    let largest = sizes.iter().copied().max().unwrap_or(0);
+    assert!(
+        largest > idem_runtime::route::DEFAULT_ADAPTIVE_MAX,
+        "the batches grew past 64: {sizes:?}"
+    );
+    assert!(
+        largest <= idem_runtime::route::DEFAULT_ADAPTIVE_MAX_BATCH_HANDLER,
+        "never past 128: {sizes:?}"
+    );
+    assert_eq!(sizes.iter().sum::<usize>(), MESSAGES, "each message once");
+    assert_eq!(handle.stats("c").unwrap().batch_fallbacks(), 0);
+    assert_eq!(
+        ledger(&pool, "deposit-many").await,
+        Ledger::once_each(MESSAGES as i64)
+    );
+}
+
 /// A batch handler is called once per batch with only its fresh messages:
 /// a key seen earlier in the same batch, in another batch, or in a later
 /// copy of the stream never reaches it, and each key is written once.

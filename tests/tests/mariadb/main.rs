@@ -627,6 +627,62 @@ async fn start_up_names_a_transaction_left_open_on_the_handlers_table() {
     assert_eq!(bed.ledger("credit").await, (1, 1), "applied once, after");
 }
 
+/// A MariaDB server that cannot be reached at start-up (nothing listens
+/// where the application's lazy pool points) is named in the warning, as
+/// MariaDB, not PostgreSQL; the router takes no message, keeps trying, and
+/// returns `Ok` when shut down. A router on the real server then applies
+/// the waiting message once.
+#[tokio::test]
+async fn start_up_names_mariadb_when_it_cannot_be_reached() {
+    let logs = idem_tests::capture_logs();
+    let bed = Bed::start("MARIADOWN").await;
+    bed.publish(["d-1".to_owned()]).await;
+    let closed_port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let nowhere = sqlx::mysql::MySqlPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy(&format!("mysql://root@127.0.0.1:{closed_port}/idem"))
+        .expect("the URL parses");
+    let (handle, task) = spawn(
+        Router::mariadb().route(fast(Route::new(&bed.stream, "c")), credit),
+        &bed.nats,
+        &nowhere,
+    );
+    eventually(
+        "two start-up attempts warn that MariaDB cannot be reached",
+        Duration::from_secs(30),
+        || async {
+            logs.matching(&["WARN", "MariaDB cannot be reached", "start-up"])
+                .len()
+                >= 2
+        },
+    )
+    .await;
+    assert!(!task.is_finished(), "start-up did not give up");
+    assert!(
+        logs.matching(&["PostgreSQL cannot be reached"]).is_empty(),
+        "no warning names PostgreSQL: {:#?}",
+        logs.lines()
+    );
+    stop(handle, task).await;
+    assert_eq!(
+        bed.ledger("credit").await,
+        (0, 0),
+        "nothing applied meanwhile"
+    );
+
+    let (handle, task) = spawn(
+        Router::mariadb().route(fast(Route::new(&bed.stream, "c")), credit),
+        &bed.nats,
+        &bed.pool,
+    );
+    wait_all_acked(&bed.js, &bed.stream, "c").await;
+    stop(handle, task).await;
+    assert_eq!(bed.ledger("credit").await, (1, 1), "applied once, after");
+}
+
 /// A server that may lose acknowledged commits
 /// (`innodb_flush_log_at_trx_commit = 2`) is warned about at start-up,
 /// naming the setting; the router still runs.

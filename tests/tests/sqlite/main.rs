@@ -32,7 +32,7 @@ struct Bed {
     _dir: tempfile::TempDir,
     /// The database file.
     path: std::path::PathBuf,
-    _nats: NatsServer,
+    nats_server: NatsServer,
     nats: async_nats::Client,
     js: async_nats::jetstream::Context,
     pool: SqlitePool,
@@ -68,7 +68,7 @@ impl Bed {
         Bed {
             _dir: dir,
             path,
-            _nats: nats_server,
+            nats_server,
             nats,
             js,
             pool,

@@ -101,6 +101,9 @@ impl Backend for MySql {
     type Session = Session;
     type Begin = Begin;
 
+    const SERVER_NAME: &'static str = "MariaDB";
+    const LABEL: &'static str = "mariadb";
+
     async fn probe(pool: &Pool<Self>, warn: bool) -> Result<Session, sqlx::Error> {
         let settings = Settings::read(pool).await?;
         if let Some(refusal) = settings.refusal() {

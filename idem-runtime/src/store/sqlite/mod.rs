@@ -55,6 +55,10 @@ impl Backend for Sqlite {
     // 0.6x a consumer that writes one message at a time.
     const WRITERS_AT_ONCE: Option<usize> = Some(1);
 
+    const SERVER_NAME: &'static str = "SQLite";
+    const LABEL: &'static str = "sqlite";
+    const REGISTER_LOCK: &'static str = "SQLite's write lock on the database file";
+
     async fn probe(pool: &Pool<Self>, warn: bool) -> Result<Session, sqlx::Error> {
         let mut connection = pool.acquire().await?;
         let settings = Settings::read(&mut connection).await?;
