@@ -540,45 +540,34 @@ fn consumer_differences(existing: &consumer::Config, wanted: &pull::Config) -> V
 #[cfg(test)]
 mod tests {
     use super::Unreachable;
+    use crate::store::backend::Backend;
+
+    /// `DB`'s label on the metric, its warning when it cannot be reached,
+    /// and a word of its warning when registering is blocked.
+    fn names<DB: Backend>(label: &str, unreachable: &str, locked: &str) {
+        assert_eq!(Unreachable::Database.label::<DB>(), label);
+        assert_eq!(Unreachable::HandlersLocked.label::<DB>(), label);
+        assert_eq!(Unreachable::Nats.label::<DB>(), "nats");
+        assert_eq!(Unreachable::Database.describe::<DB>(), unreachable);
+        let blocked = Unreachable::HandlersLocked.describe::<DB>();
+        assert!(blocked.contains(locked), "{blocked}");
+    }
 
     /// Each database names itself in the warning and on the metric.
     #[test]
     fn start_up_names_the_routers_own_database() {
-        use sqlx::Postgres;
-        assert_eq!(Unreachable::Database.label::<Postgres>(), "postgresql");
-        assert_eq!(Unreachable::Nats.label::<Postgres>(), "nats");
-        assert_eq!(
-            Unreachable::Database.describe::<Postgres>(),
-            "PostgreSQL cannot be reached"
-        );
-        assert!(
-            Unreachable::HandlersLocked
-                .describe::<Postgres>()
-                .contains("a lock on idem_handlers")
+        names::<sqlx::Postgres>(
+            "postgresql",
+            "PostgreSQL cannot be reached",
+            "a lock on idem_handlers",
         );
         #[cfg(feature = "mariadb")]
-        {
-            use sqlx::MySql;
-            assert_eq!(Unreachable::Database.label::<MySql>(), "mariadb");
-            assert_eq!(Unreachable::HandlersLocked.label::<MySql>(), "mariadb");
-            assert_eq!(
-                Unreachable::Database.describe::<MySql>(),
-                "MariaDB cannot be reached"
-            );
-        }
+        names::<sqlx::MySql>(
+            "mariadb",
+            "MariaDB cannot be reached",
+            "a lock on idem_handlers",
+        );
         #[cfg(feature = "sqlite")]
-        {
-            use sqlx::Sqlite;
-            assert_eq!(Unreachable::Database.label::<Sqlite>(), "sqlite");
-            assert_eq!(
-                Unreachable::Database.describe::<Sqlite>(),
-                "SQLite cannot be reached"
-            );
-            assert!(
-                Unreachable::HandlersLocked
-                    .describe::<Sqlite>()
-                    .contains("SQLite's write lock")
-            );
-        }
+        names::<sqlx::Sqlite>("sqlite", "SQLite cannot be reached", "SQLite's write lock");
     }
 }

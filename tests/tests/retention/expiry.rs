@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use crate::flowing;
 use idem_runtime::__private::CLAIM_SQL;
 use idem_runtime::expiry;
+use idem_runtime::retention::Unbounded;
 use idem_runtime::{Delivery, Route, Router, idempotent};
 use idem_tests::claims::*;
 use idem_tests::scenario::*;
@@ -579,9 +580,38 @@ async fn a_copy_just_inside_retention_is_skipped_and_one_after_expiry_is_process
 /// created anew, which delivers the stream from the start) carries the time
 /// it was first stored: its claim, now in a sealed generation, is still
 /// probed and found, on a route whose declared publisher-retry horizon lets
-/// a fresh message skip the sealed generations.
+/// a fresh message skip the sealed generations (`idem_claim_v5`, with the
+/// earliest claim time).
 #[tokio::test]
 async fn an_old_message_delivered_again_after_its_generation_is_sealed_is_skipped() {
+    delivered_again_after_its_generation_is_sealed(|stream, retention| {
+        short_retention_route(stream, Duration::ZERO, retention)
+    })
+    .await;
+}
+
+/// The same on a route that declares no publisher-retry horizon: its
+/// messages' earliest claim time is not known, so they are claimed by
+/// `idem_claim_unbounded_v1`, which probes every sealed generation.
+#[tokio::test]
+async fn an_old_message_without_a_claim_time_bound_is_skipped_after_its_generation_is_sealed() {
+    delivered_again_after_its_generation_is_sealed(|stream, retention| {
+        Route::new(stream, "c")
+            .ack_wait(Duration::from_secs(1))
+            .handler_timeout(Duration::from_secs(1))
+            .max_deliver(3)
+            .backoff(Duration::from_millis(100), Duration::from_millis(200))
+            .accept_duplicates_after_retention(Unbounded::StreamMaxAge)
+            .accept_duplicates_after_retention(Unbounded::PublisherRetryHorizon)
+            .retention(retention)
+    })
+    .await;
+}
+
+/// Processes one message on `route(stream, retention)`, waits until its
+/// claim's generation is sealed, creates the consumer anew so that the
+/// message is delivered again, and checks that it is skipped.
+async fn delivered_again_after_its_generation_is_sealed(route: fn(&str, Duration) -> Route) {
     const RETENTION: Duration = Duration::from_secs(10);
     let Scenario {
         env: _env,
@@ -591,7 +621,7 @@ async fn an_old_message_delivered_again_after_its_generation_is_sealed_is_skippe
         stream,
         subject,
     } = scenario("AGAIN", Duration::from_millis(100)).await;
-    let route = || short_retention_route(&stream, Duration::ZERO, RETENTION);
+    let route = || route(&stream, RETENTION);
     let deposit = Deposit {
         account: "again".into(),
         amount: 3,
