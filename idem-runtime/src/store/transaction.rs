@@ -22,8 +22,11 @@
 //!                                                                              -- earliest claim time
 //! ```
 //!
-//! A message whose earliest claim time is not known (a route without
-//! retention, say) is claimed by `idem_claim_unbounded_v1(3, '8707..')`
+//! A message whose earliest claim time is not known (its route declares no
+//! publisher-retry horizon, or its id comes from a `key` expression, a
+//! request, a source stream or an older replay; see
+//! `Pipeline::first_claim_not_before`) is claimed by
+//! `idem_claim_unbounded_v1(3, '8707..')`
 //! instead, which skips the subquery that bounds the probe (12 µs of the
 //! server's CPU a message; see [`claim`](crate::store::claim)).
 //!
