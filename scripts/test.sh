@@ -88,7 +88,11 @@ cargo publish --dry-run --no-verify -p idem-macros -p idem-runtime -p idem-cli \
 compile_tests='binary(handlers) & (test(/^ui::/) | test(/^expand::/))'
 if [ $# -eq 0 ]; then
     step "cargo nextest run (profile $profile): the macro's compile tests, alone"
-    cargo nextest run --workspace "${locked[@]}" --profile "$profile" -E "$compile_tests"
+    # Quiet: trybuild's and macrotest's builds print a "Compiling" line per
+    # dependency into the test's output (hundreds on a cold target dir),
+    # ahead of the mismatch or build error that failed it. Errors still print.
+    CARGO_TERM_QUIET=true \
+        cargo nextest run --workspace "${locked[@]}" --profile "$profile" -E "$compile_tests"
     step "cargo nextest run (profile $profile): everything else"
     cargo nextest run --workspace "${locked[@]}" --profile "$profile" -E "not ($compile_tests)"
 else

@@ -75,7 +75,11 @@ const WARN_AFTER: Duration = Duration::from_secs(5);
 /// At most one such warning per this long; the rest go to `debug`.
 const WARN_EVERY: Duration = Duration::from_secs(30);
 
-type Idle<DB> = Vec<(PoolConnection<DB>, Instant)>;
+/// The connections kept for the next message: each with when it was last
+/// used, and whether its session holds idem's prepared statements (one that
+/// only answered a question, such as whether a transaction committed, does
+/// not).
+type Idle<DB> = Vec<(PoolConnection<DB>, Instant, bool)>;
 
 /// One router's connections to its database (`DB`: any sqlx database; a
 /// router's is PostgreSQL so far).
@@ -138,10 +142,10 @@ impl<DB: Database> Connections<DB> {
             drop(stale);
             kept
         };
-        // A kept connection began a transaction of the router's before, so
-        // its session holds the prepared statements (see `transaction`).
+        // A kept connection says whether its session holds the prepared
+        // statements (see `transaction`); a new one does not.
         let (connection, prepared) = match kept {
-            Some((connection, _)) => (connection, true),
+            Some((connection, _, prepared)) => (connection, prepared),
             None => (self.pool.acquire().await?, false),
         };
         Ok(Leased {
@@ -278,7 +282,9 @@ impl<DB: Database> Leased<'_, DB> {
         };
         // Into the list before the turn is given up (when `self` drops), so
         // that the message the turn goes to finds it there.
-        self.home.lock().push((connection, Instant::now()));
+        self.home
+            .lock()
+            .push((connection, Instant::now(), self.prepared));
     }
 }
 
@@ -313,7 +319,7 @@ impl<DB: Database> Drop for Leased<'_, DB> {
 /// Removes the connections unused for longer than [`REUSE_WITHIN`]; the
 /// caller drops them (outside the lock), which returns them to the pool.
 fn drain_stale<DB: Database>(idle: &mut Idle<DB>) -> Idle<DB> {
-    let fresh_from = idle.partition_point(|(_, used)| used.elapsed() > REUSE_WITHIN);
+    let fresh_from = idle.partition_point(|(_, used, _)| used.elapsed() > REUSE_WITHIN);
     idle.drain(..fresh_from).collect()
 }
 
