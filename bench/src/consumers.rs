@@ -31,6 +31,7 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind, Message};
 use futures_util::StreamExt;
 use idem_runtime::retention::Unbounded;
+use idem_runtime::route;
 use idem_runtime::{Route, Router, RouterHandle, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
@@ -121,11 +122,20 @@ impl Mode {
         matches!(self, Mode::IdemBatch | Mode::IdemBatchHandler)
     }
 
-    /// Messages per transaction, as reported: for the modes left at the
-    /// runtime's defaults, 1 (routes run per message unless they ask for
-    /// batches; change this with the default).
-    pub fn batch(self, batch: usize) -> usize {
-        if self.batches() { batch } else { 1 }
+    /// Messages per transaction at most, as reported: `batch` for the modes
+    /// that choose it; for those left at the runtime's defaults, the largest
+    /// adaptive batch a route at `concurrency` takes within the default
+    /// `max_ack_pending` (1000); 1 for the per-message modes.
+    pub fn batch(self, batch: usize, concurrency: usize) -> usize {
+        let adaptive_cap = |cap: usize| cap.min(1000 / concurrency.max(1)).max(1);
+        match self {
+            Mode::IdemBatch | Mode::IdemBatchHandler => batch,
+            Mode::IdemDefault => adaptive_cap(route::DEFAULT_ADAPTIVE_MAX),
+            Mode::IdemDefaultBatchHandler => {
+                adaptive_cap(route::DEFAULT_ADAPTIVE_MAX_BATCH_HANDLER)
+            }
+            Mode::Raw | Mode::Naive | Mode::Manual | Mode::Idem => 1,
+        }
     }
 
     /// Whether the mode runs the batch handler.
@@ -313,7 +323,9 @@ impl Consumer {
                     .filter_subject(source.subject)
                     .ack_wait(ACK_WAIT)
                     .concurrency(concurrency)
-                    .max_ack_pending(max_ack_pending(concurrency * mode.batch(batch)));
+                    .max_ack_pending(max_ack_pending(
+                        concurrency * mode.batch(batch, concurrency),
+                    ));
                 if mode.batches() {
                     route = batch_route(route, batch, plan.adaptive);
                 } else if mode == Mode::Idem {

@@ -67,7 +67,7 @@ pub fn json_line(m: &Measurement) -> String {
         scenario: plan.scenario,
         messages: plan.messages,
         concurrency: plan.concurrency,
-        batch: plan.mode.batch(plan.batch),
+        batch: plan.mode.batch(plan.batch, plan.concurrency),
         msgs_per_sec: round(m.msgs_per_sec, 1),
         p50_ms: round(m.p50_ms, 3),
         p99_ms: round(m.p99_ms, 3),
@@ -183,7 +183,7 @@ pub fn chart_table(runs: &[Measurement]) -> String {
         out.push_str(&format!(
             "{:<18} {:>5} {:>9.0} {:>9} {:>9} {:>9.0} {:>9} {:>8}\n",
             m.plan.mode.name(),
-            m.plan.mode.batch(m.plan.batch),
+            m.plan.mode.batch(m.plan.batch, m.plan.concurrency),
             m.msgs_per_sec,
             ratio(m.msgs_per_sec, naive),
             ratio(m.msgs_per_sec, raw),
@@ -396,7 +396,7 @@ pub fn chart_summary(runs: &[Measurement], chart: &Path) -> String {
             .iter()
             .map(|m| Run {
                 mode: m.plan.mode.name(),
-                batch: m.plan.mode.batch(m.plan.batch),
+                batch: m.plan.mode.batch(m.plan.batch, m.plan.concurrency),
                 msgs_per_sec: round(m.msgs_per_sec, 1),
                 vs_naive: over(m.msgs_per_sec, naive),
                 vs_raw: over(m.msgs_per_sec, raw),

@@ -576,7 +576,7 @@ impl Route {
             && (timeout.is_zero() || timeout.as_millis() + 1000 > i32::MAX as u128)
         {
             return refuse(format!(
-                "the handler timeout ({timeout:?}) must be between 1 ms and about 24.8 days (PostgreSQL's statement_timeout); use `without_handler_timeout()` for none"
+                "the handler timeout ({timeout:?}) must be between 1 ms and about 24.8 days (the bound idem sets on the database's statements is in milliseconds, a 32-bit integer); use `without_handler_timeout()` for none"
             ));
         }
         let in_flight = self.concurrency.saturating_mul(self.batch_cap()) as u64;
