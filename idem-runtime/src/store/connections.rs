@@ -37,9 +37,11 @@
 //! its connection is in the list, and a kept connection holds no turn, so
 //! the turns in use plus the idle connections never exceed the turns there
 //! are: a message with a turn finds a connection in the list or in the
-//! pool (unless something outside the router holds the pool's connections). The
-//! session of a kept connection holds idem's prepared statements, the same
-//! for every route of a router (see `transaction::Begin`).
+//! pool (unless something outside the router holds the pool's connections). A
+//! kept connection carries whether its session holds idem's prepared
+//! statements, the same for every route of a router (see
+//! `transaction::Begin`): one that began a message's transaction does; one
+//! that only asked whether a batch committed may not.
 //!
 //! # Never back to the pool in an unknown state
 //!

@@ -248,8 +248,9 @@ impl Begin {
         let mut bounds = String::new();
         // Every route of a router prepares the same statements, whether it
         // bounds its transactions or not: its connections go to the other
-        // routes' messages too (see `store/connections.rs`), and a kept
-        // connection counts as prepared.
+        // routes' messages too (see `store/connections.rs`), and a
+        // connection kept after a transaction of any route counts as
+        // prepared.
         let bounds_statement = if check_client_connection {
             BOUNDS_AND_CLIENT_CHECK
         } else {
