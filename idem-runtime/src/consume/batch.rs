@@ -57,7 +57,7 @@
 //! adaptive route's next batches.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::Message;
 use tokio::sync::OwnedSemaphorePermit;
@@ -218,6 +218,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
     /// those ready are committed in one transaction, and if that fails,
     /// each is run again in a transaction of its own.
     async fn run_batch(self: &Arc<Self>, messages: Vec<Message>) {
+        let started = Instant::now();
         let _in_flight = self.recorder.in_flight(messages.len());
         let ready = self.make_ready(messages).await;
         if ready.is_empty() {
@@ -228,7 +229,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
         };
         self.recorder.record(Event::BatchFallback);
         if failure.is_conflict() {
-            self.sizer.conflicted();
+            self.sizer.conflicted(started);
         } else {
             self.sizer.fell_back();
         }

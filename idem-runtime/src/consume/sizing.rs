@@ -45,7 +45,11 @@
 //!   less than among every slot's. Measured with `idem-bench contention`:
 //!   messages that each also update one of 8 hot rows. A conflict while
 //!   the route runs one batch at a time (with another worker's batches,
-//!   say) halves the size instead.
+//!   say) halves the size instead; the other batches of the conflict that
+//!   made it run alone, which started before and fail after, change
+//!   nothing (each used to halve the size: three batches that conflicted
+//!   together took it from 16 to 4, and every such conflict brought the
+//!   route down to 1, held per message).
 //!
 //! The state is shared by the route's batches in flight, behind a mutex
 //! taken once per batch.
@@ -96,6 +100,9 @@ struct State {
     /// Until when the route runs at most one batch at a time, after a
     /// conflict between batches.
     alone_until: Option<Instant>,
+    /// Since when it does: a batch that started before then was one of
+    /// the batches that conflicted, not one that ran alone.
+    alone_since: Option<Instant>,
     /// How many batches may run at once after that, if a conflict set a
     /// limit; it grows by one per round.
     batch_limit: Option<usize>,
@@ -130,6 +137,7 @@ impl BatchSizer {
                 held_until: None,
                 batches: 0,
                 alone_until: None,
+                alone_since: None,
                 batch_limit: None,
                 limit_credits: 0,
                 conflict_hold: HOLD_MIN,
@@ -210,20 +218,28 @@ impl BatchSizer {
                 .is_some_and(|limit| state.batches >= limit)
     }
 
-    /// A batch conflicted with another transaction (see the module docs):
-    /// the route runs one batch at a time for a while, or, if it already
-    /// did, the size halves.
-    pub(crate) fn conflicted(&self) {
-        self.conflicted_at(Instant::now());
+    /// A batch that started at `started` conflicted with another
+    /// transaction (see the module docs): the route runs one batch at a
+    /// time for a while, or, if the batch ran alone, the size halves. The
+    /// other batches of the same conflict, which started before the route
+    /// ran alone and end after, change nothing more: the conflict was
+    /// among the batches, not the size.
+    pub(crate) fn conflicted(&self, started: Instant) {
+        self.conflicted_at(Instant::now(), started);
     }
 
-    fn conflicted_at(&self, now: Instant) {
+    fn conflicted_at(&self, now: Instant, started: Instant) {
         if !self.adaptive {
             return;
         }
-        let alone = {
+        let ran_alone = {
             let mut state = self.state();
             let alone = state.limit_at(now) == Some(1);
+            if alone && state.alone_since.is_some_and(|since| started < since) {
+                // One of the batches whose conflict made the route run
+                // alone.
+                return;
+            }
             if !alone {
                 state.batch_limit = Some(2);
                 state.limit_credits = 0;
@@ -234,12 +250,13 @@ impl BatchSizer {
                     state.conflict_hold = HOLD_MIN;
                 }
                 state.alone_until = Some(now + state.conflict_hold);
+                state.alone_since = Some(now);
                 state.conflict_hold = state.conflict_hold.saturating_mul(2).min(HOLD_MAX);
             }
             state.last_conflict = Some(now);
             alone
         };
-        if alone {
+        if ran_alone {
             self.fell_back_at(now);
         }
     }
@@ -461,7 +478,7 @@ mod tests {
         assert_eq!(size(&sizer), 16);
         let now = Instant::now();
         let running = sizer.batch_started();
-        sizer.conflicted_at(now);
+        sizer.conflicted_at(now, now);
         assert!(sizer.must_wait_at(now), "a batch runs: nothing else starts");
         assert_eq!(size(&sizer), 16, "the size holds");
         drop(running);
@@ -481,24 +498,59 @@ mod tests {
         // Conflicting again soon after: held twice as long.
         let _running = sizer.batch_started();
         let again = now + HOLD_MIN + Duration::from_millis(10);
-        sizer.conflicted_at(again);
+        sizer.conflicted_at(again, now + HOLD_MIN);
         assert!(sizer.must_wait_at(again + HOLD_MIN));
         assert!(!sizer.must_wait_at(again + 2 * HOLD_MIN));
         // A conflict while running one batch at a time: the size halves.
         let before = size(&sizer);
-        sizer.conflicted_at(again + Duration::from_millis(10));
+        sizer.conflicted_at(
+            again + Duration::from_millis(10),
+            again + Duration::from_millis(5),
+        );
         assert_eq!(size(&sizer), before / 2);
         // After a calm of four holds, the hold is back to its shortest.
         let calm = again + 20 * HOLD_MIN;
-        sizer.conflicted_at(calm);
+        sizer.conflicted_at(calm, calm);
         assert!(!sizer.must_wait_at(calm + HOLD_MIN));
+    }
+
+    #[test]
+    fn the_batches_of_one_conflict_keep_the_size() {
+        let sizer = std::sync::Arc::new(BatchSizer::adaptive(64));
+        for _ in 0..4 {
+            sizer.committed(sizer.next());
+        }
+        assert_eq!(size(&sizer), 16);
+        // Three batches in flight lock rows in different orders; each is
+        // cancelled at the lock wait bound, one after the other.
+        let started = Instant::now();
+        let at = |ms| started + Duration::from_millis(ms);
+        sizer.conflicted_at(at(200), started);
+        sizer.conflicted_at(at(201), started);
+        sizer.conflicted_at(at(203), at(1));
+        assert_eq!(
+            size(&sizer),
+            16,
+            "one conflict among batches: the size holds"
+        );
+        assert_eq!(
+            sizer.next_at(at(204)),
+            16,
+            "and the route is not held per message"
+        );
+        let _alone = sizer.batch_started();
+        assert!(sizer.must_wait_at(at(204)), "one batch at a time");
+        // A batch that ran alone and conflicted (with another worker's, say):
+        // the size halves.
+        sizer.conflicted_at(at(500), at(300));
+        assert_eq!(size(&sizer), 8);
     }
 
     #[tokio::test]
     async fn may_start_waits_for_the_running_batch_to_end() {
         let sizer = std::sync::Arc::new(BatchSizer::adaptive(64));
         let running = sizer.batch_started();
-        sizer.conflicted();
+        sizer.conflicted(Instant::now());
         let waiting = tokio::spawn({
             let sizer = sizer.clone();
             async move { sizer.may_start().await }
@@ -516,7 +568,7 @@ mod tests {
     fn a_fixed_route_ignores_conflicts() {
         let sizer = std::sync::Arc::new(BatchSizer::fixed(16));
         let _running = sizer.batch_started();
-        sizer.conflicted();
+        sizer.conflicted(Instant::now());
         assert_eq!(sizer.next(), 16);
         assert!(!sizer.must_wait_at(Instant::now()));
         assert!(!sizer.bounds_lock_waits());
