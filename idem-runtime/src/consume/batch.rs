@@ -198,11 +198,14 @@ enum Outcome {
 }
 
 impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB> {
-    /// Processes a batch of messages. `_slot` is the concurrency permit.
+    /// Processes a batch of messages. `_slot` is the concurrency permit;
+    /// `admitted`, when the route let the batch start (see
+    /// [`BatchSizer::conflicted`](crate::consume::sizing::BatchSizer::conflicted)).
     pub(crate) async fn process_batch(
         self: Arc<Self>,
         messages: Vec<Message>,
         _slot: OwnedSemaphorePermit,
+        admitted: Instant,
     ) {
         let span = tracing::info_span!(
             "idem.batch",
@@ -211,14 +214,13 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
         );
         #[cfg(feature = "otel")]
         crate::observe::trace::link_each(&span, messages.iter().filter_map(|m| m.headers.as_ref()));
-        self.run_batch(messages).instrument(span).await;
+        self.run_batch(messages, admitted).instrument(span).await;
     }
 
     /// Runs a batch (see the module docs): its messages are made ready,
     /// those ready are committed in one transaction, and if that fails,
     /// each is run again in a transaction of its own.
-    async fn run_batch(self: &Arc<Self>, messages: Vec<Message>) {
-        let started = Instant::now();
+    async fn run_batch(self: &Arc<Self>, messages: Vec<Message>, admitted: Instant) {
         let _in_flight = self.recorder.in_flight(messages.len());
         let ready = self.make_ready(messages).await;
         if ready.is_empty() {
@@ -229,7 +231,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
         };
         self.recorder.record(Event::BatchFallback);
         if failure.is_conflict() {
-            self.sizer.conflicted(started);
+            self.sizer.conflicted(admitted);
         } else {
             self.sizer.fell_back();
         }

@@ -30,7 +30,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::Message;
 use async_nats::jetstream::consumer::PullConsumer;
@@ -156,7 +156,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             &mut self.in_flight,
         )
         .await?;
-        self.may_start().await?;
+        let admitted = self.may_start().await?;
         let messages = self.pull.as_mut().expect("opened above");
         // What the pull asks for follows the batch size: messages fetched
         // ahead are not leased, and must not wait past ack_wait.
@@ -179,7 +179,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
         };
         self.failures = 0;
         let (group, failed) = gather(first, messages, self.pipeline.sizer.next());
-        self.start(group, slot);
+        self.start(group, slot, admitted);
         if let Some(error) = failed {
             self.pull_failed(error).await;
         }
@@ -212,13 +212,15 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
 
     /// Waits until the route may start something: after batches
     /// conflicted, nothing starts beside a running batch (see
-    /// `consume/sizing.rs`).
-    async fn may_start(&mut self) -> Result<(), Cut> {
+    /// `consume/sizing.rs`). Returns when it was let start: a batch let
+    /// start before the route ran alone (while it waited for messages,
+    /// say) is one of the batches that conflicted, not one that ran alone.
+    async fn may_start(&mut self) -> Result<Instant, Cut> {
         tokio::select! {
             biased;
             _ = self.shutdown.fired() => Err(Cut::Stop),
             _ = self.pipeline.health.paused() => Err(Cut::Again),
-            () = self.pipeline.sizer.may_start() => Ok(()),
+            () = self.pipeline.sizer.may_start() => Ok(Instant::now()),
         }
     }
 
@@ -257,7 +259,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             &mut self.in_flight,
         )
         .await?;
-        self.may_start().await?;
+        let admitted = self.may_start().await?;
         let batch = self.pipeline.sizer.next();
         let mut group = Vec::with_capacity(batch);
         while group.len() < batch {
@@ -268,7 +270,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             };
             group.push(message);
         }
-        self.start(group, slot);
+        self.start(group, slot, admitted);
         Ok(())
     }
 
@@ -325,7 +327,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
 
     /// Spawns the processing of `group` in `slot`: one message alone, or a
     /// batch. On an adaptive route, a message that came alone runs alone.
-    fn start(&mut self, mut group: Vec<Message>, slot: OwnedSemaphorePermit) {
+    fn start(&mut self, mut group: Vec<Message>, slot: OwnedSemaphorePermit, admitted: Instant) {
         if group.len() == 1 && self.pipeline.sizer.runs_one_alone() {
             let message = group.pop().expect("a group has its first message");
             self.in_flight
@@ -335,7 +337,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             let pipeline = self.pipeline.clone();
             self.in_flight.spawn(async move {
                 let _batch = batch;
-                pipeline.process_batch(group, slot).await;
+                pipeline.process_batch(group, slot, admitted).await;
             });
         }
     }

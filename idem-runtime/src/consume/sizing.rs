@@ -46,10 +46,11 @@
 //!   messages that each also update one of 8 hot rows. A conflict while
 //!   the route runs one batch at a time (with another worker's batches,
 //!   say) halves the size instead; the other batches of the conflict that
-//!   made it run alone, which started before and fail after, change
-//!   nothing (each used to halve the size: three batches that conflicted
-//!   together took it from 16 to 4, and every such conflict brought the
-//!   route down to 1, held per message).
+//!   made it run alone, which the route let start before (its pull loop
+//!   passed [`may_start`](BatchSizer::may_start)) and which fail after,
+//!   change nothing (each used to halve the size: three batches that
+//!   conflicted together took it from 16 to 4, and every such conflict
+//!   brought the route down to 1, held per message).
 //!
 //! The state is shared by the route's batches in flight, behind a mutex
 //! taken once per batch.
@@ -218,12 +219,13 @@ impl BatchSizer {
                 .is_some_and(|limit| state.batches >= limit)
     }
 
-    /// A batch that started at `started` conflicted with another
-    /// transaction (see the module docs): the route runs one batch at a
-    /// time for a while, or, if the batch ran alone, the size halves. The
-    /// other batches of the same conflict, which started before the route
-    /// ran alone and end after, change nothing more: the conflict was
-    /// among the batches, not the size.
+    /// A batch that the route let start at `started` (when it passed
+    /// [`may_start`](Self::may_start)) conflicted with another transaction
+    /// (see the module docs): the route runs one batch at a time for a
+    /// while, or, if the batch ran alone, the size halves. The other
+    /// batches of the same conflict, let start before the route ran alone
+    /// and failing after, change nothing more: the conflict was among the
+    /// batches, not the size.
     pub(crate) fn conflicted(&self, started: Instant) {
         self.conflicted_at(Instant::now(), started);
     }
@@ -533,10 +535,14 @@ mod tests {
             16,
             "one conflict among batches: the size holds"
         );
-        assert_eq!(
-            sizer.next_at(at(204)),
-            16,
+        assert!(
+            sizer.state().held_until.is_none(),
             "and the route is not held per message"
+        );
+        assert_eq!(
+            sizer.state().conflict_hold,
+            2 * HOLD_MIN,
+            "the hold grew once, for the first of them"
         );
         let _alone = sizer.batch_started();
         assert!(sizer.must_wait_at(at(204)), "one batch at a time");
