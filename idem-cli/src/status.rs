@@ -507,11 +507,15 @@ fn pull_lines(consumers: &[status::ConsumerStatus]) -> Vec<String> {
                 "  warning: {}/{}: pull requests capped at {} messages by the consumer's max_batch \
                  (its route asks for {}: concurrency x batch), so fewer messages are fetched ahead; \
                  raise the limit (the server's jetstream max_request_batch), or lower the route's \
-                 concurrency or batch",
+                 concurrency or its largest batch (`Route::batch`, `Route::adaptive_batch`; a route \
+                 left at its defaults takes up to {} messages a batch, {} with a batch handler, \
+                 within max_ack_pending / concurrency)",
                 consumer.stream,
                 consumer.durable,
                 or_dash(consumer.max_batch),
                 or_dash(consumer.pull_batch),
+                idem_runtime::route::DEFAULT_ADAPTIVE_MAX,
+                idem_runtime::route::DEFAULT_ADAPTIVE_MAX_BATCH_HANDLER,
             )
         })
         .collect()

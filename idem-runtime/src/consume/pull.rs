@@ -72,7 +72,7 @@ pub(crate) async fn pull_until_shutdown<
         slots: Arc::new(Semaphore::new(pipeline.route.concurrency)),
         shutdown,
         failures: 0,
-        signals: PullSignals::new(&pipeline.route.durable),
+        signals: PullSignals::new(&pipeline.route),
         refresh_info: false,
         consumer: &consumer,
         pipeline: &pipeline,
@@ -179,7 +179,18 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
         };
         self.failures = 0;
         let (group, failed) = gather(first, messages, self.pipeline.sizer.next());
-        self.start(group, slot, admitted);
+        if self.pipeline.sizer.must_wait() {
+            // Batches conflicted while this turn waited for messages, and
+            // one runs: nothing may start beside it, so these wait, leased,
+            // and start first once it ends (`start_parked`).
+            drop(slot);
+            for message in group {
+                let lease = self.pipeline.heartbeats.lease(&message);
+                self.parked.push_back((message, lease));
+            }
+        } else {
+            self.start(group, slot, admitted);
+        }
         if let Some(error) = failed {
             self.pull_failed(error).await;
         }

@@ -73,6 +73,7 @@ use tokio::time::Instant;
 
 use crate::consume::pull_books::{Books, EXPIRY_MARGIN, End};
 use crate::observe::metrics;
+use crate::route::Route;
 
 /// How long one pull request lives on the server (less if the consumer's
 /// `max_expires` is shorter). Closing the pull waits at most about this
@@ -177,6 +178,9 @@ impl Refusal {
 /// said once, and the metrics.
 pub(crate) struct PullSignals {
     route: String,
+    /// What the cap warning tells the operator to lower, by how the route
+    /// sizes its batches.
+    lower: String,
     /// Whether the route's requests are capped now (the gauge's value).
     capped: AtomicBool,
     /// Whether the cap was warned about (once per route).
@@ -184,10 +188,25 @@ pub(crate) struct PullSignals {
 }
 
 impl PullSignals {
-    /// The signals of route `route` (its durable).
-    pub(crate) fn new(route: &str) -> Arc<Self> {
+    /// The signals of `route`.
+    pub(crate) fn new(route: &Route) -> Arc<Self> {
+        let lower = match (route.batching_chosen, route.adaptive) {
+            (true, false) => "the route's concurrency or batch (`Route::batch`)".to_owned(),
+            (true, true) => {
+                "the route's concurrency or largest batch (`Route::adaptive_batch`)".to_owned()
+            }
+            (false, _) if route.batch_cap() == 1 => "the route's concurrency".to_owned(),
+            // A route left at its defaults asks for concurrency x its
+            // default largest batch.
+            (false, _) => format!(
+                "the route's concurrency, or give it a largest batch of its own \
+                 (`Route::adaptive_batch`; at its defaults it takes up to {} messages a batch)",
+                route.batch_cap()
+            ),
+        };
         Arc::new(PullSignals {
-            route: route.to_owned(),
+            route: route.durable.clone(),
+            lower,
             capped: AtomicBool::new(false),
             cap_warned: AtomicBool::new(false),
         })
@@ -208,10 +227,11 @@ impl PullSignals {
                 "the route's pull requests would ask for {} messages (concurrency x batch), more than the \
                  consumer's max_batch of {} (its own, or the server's jetstream limit max_request_batch), \
                  which the server refuses: each request is capped at {}, so fewer messages are fetched \
-                 ahead; raise the limit, or lower the route's concurrency or batch",
+                 ahead; raise the limit, or lower {}",
                 books.wanted(),
                 books.size(),
-                books.size()
+                books.size(),
+                self.lower,
             );
         }
     }

@@ -50,7 +50,11 @@
 //!   passed [`may_start`](BatchSizer::may_start)) and which fail after,
 //!   change nothing (each used to halve the size: three batches that
 //!   conflicted together took it from 16 to 4, and every such conflict
-//!   brought the route down to 1, held per message).
+//!   brought the route down to 1, held per message). A pull loop let
+//!   start before a conflict, and still waiting for messages when it came,
+//!   checks again ([`must_wait`](BatchSizer::must_wait)) once they come,
+//!   and parks them, leased, until the running batch ends: it no longer
+//!   runs a second batch beside the lone one.
 //!
 //! The state is shared by the route's batches in flight, behind a mutex
 //! taken once per batch.
@@ -209,6 +213,14 @@ impl BatchSizer {
     /// How many batches may run at once now, if conflicts limited them.
     pub(crate) fn batch_limit(&self) -> Option<usize> {
         self.state().limit_at(Instant::now())
+    }
+
+    /// Whether the route must wait now before it starts anything: what a
+    /// pull loop let start (by [`may_start`](Self::may_start)) and that
+    /// then waited for messages checks again, since batches may have
+    /// conflicted meanwhile.
+    pub(crate) fn must_wait(&self) -> bool {
+        self.must_wait_at(Instant::now())
     }
 
     fn must_wait_at(&self, now: Instant) -> bool {

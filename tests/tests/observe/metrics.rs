@@ -241,7 +241,7 @@ async fn the_services_metrics_count_what_happened() {
     .await
     .unwrap();
     drop(conn);
-    let stuck = orders
+    orders
         .scrape_until(|m| {
             expect(m, "idem_outbox_pending_rows", &[], 1.0)?;
             // Its failure is recorded on it: NATS answers, no stream does.
@@ -252,18 +252,20 @@ async fn the_services_metrics_count_what_happened() {
             }
         })
         .await;
-    assert!(
-        stuck
-            .value("idem_outbox_publish_failures_total", &[])
-            .unwrap_or(0.0)
-            + payments
-                .scrape()
-                .await
-                .value("idem_outbox_publish_failures_total", &[])
-                .unwrap_or(0.0)
-            > 0.0,
-        "the relays counted their failed publishes of the stuck row"
-    );
+    // A relay counts a failed publish after the commit that marks the row
+    // failing, which the gauge above reads: the count may lag it a moment.
+    idem_tests::eventually(
+        "the relays count their failed publishes of the stuck row",
+        SETTLE,
+        async || {
+            let failures = |m: Metrics| {
+                m.value("idem_outbox_publish_failures_total", &[])
+                    .unwrap_or(0.0)
+            };
+            failures(orders.scrape().await) + failures(payments.scrape().await) > 0.0
+        },
+    )
+    .await;
     sqlx::query("DELETE FROM idem_outbox WHERE msg_id = 'stuck-1'")
         .execute(&pool)
         .await

@@ -52,6 +52,10 @@ async fn a_max_request_batch_below_the_routes_requests_caps_them_and_every_messa
     assert_eq!(info.config.max_batch, 8, "the server's limit applies");
     let capped = logs.matching(&["WARN", "max_batch of 8", "route=\"c\""]);
     assert_eq!(capped.len(), 1, "one warning names the cap: {capped:#?}");
+    assert!(
+        capped[0].contains("lower the route's concurrency or batch (`Route::batch`)"),
+        "a route that chose its batch is told to lower it: {capped:#?}"
+    );
     let ours = status::consumers(&js)
         .await
         .unwrap()
@@ -132,6 +136,13 @@ async fn request_limits_lowered_under_a_running_route_are_read_again_and_nothing
     // Both refusals happened, and each was met as it should be.
     let capped = logs.matching(&["WARN", "max_batch of 2", "route=\"c\""]);
     assert_eq!(capped.len(), 1, "one warning names the cap: {capped:#?}");
+    assert!(
+        capped[0].contains(
+            "give it a largest batch of its own (`Route::adaptive_batch`; at its defaults it \
+             takes up to 64 messages a batch)"
+        ),
+        "a route left at its defaults is not told to lower a batch it never chose: {capped:#?}"
+    );
     let reopened = logs.matching(&["WARN", "Exceeded MaxRequestExpires", "route=\"c\""]);
     assert!(
         !reopened.is_empty(),

@@ -447,6 +447,13 @@ async fn a_redelivery_found_processed_wakes_the_relay_for_what_its_first_attempt
     );
     let sent: Deposit = serde_json::from_slice(&message.payload).unwrap();
     assert_eq!(sent.amount, 7);
+    // A duplicate is counted after it rang the relay and was acked.
+    eventually(
+        "the redelivery is counted as a duplicate",
+        Duration::from_secs(10),
+        async || stats.duplicates() == 1,
+    )
+    .await;
     assert_eq!(
         (stats.dropped_by_fault(), stats.duplicates()),
         (1, 1),
