@@ -156,7 +156,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             &mut self.in_flight,
         )
         .await?;
-        let admitted = self.may_start().await?;
+        self.may_start().await?;
         let messages = self.pull.as_mut().expect("opened above");
         // What the pull asks for follows the batch size: messages fetched
         // ahead are not leased, and must not wait past ack_wait.
@@ -179,6 +179,9 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
         };
         self.failures = 0;
         let (group, failed) = gather(first, messages, self.pipeline.sizer.next());
+        // The route lets these start now, if it does: what conflicted while
+        // this turn waited for messages ran before them, not beside them.
+        let admitted = Instant::now();
         if self.pipeline.sizer.must_wait() {
             // Batches conflicted while this turn waited for messages, and
             // one runs: nothing may start beside it, so these wait, leased,
@@ -224,8 +227,9 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
     /// Waits until the route may start something: after batches
     /// conflicted, nothing starts beside a running batch (see
     /// `consume/sizing.rs`). Returns when it was let start: a batch let
-    /// start before the route ran alone (while it waited for messages,
-    /// say) is one of the batches that conflicted, not one that ran alone.
+    /// start before the route ran alone is one of the batches that
+    /// conflicted, not one that ran alone. (A turn that then waits for
+    /// messages asks again once they come, and takes that time instead.)
     async fn may_start(&mut self) -> Result<Instant, Cut> {
         tokio::select! {
             biased;

@@ -191,11 +191,11 @@ impl PullSignals {
     /// The signals of `route`.
     pub(crate) fn new(route: &Route) -> Arc<Self> {
         let lower = match (route.batching_chosen, route.adaptive) {
+            _ if route.batch_cap() == 1 => "the route's concurrency".to_owned(),
             (true, false) => "the route's concurrency or batch (`Route::batch`)".to_owned(),
             (true, true) => {
                 "the route's concurrency or largest batch (`Route::adaptive_batch`)".to_owned()
             }
-            (false, _) if route.batch_cap() == 1 => "the route's concurrency".to_owned(),
             // A route left at its defaults asks for concurrency x its
             // default largest batch.
             (false, _) => format!(

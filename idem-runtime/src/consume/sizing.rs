@@ -47,14 +47,17 @@
 //!   the route runs one batch at a time (with another worker's batches,
 //!   say) halves the size instead; the other batches of the conflict that
 //!   made it run alone, which the route let start before (its pull loop
-//!   passed [`may_start`](BatchSizer::may_start)) and which fail after,
+//!   passed [`may_start`](BatchSizer::may_start), and found no reason to
+//!   wait once their messages came) and which fail after,
 //!   change nothing (each used to halve the size: three batches that
 //!   conflicted together took it from 16 to 4, and every such conflict
 //!   brought the route down to 1, held per message). A pull loop let
 //!   start before a conflict, and still waiting for messages when it came,
 //!   checks again ([`must_wait`](BatchSizer::must_wait)) once they come,
 //!   and parks them, leased, until the running batch ends: it no longer
-//!   runs a second batch beside the lone one.
+//!   runs a second batch beside the lone one. A batch it does start then
+//!   was let start at that check, so that one that runs alone after a
+//!   conflict counts as alone.
 //!
 //! The state is shared by the route's batches in flight, behind a mutex
 //! taken once per batch.

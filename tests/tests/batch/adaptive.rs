@@ -242,6 +242,8 @@ async fn when_every_message_fails_the_batch_falls_back_to_one_per_transaction_at
 #[derive(Clone, Default)]
 struct RowWaits {
     timed_out: Arc<std::sync::atomic::AtomicBool>,
+    /// The amount of each deposit whose handler began, in order.
+    began: Arc<Mutex<Vec<i64>>>,
 }
 
 #[idempotent(name = "waits-for-row")]
@@ -251,6 +253,7 @@ async fn waits_for_row(
     State(waits): State<RowWaits>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
+    waits.began.lock().unwrap().push(d.amount);
     let locked = sqlx::query("SELECT id FROM hot_row WHERE id = 1 FOR UPDATE")
         .execute(&mut **tx)
         .await;
@@ -326,5 +329,93 @@ async fn a_batch_waiting_on_a_row_lock_gives_up_at_once_and_its_messages_wait_al
     assert_eq!(
         ledger(&pool, "waits-for-row").await,
         Ledger::once_each(MESSAGES)
+    );
+}
+
+/// Messages that come while a conflicted batch still runs do not start
+/// beside it, even where the pull loop was let start before the conflict
+/// and was waiting for messages when it came. A route with two slots takes
+/// a batch of 2 that gives up on a row lock; its messages then wait for the
+/// row one per transaction, while the other slot waits for messages. Two
+/// more arrive and are fetched: they wait, leased, until the conflicted
+/// batch has ended (before, they started as a second batch beside it and
+/// gave up on the same lock). Once the row is free, all four are applied
+/// once, and only the first batch fell back.
+#[tokio::test]
+async fn messages_fetched_after_a_conflict_wait_for_the_conflicted_batch() {
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("PARKED", Duration::from_secs(120)).await;
+    sqlx::raw_sql("CREATE TABLE hot_row (id int PRIMARY KEY); INSERT INTO hot_row VALUES (1)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM hot_row WHERE id = 1 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    for i in 0..2 {
+        publish(&js, &subject, &deposit("a", i), Some(&format!("p-{i}"))).await;
+    }
+    let waits = RowWaits::default();
+    let (handle, task) = spawn(
+        Router::with_state(waits.clone())
+            .route(Route::new(&stream, "c").concurrency(2), waits_for_row),
+        nats,
+        pool.clone(),
+    );
+    let stats = handle.stats("c").unwrap();
+    eventually(
+        "the batch of 2 gave up on the row lock and fell back",
+        Duration::from_secs(30),
+        || async {
+            waits.timed_out.load(std::sync::atomic::Ordering::SeqCst)
+                && stats.batch_fallbacks() >= 1
+        },
+    )
+    .await;
+    assert_eq!(
+        (stats.received(), stats.batch_fallbacks()),
+        (2, 1),
+        "the two ran as one batch, which fell back: {stats:?}"
+    );
+    for i in 2..4 {
+        publish(&js, &subject, &deposit("a", i), Some(&format!("p-{i}"))).await;
+    }
+    eventually(
+        "the route fetched the two new messages",
+        Duration::from_secs(10),
+        || async { env.consumer_info(&stream, "c").await.num_ack_pending == 4 },
+    )
+    .await;
+    // Had they started, their handler would have begun within milliseconds
+    // of the fetch (it did, before this was fixed).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let began = waits.began.lock().unwrap().clone();
+    assert!(
+        began.iter().all(|amount| *amount < 2),
+        "nothing started beside the conflicted batch: handlers began for {began:?}"
+    );
+    assert_eq!(stats.processed(), 0, "the row is still held: {stats:?}");
+
+    holder.commit().await.unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(ledger(&pool, "waits-for-row").await, Ledger::once_each(4));
+    assert_eq!(
+        stats.batch_fallbacks(),
+        1,
+        "only the first batch fell back: {stats:?}"
+    );
+    let began = waits.began.lock().unwrap().clone();
+    assert!(
+        began.contains(&2) && began.contains(&3),
+        "the two waiting messages ran once the row was free: {began:?}"
     );
 }
