@@ -63,7 +63,7 @@ use async_nats::jetstream::Message;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
-use crate::consume::heartbeat::Lease;
+use crate::consume::heartbeat::{Lease, Taken};
 use crate::consume::pipeline::{Held, Outage, Pipeline, Verdict, no_answer};
 use crate::error::HandlerError;
 use crate::handler::Handler;
@@ -198,12 +198,13 @@ enum Outcome {
 }
 
 impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB> {
-    /// Processes a batch of messages. `_slot` is the concurrency permit;
+    /// Processes a batch of messages, each with its lease if it waited
+    /// parked. `_slot` is the concurrency permit;
     /// `admitted`, when the route let the batch start (see
     /// [`BatchSizer::conflicted`](crate::consume::sizing::BatchSizer::conflicted)).
     pub(crate) async fn process_batch(
         self: Arc<Self>,
-        messages: Vec<Message>,
+        messages: Vec<Taken>,
         _slot: OwnedSemaphorePermit,
         admitted: Instant,
     ) {
@@ -213,14 +214,17 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
             size = messages.len()
         );
         #[cfg(feature = "otel")]
-        crate::observe::trace::link_each(&span, messages.iter().filter_map(|m| m.headers.as_ref()));
+        crate::observe::trace::link_each(
+            &span,
+            messages.iter().filter_map(|(m, _)| m.headers.as_ref()),
+        );
         self.run_batch(messages, admitted).instrument(span).await;
     }
 
     /// Runs a batch (see the module docs): its messages are made ready,
     /// those ready are committed in one transaction, and if that fails,
     /// each is run again in a transaction of its own.
-    async fn run_batch(self: &Arc<Self>, messages: Vec<Message>, admitted: Instant) {
+    async fn run_batch(self: &Arc<Self>, messages: Vec<Taken>, admitted: Instant) {
         let _in_flight = self.recorder.in_flight(messages.len());
         let ready = self.make_ready(messages).await;
         if ready.is_empty() {
@@ -238,21 +242,31 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
         self.fall_back(failure, ready, false).await;
     }
 
-    /// Decodes each message, resolves its id and leases it. One that is not
-    /// for the batch is settled on its own: not a delivery, a replay for
-    /// another handler, rejected, or past its delivery limit.
-    async fn make_ready(self: &Arc<Self>, messages: Vec<Message>) -> Vec<Ready<H::Payload>> {
-        let mut ready = Vec::with_capacity(messages.len());
-        for message in messages {
+    /// Decodes each message, resolves its id and leases it (a parked one
+    /// keeps its lease). One that is not for the batch is settled on its
+    /// own: not a delivery, a replay for another handler, rejected, or past
+    /// its delivery limit. Every message of the batch is leased before any
+    /// is decided on its own, which runs its handler.
+    async fn make_ready(self: &Arc<Self>, messages: Vec<Taken>) -> Vec<Ready<H::Payload>> {
+        let mut leased = Vec::with_capacity(messages.len());
+        for (message, parked) in messages {
             self.recorder.record(Event::Received);
+            // (A parked lease held when either skips the message ends just
+            // after: after its ACK, or for what is no JetStream delivery,
+            // where a heartbeat changes nothing.)
             let Some(mut delivery) = self.delivery_of(&message).await else {
                 continue;
             };
             if self.skip_replay_for_another(&message, &delivery).await {
                 continue;
             }
-            let lease = self.heartbeats.lease(&message);
-            match self.prepare(&message, &mut delivery) {
+            let lease = parked.unwrap_or_else(|| self.heartbeats.lease(&message));
+            let prepared = self.prepare(&message, &mut delivery);
+            leased.push((message, delivery, prepared, lease));
+        }
+        let mut ready = Vec::with_capacity(leased.len());
+        for (message, delivery, prepared, lease) in leased {
+            match prepared {
                 Err(rejected) => {
                     self.settle(&message, &delivery, Verdict::Rejected(rejected), lease)
                         .await;
@@ -693,10 +707,16 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
     /// already on its way, and it ends when the server sees the client gone
     /// (at once when idle, else when the statement running ends: at the
     /// handler timeout, or at the next client check). While the database
-    /// cannot be used, the batch is held, as any message is. Only at
-    /// shutdown, with the answer still unknown, is the answer "committed":
-    /// dead-lettered, the messages are kept rather than risk acking them
-    /// undone.
+    /// cannot be used, the batch is held, as any message is, and at
+    /// shutdown the answer is "committed": dead-lettered, the messages are
+    /// kept rather than risk acking them undone. A transaction the server
+    /// says still runs is asked about again at shutdown too, until it ends
+    /// or the grace period does and the task is cut off: it has not
+    /// committed, and can only abort now unless a COMMIT was on its way, so
+    /// its messages are redelivered, and their claims decide. (Taking that
+    /// answer for "committed" at once dead-lettered every message of the
+    /// batch, those whose handlers never ran included, whenever a handler
+    /// timed out or panicked moments before a deploy.)
     async fn committed_by_handler(self: &Arc<Self>, xid: &str) -> bool {
         let mut outage = Outage::default();
         let mut pause = COMMITTED_BY_HANDLER_PAUSE;
@@ -744,9 +764,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
                             "a failed batch's transaction is still running on the server (its handler timed out or panicked while a statement ran): its messages wait until the server ends it"
                         );
                     }
-                    if !self.wait_or_shutdown(pause).await {
-                        break;
-                    }
+                    tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(COMMITTED_BY_HANDLER_PAUSE_MAX);
                 }
                 Err(error) => {
@@ -758,7 +776,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
             }
         }
         tracing::error!(
-            "shutting down before it could be told whether a failed batch's transaction committed: its messages are dead-lettered rather than risk acking them undone"
+            "shutting down before the database could be asked whether a failed batch's transaction committed: its messages are dead-lettered rather than risk acking them undone"
         );
         true
     }

@@ -31,6 +31,11 @@ struct Shared {
     sending: tokio::sync::Mutex<()>,
 }
 
+/// A message taken from the pull, with the lease it holds already if it
+/// waited parked (see `consume/pull.rs`): that lease stays its lease until
+/// it is settled.
+pub(crate) type Taken = (Message, Option<Lease>);
+
 /// Keeps one message heartbeaten until it ends.
 pub(crate) struct Lease {
     id: u64,

@@ -220,18 +220,27 @@ pub(crate) struct Outage {
 }
 
 impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB> {
-    /// Processes one message. `_slot` is the concurrency permit, released when
-    /// the message is settled.
-    pub(crate) async fn process(self: Arc<Self>, message: Message, _slot: OwnedSemaphorePermit) {
+    /// Processes one message. `parked`: the lease it holds already, if it
+    /// waited parked. `_slot` is the concurrency permit, released when the
+    /// message is settled.
+    pub(crate) async fn process(
+        self: Arc<Self>,
+        message: Message,
+        parked: Option<Lease>,
+        _slot: OwnedSemaphorePermit,
+    ) {
         self.recorder.record(Event::Received);
         let _in_flight = self.recorder.in_flight(1);
         let Some(mut delivery) = self.delivery_of(&message).await else {
             return;
         };
+        // (A parked lease held when either returns ends just after: after
+        // its ACK, or for what is no JetStream delivery, where a heartbeat
+        // changes nothing.)
         if self.skip_replay_for_another(&message, &delivery).await {
             return;
         }
-        let lease = self.heartbeats.lease(&message);
+        let lease = parked.unwrap_or_else(|| self.heartbeats.lease(&message));
         let span = self.span(&delivery);
         async {
             let verdict = match self.prepare(&message, &mut delivery) {

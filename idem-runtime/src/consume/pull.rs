@@ -8,7 +8,9 @@
 //! error of the pull, it is closed and a new one opened. A message is taken
 //! off it only once a slot is free, so what waits locally is bounded; one
 //! that waited past ack_wait is redelivered, and its claim skips whichever
-//! copy comes second.
+//! copy comes second. After a conflict, while the route runs one batch at
+//! a time, what was fetched for several batches would wait unleased for
+//! every batch before it: it is parked (leased) as it arrives instead.
 //!
 //! The pull is *closed*, never dropped: when the route pauses, at shutdown,
 //! and after an error of the pull. It stops asking and collects what its
@@ -40,7 +42,7 @@ use tokio::task::JoinSet;
 
 use crate::consume::ack;
 use crate::consume::health::Health;
-use crate::consume::heartbeat::Lease;
+use crate::consume::heartbeat::{Lease, Taken};
 use crate::consume::pipeline::Pipeline;
 use crate::consume::pull_stream::{PullError, PullSignals, PullStream};
 use crate::handler::Handler;
@@ -156,7 +158,12 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             &mut self.in_flight,
         )
         .await?;
-        self.may_start().await?;
+        let admitted = self.may_start().await?;
+        if !self.parked.is_empty() {
+            // Fetched while the route waited: those first.
+            self.start_from_parked(slot, admitted);
+            return Ok(());
+        }
         let messages = self.pull.as_mut().expect("opened above");
         // What the pull asks for follows the batch size: messages fetched
         // ahead are not leased, and must not wait past ack_wait.
@@ -191,7 +198,9 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
                 let lease = self.pipeline.heartbeats.lease(&message);
                 self.parked.push_back((message, lease));
             }
+            self.park_arrived();
         } else {
+            let group = group.into_iter().map(|message| (message, None)).collect();
             self.start(group, slot, admitted);
         }
         if let Some(error) = failed {
@@ -230,12 +239,30 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
     /// start before the route ran alone is one of the batches that
     /// conflicted, not one that ran alone. (A turn that then waits for
     /// messages asks again once they come, and takes that time instead.)
+    ///
+    /// While it waits, what the pull fetched ahead (for several batches,
+    /// before the route ran alone) is leased and parked as it arrives:
+    /// left in the pull, it would wait unleased for every batch before it,
+    /// and could outlive ack_wait.
     async fn may_start(&mut self) -> Result<Instant, Cut> {
-        tokio::select! {
-            biased;
-            _ = self.shutdown.fired() => Err(Cut::Stop),
-            _ = self.pipeline.health.paused() => Err(Cut::Again),
-            () = self.pipeline.sizer.may_start() => Ok(Instant::now()),
+        loop {
+            let arrival = async {
+                match self.pull.as_mut() {
+                    Some(pull) => pull.arrival().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let arrived = tokio::select! {
+                biased;
+                _ = self.shutdown.fired() => return Err(Cut::Stop),
+                _ = self.pipeline.health.paused() => return Err(Cut::Again),
+                () = self.pipeline.sizer.may_start() => return Ok(Instant::now()),
+                arrived = arrival => arrived,
+            };
+            if let Some(message) = arrived {
+                let lease = self.pipeline.heartbeats.lease(&message);
+                self.parked.push_back((message, lease));
+            }
         }
     }
 
@@ -263,6 +290,19 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
         Ok(())
     }
 
+    /// Leases and parks what the pull has received and the route has not
+    /// taken (nothing if no pull is open), to start after what is parked
+    /// already.
+    fn park_arrived(&mut self) {
+        let Some(pull) = self.pull.as_mut() else {
+            return;
+        };
+        for message in pull.take_arrived() {
+            let lease = self.pipeline.heartbeats.lease(&message);
+            self.parked.push_back((message, lease));
+        }
+    }
+
     /// Starts the parked messages (a batch of them at most), once a slot is
     /// free.
     async fn start_parked(&mut self) -> Result<(), Cut> {
@@ -275,18 +315,23 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
         )
         .await?;
         let admitted = self.may_start().await?;
+        self.start_from_parked(slot, admitted);
+        Ok(())
+    }
+
+    /// Starts a batch of the parked messages at most in `slot`.
+    fn start_from_parked(&mut self, slot: OwnedSemaphorePermit, admitted: Instant) {
         let batch = self.pipeline.sizer.next();
         let mut group = Vec::with_capacity(batch);
         while group.len() < batch {
-            // Its own lease takes over once it starts; a heartbeat of
-            // this one in between is harmless (it is not settled).
-            let Some((message, _lease)) = self.parked.pop_front() else {
+            // Its lease goes with it, and stays its lease until it is
+            // settled: no gap in its heartbeats.
+            let Some((message, lease)) = self.parked.pop_front() else {
                 break;
             };
-            group.push(message);
+            group.push((message, Some(lease)));
         }
         self.start(group, slot, admitted);
-        Ok(())
     }
 
     /// After failures of the pull in a row, waits a pause that doubles with
@@ -342,11 +387,12 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
 
     /// Spawns the processing of `group` in `slot`: one message alone, or a
     /// batch. On an adaptive route, a message that came alone runs alone.
-    fn start(&mut self, mut group: Vec<Message>, slot: OwnedSemaphorePermit, admitted: Instant) {
+    /// A parked message comes with its lease.
+    fn start(&mut self, mut group: Vec<Taken>, slot: OwnedSemaphorePermit, admitted: Instant) {
         if group.len() == 1 && self.pipeline.sizer.runs_one_alone() {
-            let message = group.pop().expect("a group has its first message");
+            let (message, lease) = group.pop().expect("a group has its first message");
             self.in_flight
-                .spawn(self.pipeline.clone().process(message, slot));
+                .spawn(self.pipeline.clone().process(message, lease, slot));
         } else {
             let batch = self.pipeline.sizer.batch_started();
             let pipeline = self.pipeline.clone();
@@ -457,9 +503,35 @@ async fn drain(mut in_flight: JoinSet<()>, route: &Route, grace: Duration) -> us
         ?grace,
         "in-flight messages outlived the shutdown grace period; cancelling them (JetStream redelivers them after ack_wait)"
     );
-    in_flight.shutdown().await;
+    cancel(in_flight, &route.durable).await;
     abandoned
 }
+
+/// Cancels the tasks of `in_flight` (of the route or reply subject `of`)
+/// and waits for them to end, for [`CANCEL_BOUND`] at most: a task ends at
+/// its next await once cancelled, and one whose handler blocks its thread
+/// (a blocking call in async code) never gets there. Such tasks are left
+/// behind with an error, rather than hold shutdown up without end.
+pub(crate) async fn cancel(mut in_flight: JoinSet<()>, of: &str) {
+    in_flight.abort_all();
+    let cancelled = tokio::time::timeout(CANCEL_BOUND, async {
+        while let Some(finished) = in_flight.join_next().await {
+            report_panic(finished);
+        }
+    })
+    .await;
+    if cancelled.is_err() {
+        tracing::error!(
+            of,
+            stuck = in_flight.len(),
+            "in-flight work did not stop when cancelled: a handler blocks its thread (a blocking call in async code, never awaited); shutdown goes on without it. Its messages stay leased while it runs (a runtime dropped afterwards waits for its thread)"
+        );
+        in_flight.detach_all();
+    }
+}
+
+/// How long cancelled tasks may take to end at shutdown.
+const CANCEL_BOUND: Duration = Duration::from_secs(2);
 
 /// Closes `pull`, if one is open: what it fetched and did not start, once no
 /// request of it is left on the server (see [`PullStream::close`]).

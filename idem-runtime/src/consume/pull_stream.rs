@@ -402,6 +402,47 @@ impl PullStream {
         }
     }
 
+    /// What has arrived and was not taken yet, without asking for more or
+    /// waiting: for a caller that cannot start it soon, to lease it. An
+    /// error that arrives is kept for the next [`next`](Self::next).
+    pub(crate) fn take_arrived(&mut self) -> Vec<Message> {
+        let mut arrived = Vec::new();
+        while self.failed.is_none()
+            && let Some(Some(received)) = self.subscriber.next().now_or_never()
+        {
+            match self.read(received) {
+                Read::Message(message) => arrived.push(*message),
+                Read::Status => {}
+                Read::Fatal(error) => {
+                    self.fail(error);
+                }
+            }
+        }
+        arrived
+    }
+
+    /// Waits for what arrives next, without asking for more: for a caller
+    /// that cannot start it soon, to lease it. `None` when a status came
+    /// instead. An error is kept for the next [`next`](Self::next), and
+    /// nothing arrives after it. Cancel-safe.
+    pub(crate) async fn arrival(&mut self) -> Option<Message> {
+        if self.failed.is_some() {
+            return std::future::pending().await;
+        }
+        let Some(received) = self.subscriber.next().await else {
+            self.fail(PullError::Unsubscribed);
+            return None;
+        };
+        match self.read(received) {
+            Read::Message(message) => Some(*message),
+            Read::Status => None,
+            Read::Fatal(error) => {
+                self.fail(error);
+                None
+            }
+        }
+    }
+
     /// Stops asking, and reads on until every request sent has ended
     /// (filled, ended by the server's status, or past its expiry), so that
     /// nothing stays requested on the server. Returns every message that

@@ -189,7 +189,7 @@ async fn serve_until_shutdown<S: Send + Sync + 'static, H: Handler<S, DB>, DB: B
         ?grace,
         "in-flight requests outlived the shutdown grace period; cancelling them (their clients get no reply; a retry finds the claim of any that committed)"
     );
-    in_flight.shutdown().await;
+    crate::consume::pull::cancel(in_flight, &subject).await;
     abandoned
 }
 

@@ -39,7 +39,10 @@
 //!   up to [`HOLD_MAX`] (back to [`HOLD_MIN`] after a calm of four holds):
 //!   while a batch runs, the route starts nothing else, so that its batches
 //!   cannot deadlock with each other and keep their size, and the
-//!   throughput it buys. After the hold, two batches may run at once, and
+//!   throughput it buys. (Until the hold ends, at most: a lone batch that
+//!   fell back runs its messages one after another, each waiting as long
+//!   as its transaction may for a row another session holds, and the route
+//!   used to stand still behind it for all that time.) After the hold, two batches may run at once, and
 //!   one more after every round of batches that committed (the limit
 //!   lifts at [`BATCH_LIMIT_LIFTS`]): a conflict among a few batches costs
 //!   less than among every slot's. Measured with `idem-bench contention`:
@@ -200,16 +203,31 @@ impl BatchSizer {
 
     /// Waits until the route may start something: at once, unless batches
     /// have conflicted lately and one runs (see the module docs); then
-    /// until it ends.
+    /// until it ends, or the hold that limits the route to one batch at a
+    /// time ends first. (A lone batch that fell back can run long: its
+    /// messages one after another, each waiting as long as its own
+    /// transaction may for a row another session holds. The route must not
+    /// stand still behind it for longer than the hold.)
     pub(crate) async fn may_start(&self) {
         loop {
             let ended = self.batch_ended.notified();
             tokio::pin!(ended);
             ended.as_mut().enable();
-            if !self.must_wait_at(Instant::now()) {
+            let now = Instant::now();
+            if !self.must_wait_at(now) {
                 return;
             }
-            ended.await;
+            let hold = self.state().alone_until.filter(|until| now < *until);
+            match hold {
+                Some(until) => {
+                    let hold_ends = tokio::time::sleep_until(until.into());
+                    tokio::select! {
+                        () = ended => {}
+                        () = hold_ends => {}
+                    }
+                }
+                None => ended.await,
+            }
         }
     }
 

@@ -4,8 +4,9 @@
 //! batches.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use idem_runtime::{Delivery, Permanent, Route, Router, State, idempotent};
 use idem_tests::scenario::*;
 
@@ -238,12 +239,13 @@ async fn when_every_message_fails_the_batch_falls_back_to_one_per_transaction_at
 }
 
 /// Whether a `waits_for_row` call saw its statement fail on the batch's
-/// lock timeout (55P03), and how many calls ran after the lock was freed.
+/// lock timeout (55P03), when it first did, and which handlers began when.
 #[derive(Clone, Default)]
 struct RowWaits {
     timed_out: Arc<std::sync::atomic::AtomicBool>,
-    /// The amount of each deposit whose handler began, in order.
-    began: Arc<Mutex<Vec<i64>>>,
+    first_timed_out: Arc<Mutex<Option<Instant>>>,
+    /// The amount of each deposit whose handler began, and when, in order.
+    began: Arc<Mutex<Vec<(i64, Instant)>>>,
 }
 
 #[idempotent(name = "waits-for-row")]
@@ -253,7 +255,7 @@ async fn waits_for_row(
     State(waits): State<RowWaits>,
     d: Deposit,
 ) -> Result<(), sqlx::Error> {
-    waits.began.lock().unwrap().push(d.amount);
+    waits.began.lock().unwrap().push((d.amount, Instant::now()));
     let locked = sqlx::query("SELECT id FROM hot_row WHERE id = 1 FOR UPDATE")
         .execute(&mut **tx)
         .await;
@@ -261,11 +263,31 @@ async fn waits_for_row(
         && error.code().as_deref() == Some("55P03")
     {
         waits
+            .first_timed_out
+            .lock()
+            .unwrap()
+            .get_or_insert_with(Instant::now);
+        waits
             .timed_out
             .store(true, std::sync::atomic::Ordering::SeqCst);
     }
     locked?;
     record_effect(tx, "waits-for-row", &d, delivery).await
+}
+
+/// Creates `hot_row` with its one row, which [`waits_for_row`] locks, and
+/// holds that row locked until the returned transaction ends.
+async fn hold_hot_row(pool: &sqlx::PgPool) -> sqlx::PgTransaction<'static> {
+    sqlx::raw_sql("CREATE TABLE hot_row (id int PRIMARY KEY); INSERT INTO hot_row VALUES (1)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM hot_row WHERE id = 1 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    holder
 }
 
 /// A row another transaction holds for longer than an adaptive batch waits
@@ -284,19 +306,7 @@ async fn a_batch_waiting_on_a_row_lock_gives_up_at_once_and_its_messages_wait_al
         stream,
         subject,
     } = scenario("ROWWAIT", Duration::from_secs(120)).await;
-    sqlx::query("CREATE TABLE hot_row (id int PRIMARY KEY)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    sqlx::query("INSERT INTO hot_row VALUES (1)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query("SELECT id FROM hot_row WHERE id = 1 FOR UPDATE")
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    let holder = hold_hot_row(&pool).await;
     const MESSAGES: i64 = 6;
     for i in 0..MESSAGES {
         publish(&js, &subject, &deposit("a", i), Some(&format!("w-{i}"))).await;
@@ -333,14 +343,16 @@ async fn a_batch_waiting_on_a_row_lock_gives_up_at_once_and_its_messages_wait_al
 }
 
 /// Messages that come while a conflicted batch still runs do not start
-/// beside it, even where the pull loop was let start before the conflict
-/// and was waiting for messages when it came. A route with two slots takes
-/// a batch of 2 that gives up on a row lock; its messages then wait for the
-/// row one per transaction, while the other slot waits for messages. Two
-/// more arrive and are fetched: they wait, leased, until the conflicted
-/// batch has ended (before, they started as a second batch beside it and
-/// gave up on the same lock). Once the row is free, all four are applied
-/// once, and only the first batch fell back.
+/// beside it before the route's hold ends (1 s after a first conflict: the
+/// route runs one batch at a time until then), even where the pull loop
+/// was let start before the conflict and was waiting for messages when it
+/// came. A route with two slots takes a batch of 2 that gives up on a row
+/// lock; its messages then wait for the row one per transaction, while the
+/// other slot waits for messages. Two more arrive and are fetched: they
+/// wait, leased, and begin only once the hold has ended (before, they
+/// began within milliseconds of the fetch, as a second batch beside the
+/// first, and gave up on the same lock). Once the row is free, all four are
+/// applied once.
 #[tokio::test]
 async fn messages_fetched_after_a_conflict_wait_for_the_conflicted_batch() {
     let Scenario {
@@ -351,15 +363,7 @@ async fn messages_fetched_after_a_conflict_wait_for_the_conflicted_batch() {
         stream,
         subject,
     } = scenario("PARKED", Duration::from_secs(120)).await;
-    sqlx::raw_sql("CREATE TABLE hot_row (id int PRIMARY KEY); INSERT INTO hot_row VALUES (1)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query("SELECT id FROM hot_row WHERE id = 1 FOR UPDATE")
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    let holder = hold_hot_row(&pool).await;
     for i in 0..2 {
         publish(&js, &subject, &deposit("a", i), Some(&format!("p-{i}"))).await;
     }
@@ -394,13 +398,28 @@ async fn messages_fetched_after_a_conflict_wait_for_the_conflicted_batch() {
         || async { env.consumer_info(&stream, "c").await.num_ack_pending == 4 },
     )
     .await;
-    // Had they started, their handler would have begun within milliseconds
-    // of the fetch (it did, before this was fixed).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // They start once the hold ends, as a batch that gives up on the same
+    // lock; its first message then waits for the row alone.
+    eventually(
+        "a new message began (once the hold ended)",
+        Duration::from_secs(15),
+        || async {
+            let began = waits.began.lock().unwrap();
+            began.iter().any(|(amount, _)| *amount >= 2)
+        },
+    )
+    .await;
+    // The hold began when the batch's failure reached the route, after the
+    // statement gave up: no later than this plus the first hold.
+    let hold_ended_at_earliest = waits.first_timed_out.lock().unwrap().unwrap() + HOLD_MIN;
     let began = waits.began.lock().unwrap().clone();
+    let early: Vec<_> = began
+        .iter()
+        .filter(|(amount, at)| *amount >= 2 && *at < hold_ended_at_earliest)
+        .collect();
     assert!(
-        began.iter().all(|amount| *amount < 2),
-        "nothing started beside the conflicted batch: handlers began for {began:?}"
+        early.is_empty(),
+        "nothing started beside the conflicted batch before the hold ended: {early:?} began early"
     );
     assert_eq!(stats.processed(), 0, "the row is still held: {stats:?}");
 
@@ -408,14 +427,191 @@ async fn messages_fetched_after_a_conflict_wait_for_the_conflicted_batch() {
     wait_all_acked(&js, &stream, "c").await;
     stop(handle.clone(), task).await;
     assert_eq!(ledger(&pool, "waits-for-row").await, Ledger::once_each(4));
-    assert_eq!(
-        stats.batch_fallbacks(),
-        1,
-        "only the first batch fell back: {stats:?}"
+}
+
+/// The route's first hold after a conflict (`consume/sizing.rs`'s
+/// `HOLD_MIN`).
+const HOLD_MIN: Duration = Duration::from_secs(1);
+
+/// While a route runs one batch at a time after a conflict, what its pull
+/// fetched ahead waits leased, not for ack_wait to pass. ack_wait is 2 s
+/// and the route may hold 8 messages unacked; a batch of 2 gives up on a
+/// row lock the test holds, and its messages wait for the row one per
+/// transaction. Six more are fetched meanwhile (8 unacked: the server
+/// sends no more). For three times ack_wait the test pulls from the same
+/// consumer, as a second worker would: it can only be given a message
+/// whose ack_wait ran out, and it is given none. Once the row is free, each
+/// message is applied once.
+#[tokio::test]
+async fn messages_fetched_ahead_while_a_conflicted_batch_runs_are_kept_leased() {
+    let Scenario {
+        env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("AHEAD", Duration::from_secs(120)).await;
+    let holder = hold_hot_row(&pool).await;
+    for i in 0..2 {
+        publish(&js, &subject, &deposit("a", i), Some(&format!("f-{i}"))).await;
+    }
+    let ack_wait = Duration::from_secs(2);
+    let waits = RowWaits::default();
+    let (handle, task) = spawn(
+        Router::with_state(waits.clone()).route(
+            Route::new(&stream, "c")
+                .concurrency(2)
+                .ack_wait(ack_wait)
+                .max_ack_pending(8),
+            waits_for_row,
+        ),
+        nats,
+        pool.clone(),
     );
-    let began = waits.began.lock().unwrap().clone();
+    let stats = handle.stats("c").unwrap();
+    eventually(
+        "the batch of 2 gave up on the row lock and fell back",
+        Duration::from_secs(30),
+        || async {
+            waits.timed_out.load(std::sync::atomic::Ordering::SeqCst)
+                && stats.batch_fallbacks() >= 1
+        },
+    )
+    .await;
+    const MESSAGES: i64 = 8;
+    for i in 2..MESSAGES {
+        publish(&js, &subject, &deposit("a", i), Some(&format!("f-{i}"))).await;
+    }
+    eventually(
+        "the route fetched all eight",
+        Duration::from_secs(10),
+        || async { env.consumer_info(&stream, "c").await.num_ack_pending == 8 },
+    )
+    .await;
+    assert_eq!(stats.processed(), 0, "the row is still held: {stats:?}");
+    let consumer: async_nats::jetstream::consumer::PullConsumer = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .get_consumer("c")
+        .await
+        .unwrap();
+    let watch_until = tokio::time::Instant::now() + 3 * ack_wait;
+    let mut redelivered = Vec::new();
+    while tokio::time::Instant::now() < watch_until {
+        let mut fetched = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(ack_wait / 4)
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(message)) = fetched.next().await {
+            // Left unacked: the route takes it again after ack_wait.
+            redelivered.push(message.info().unwrap().stream_sequence);
+        }
+    }
     assert!(
-        began.contains(&2) && began.contains(&3),
-        "the two waiting messages ran once the row was free: {began:?}"
+        redelivered.is_empty(),
+        "no fetched message waited unleased past ack_wait: stream sequences {redelivered:?} were delivered again"
+    );
+    assert_eq!(
+        stats.processed(),
+        0,
+        "the row was held throughout: {stats:?}"
+    );
+
+    holder.commit().await.unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(
+        ledger(&pool, "waits-for-row").await,
+        Ledger::once_each(MESSAGES)
+    );
+}
+
+#[idempotent(name = "some-wait-for-row")]
+async fn some_wait_for_row(
+    tx: &mut sqlx::PgTransaction<'_>,
+    delivery: &Delivery,
+    d: Deposit,
+) -> Result<(), sqlx::Error> {
+    if d.account == "hot" {
+        sqlx::query("SELECT id FROM hot_row WHERE id = 1 FOR UPDATE")
+            .execute(&mut **tx)
+            .await?;
+    }
+    record_effect(tx, "some-wait-for-row", &d, delivery).await
+}
+
+/// A lone batch that fell back after a conflict, its messages waiting for
+/// a row another session holds, stops its route no longer than the hold
+/// that limits the route to one batch at a time (1 s after a first
+/// conflict). Two messages that lock the held row run as a batch, which
+/// gives up on the lock and falls back; they then wait for the row one per
+/// transaction. Four that touch no held row come next: they are applied
+/// while the row is still held. (Before, the route started nothing until
+/// the lone batch ended, that is until the row was free.)
+#[tokio::test]
+async fn a_lone_batch_waiting_on_a_held_row_stops_its_route_no_longer_than_the_hold() {
+    let Scenario {
+        env: _env,
+        pool,
+        nats,
+        js,
+        stream,
+        subject,
+    } = scenario("LONE", Duration::from_secs(120)).await;
+    let holder = hold_hot_row(&pool).await;
+    for i in 0..2 {
+        publish(&js, &subject, &deposit("hot", i), Some(&format!("hot-{i}"))).await;
+    }
+    let (handle, task) = spawn(
+        Router::new().route(Route::new(&stream, "c").concurrency(2), some_wait_for_row),
+        nats,
+        pool.clone(),
+    );
+    let stats = handle.stats("c").unwrap();
+    eventually(
+        "the batch of 2 gave up on the row lock and fell back",
+        Duration::from_secs(30),
+        || async { stats.batch_fallbacks() >= 1 },
+    )
+    .await;
+    assert_eq!(
+        (stats.received(), stats.batch_fallbacks()),
+        (2, 1),
+        "the two ran as one batch, which fell back: {stats:?}"
+    );
+    for i in 0..4 {
+        publish(
+            &js,
+            &subject,
+            &deposit("cold", i),
+            Some(&format!("cold-{i}")),
+        )
+        .await;
+    }
+    eventually(
+        "the four that touch no held row are applied while the row is held",
+        Duration::from_secs(20),
+        || async { stats.processed() == 4 },
+    )
+    .await;
+    let hot: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM effects WHERE handler = 'some-wait-for-row' AND account = 'hot'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(hot, 0, "the row is still held, so nothing hot is applied");
+
+    holder.commit().await.unwrap();
+    wait_all_acked(&js, &stream, "c").await;
+    stop(handle.clone(), task).await;
+    assert_eq!(
+        ledger(&pool, "some-wait-for-row").await,
+        Ledger::once_each(6)
     );
 }
