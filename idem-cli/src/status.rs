@@ -157,8 +157,13 @@ impl Claims<'_> {
 /// `idem status` on PostgreSQL: expiry by generations, the outbox with the
 /// rows that keep failing and why, and `synchronous_commit`.
 async fn postgres_status(pool: &PgPool, claims: &Claims<'_>) -> Result<Report, CliError> {
+    // A read, bounded: a session that holds a lock on the outbox's table
+    // (which stops the relays too) must not make `idem status` hang.
+    let lag = tokio::time::timeout(OUTBOX_READ_BOUND, outbox::lag(pool))
+        .await
+        .map_err(|_| outbox_locked())?;
     let outbox = OutboxStatus {
-        lag: outbox::lag(pool).await.map_err(database_error)?,
+        lag: lag.map_err(database_error)?,
         wakeups: Wakeups::Notify(status::outbox_notify(pool).await.map_err(database_error)?),
     };
     let expiry = status::expiry(pool).await.map_err(database_error)?;
@@ -252,6 +257,13 @@ impl OutboxStatus {
                 "oldest_age_seconds": failing.oldest.as_secs_f64(),
                 "next_attempt_seconds": failing.next_attempt.as_secs_f64(),
             })).collect::<Vec<_>>(),
+            "blocked": lag.blocked.iter().map(|wait| json!({
+                "waited_seconds": wait.waited.as_secs_f64(),
+                "holder_pid": wait.holder_pid,
+                "holder_state": wait.holder_state,
+                "holder_transaction_seconds": wait.holder_transaction.map(|age| age.as_secs_f64()),
+                "holder_query": wait.holder_query,
+            })).collect::<Vec<_>>(),
         })
     }
 
@@ -307,6 +319,14 @@ impl OutboxStatus {
                     "\n(and {} more rows of other subjects or errors)",
                     lag.failing - listed
                 ));
+            }
+        }
+        if !lag.blocked.is_empty() {
+            text.push_str(
+                "\nrelays are stopped: their statements wait for a lock on idem_outbox that another session holds. End that transaction, or the session (pg_terminate_backend(pid)):",
+            );
+            for wait in &lag.blocked {
+                text.push_str(&format!("\n  - a relay statement {wait}"));
             }
         }
         text
@@ -683,6 +703,21 @@ pub async fn check(
         ),
     };
     Ok(Report::done(json, text))
+}
+
+/// How long `idem status` waits to read the outbox on PostgreSQL.
+const OUTBOX_READ_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The outbox could not be read within [`OUTBOX_READ_BOUND`]: its table is
+/// locked, and the relays wait as well.
+fn outbox_locked() -> CliError {
+    CliError::new(
+        format!(
+            "reading idem_outbox waited over {}s for a lock: another session holds one (a LOCK TABLE, ALTER TABLE or VACUUM FULL of it left open), and every outbox relay waits for it too, publishing nothing",
+            OUTBOX_READ_BOUND.as_secs()
+        ),
+        "find the session with SELECT pid, state, xact_start, query FROM pg_stat_activity WHERE pid IN (SELECT pid FROM pg_locks WHERE relation = 'idem_outbox'::regclass AND granted), then end its transaction, or pg_terminate_backend(pid)",
+    )
 }
 
 fn database_error(error: sqlx::Error) -> CliError {

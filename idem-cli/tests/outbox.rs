@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use idem_runtime::outbox::{self, Outbox, Relay};
-use idem_tests::outbox::stored_count;
+use idem_tests::outbox::{lock_outbox, stored_count};
 use idem_tests::{TestEnv, eventually};
 use serde_json::Value;
 
@@ -164,4 +164,106 @@ async fn idem_status_says_whether_the_outbox_notify_trigger_is_on() {
     assert_eq!(code, 0);
     assert!(text.contains("NOTIFY trigger on"), "{text}");
     assert!(idem_runtime::status::outbox_notify(&pool).await.unwrap());
+}
+
+/// A session left open with a lock on `idem_outbox` stops every relay:
+/// `idem status` names it. With an EXCLUSIVE lock (plain reads still run)
+/// it lists the relays' waits and the session that holds the lock; with an
+/// ACCESS EXCLUSIVE one (no read runs) it says within seconds, rather than
+/// hang, that the table is locked and how to find the session. Once the
+/// session ends, the rows go out, each once.
+#[tokio::test]
+async fn idem_status_names_the_session_whose_lock_stops_the_relays() {
+    let env = TestEnv::start().await;
+    let pool = env.pool().await;
+    idem_runtime::schema::migrate(&pool).await.unwrap();
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let out = format!("OUT_{}", idem_tests::unique_name("locked"));
+    js.create_stream(stream::Config {
+        name: out.clone(),
+        subjects: vec![format!("{out}.>")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let outbox: Outbox = Outbox::keyed("cli-locked");
+    for n in 0..2 {
+        outbox
+            .send(&mut tx, &format!("{out}.paid"), &n)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let (mut holder, holder_pid) = lock_outbox(&pool, "EXCLUSIVE").await;
+
+    let relay = Relay::new().poll_interval(Duration::from_millis(100));
+    let stats = relay.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(relay.run_until(nats, pool.clone(), async {
+        let _ = stopped.await;
+    }));
+    eventually(
+        "the relay waits for the lock",
+        Duration::from_secs(20),
+        async || {
+            stats
+                .blocked()
+                .iter()
+                .any(|wait| wait.holder_pid == holder_pid)
+        },
+    )
+    .await;
+    let status = idem_json(&env, &["status", "--json"]).await;
+    let blocked = status["outbox"]["blocked"].as_array().unwrap();
+    assert!(
+        blocked.iter().any(|wait| wait["holder_pid"] == holder_pid
+            && wait["holder_state"] == "idle in transaction"),
+        "{status:#}"
+    );
+    let (code, text) = idem(&env, &["status"]).await;
+    assert_eq!(code, 0);
+    assert!(text.contains("relays are stopped"), "{text}");
+    assert!(text.contains(&format!("pid {holder_pid}")), "{text}");
+
+    // No read of the table runs now.
+    sqlx::query("LOCK TABLE idem_outbox IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let output = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+            .arg("status")
+            .env("NATS_URL", env.nats_url())
+            .env("DATABASE_URL", env.database_url())
+            .output(),
+    )
+    .await
+    .expect("idem status does not hang on the lock")
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_ne!(output.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("waited over 5s for a lock"), "{stderr}");
+    assert_eq!(stored_count(&js, &out).await, 0, "the relay waited");
+
+    holder.commit().await.unwrap();
+    eventually(
+        "the rows go out once the session ends",
+        Duration::from_secs(20),
+        async || {
+            stored_count(&js, &out).await == 2
+                && outbox::lag(&pool).await.is_ok_and(|lag| lag.pending == 0)
+                && stats.blocked().is_empty()
+        },
+    )
+    .await;
+    assert_eq!(stats.duplicates(), 0, "each stored once");
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the relay stops")
+        .expect("the relay does not panic")
+        .expect("the relay returns Ok");
 }

@@ -185,3 +185,21 @@ pub async fn stop_relay(stop: oneshot::Sender<()>, task: RelayTask) {
         .expect("the relay task does not panic")
         .expect("the relay returns Ok");
 }
+
+/// Begins a transaction on `pool` that locks `idem_outbox` in `mode` (`EXCLUSIVE`:
+/// plain reads still run; `ACCESS EXCLUSIVE`: none does), as a psql session left
+/// open would, and returns it with its backend's pid.
+pub async fn lock_outbox(pool: &sqlx::PgPool, mode: &str) -> (sqlx::PgTransaction<'static>, i32) {
+    let mut holder = pool.begin().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "LOCK TABLE idem_outbox IN {mode} MODE"
+    )))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    (holder, pid)
+}

@@ -27,6 +27,7 @@ pub fn assert_empty_outbox(status: &Value, database: &str) {
             "failing": 0,
             "notify_trigger": null,
             "failures": [],
+            "blocked": [],
         }),
         "the router queued nothing, and {database} has no NOTIFY trigger: {status:#}"
     );

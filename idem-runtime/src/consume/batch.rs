@@ -65,6 +65,7 @@ use tracing::Instrument;
 
 use crate::consume::heartbeat::{Lease, Taken};
 use crate::consume::pipeline::{Held, Outage, Pipeline, Verdict, no_answer};
+use crate::consume::sizing::BatchInFlight;
 use crate::error::HandlerError;
 use crate::handler::Handler;
 use crate::handler::delivery::Delivery;
@@ -199,14 +200,17 @@ enum Outcome {
 
 impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB> {
     /// Processes a batch of messages, each with its lease if it waited
-    /// parked. `_slot` is the concurrency permit;
-    /// `admitted`, when the route let the batch start (see
-    /// [`BatchSizer::conflicted`](crate::consume::sizing::BatchSizer::conflicted)).
+    /// parked. `_slot` is the concurrency permit; `admitted`, when the
+    /// route let the batch start (see
+    /// [`BatchSizer::conflicted`](crate::consume::sizing::BatchSizer::conflicted));
+    /// `counted`, the batch's place among the route's batches in flight,
+    /// given up when its messages fall back to one per transaction.
     pub(crate) async fn process_batch(
         self: Arc<Self>,
         messages: Vec<Taken>,
         _slot: OwnedSemaphorePermit,
         admitted: Instant,
+        counted: BatchInFlight,
     ) {
         let span = tracing::info_span!(
             "idem.batch",
@@ -218,13 +222,20 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
             &span,
             messages.iter().filter_map(|(m, _)| m.headers.as_ref()),
         );
-        self.run_batch(messages, admitted).instrument(span).await;
+        self.run_batch(messages, admitted, counted)
+            .instrument(span)
+            .await;
     }
 
     /// Runs a batch (see the module docs): its messages are made ready,
     /// those ready are committed in one transaction, and if that fails,
     /// each is run again in a transaction of its own.
-    async fn run_batch(self: &Arc<Self>, messages: Vec<Taken>, admitted: Instant) {
+    async fn run_batch(
+        self: &Arc<Self>,
+        messages: Vec<Taken>,
+        admitted: Instant,
+        counted: BatchInFlight,
+    ) {
         let _in_flight = self.recorder.in_flight(messages.len());
         let ready = self.make_ready(messages).await;
         if ready.is_empty() {
@@ -239,7 +250,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
         } else {
             self.sizer.fell_back();
         }
-        self.fall_back(failure, ready, false).await;
+        self.fall_back(failure, ready, false, Some(counted)).await;
     }
 
     /// Decodes each message, resolves its id and leases it (a parked one
@@ -434,12 +445,18 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
     /// are tried again around the failed one, in halves, or one per
     /// transaction (see the module docs), so that a failure does not fail
     /// its neighbours. `failed_first` says that the batch this one was cut
-    /// from failed at its first message too.
+    /// from failed at its first message too. `counted` is the batch's place
+    /// among the route's batches in flight (the first failure's): messages
+    /// that run one per transaction are no batch, and must not keep the
+    /// route from starting one. (After a conflict the route runs one batch
+    /// at a time; a batch whose messages then wait alone for a row another
+    /// session holds would stop it for as long.)
     async fn fall_back(
         self: &Arc<Self>,
         failure: BatchFailure,
         mut ready: Vec<Ready<H::Payload>>,
         failed_first: bool,
+        counted: Option<BatchInFlight>,
     ) {
         let retry = match failure.retry() {
             // Failed at its first message again: every message may fail.
@@ -448,6 +465,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
         };
         if matches!(retry, Retry::Alone) || ready.len() < 2 || !self.decode_again(&mut ready) {
             tracing::warn!(%failure, size = ready.len(), "batch rolled back; running its messages one per transaction");
+            drop(counted);
             self.one_per_transaction(ready).await;
             return;
         }
@@ -476,7 +494,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
         if part.len() < 2 || self.shutdown.has_fired() {
             self.one_per_transaction(part).await;
         } else if let Some((failure, part)) = self.commit_batch(part).await {
-            Box::pin(self.fall_back(failure, part, failed_first)).await;
+            Box::pin(self.fall_back(failure, part, failed_first, None)).await;
         }
     }
 

@@ -11,27 +11,43 @@
 
 use tokio::sync::watch;
 
+use crate::observe::recorder::Recorder;
+
 pub(crate) struct Health {
     paused: watch::Sender<bool>,
+    /// Where a pause shows: `Stats::paused` and `idem_route_paused`.
+    recorder: Recorder,
 }
 
 impl Health {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(recorder: Recorder) -> Self {
         Self {
             paused: watch::Sender::new(false),
+            recorder,
         }
     }
 
     /// The database cannot be used: stop taking messages.
     pub(crate) fn pause(&self) {
-        self.paused
-            .send_if_modified(|paused| !std::mem::replace(paused, true));
+        self.set(true);
     }
 
-    /// An attempt got past its claim: take messages again.
+    /// An attempt got past its claim (or the database answered, see
+    /// `pull.rs`): take messages again.
     pub(crate) fn resume(&self) {
-        self.paused
-            .send_if_modified(|paused| std::mem::replace(paused, false));
+        self.set(false);
+    }
+
+    /// Recorded under the watch's lock, so that a pause and a resume that
+    /// race leave the stats as they leave the route.
+    fn set(&self, paused: bool) {
+        self.paused.send_if_modified(|now| {
+            let changed = std::mem::replace(now, paused) != paused;
+            if changed {
+                self.recorder.paused(paused);
+            }
+            changed
+        });
     }
 
     pub(crate) fn is_paused(&self) -> bool {

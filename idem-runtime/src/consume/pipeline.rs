@@ -108,9 +108,11 @@ impl<H: Handler<S, DB>, S: Send + Sync + 'static, DB: Backend> Pipeline<H, S, DB
             Mode::Consume { .. } => route.heartbeat_interval(),
             Mode::Answer(_) => None,
         };
+        let recorder = Recorder::new(&route.durable, stats);
         Pipeline {
             begin: DB::begin_for(route.handler_timeout, context.session),
-            recorder: Recorder::new(&route.durable, stats),
+            health: Health::new(recorder.clone()),
+            recorder,
             sizer: Arc::new(if route.adaptive {
                 BatchSizer::adaptive(route.batch_cap())
             } else {
@@ -123,7 +125,6 @@ impl<H: Handler<S, DB>, S: Send + Sync + 'static, DB: Backend> Pipeline<H, S, DB
             state,
             nats: context.nats.clone(),
             handler_id: context.handler_id,
-            health: Health::new(),
             shutdown: context.shutdown.clone(),
             mode,
             outbox_bell: crate::outbox::Bell::of(context.connections.pool()),
@@ -444,7 +445,14 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
         let key = self.claim_key(delivery);
         let claim = self.claim(&key, delivery);
         let begun = DB::begin(&mut connection, &self.begin, Some(claim)).await;
-        let processed = if begun.as_ref().is_err_and(DB::is_duplicate_claim) {
+        let duplicate = begun.as_ref().is_err_and(DB::is_duplicate_claim);
+        if duplicate || begun.is_ok() {
+            // The claim was answered: the database can be used. (Before
+            // the ROLLBACK, which may fail: a route paused with no attempt
+            // left to resume it would take nothing new.)
+            self.health.resume();
+        }
+        let processed = if duplicate {
             drop(begun);
             DB::end_failed_claim(&mut connection).await?;
             true
@@ -455,7 +463,6 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
             }
             false
         };
-        self.health.resume();
         connection.keep();
         Ok(processed)
     }
@@ -909,6 +916,25 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Pipeline<H, S, DB
             "the database could not be used; holding the message (no delivery is used up) and taking no new ones until it can"
         );
         self.wait_or_shutdown(delay).await
+    }
+
+    /// Whether the database answers now: a connection, at its turn, that
+    /// answers a ping (kept for the next message).
+    pub(crate) async fn database_answers(&self) -> bool {
+        let answered = match self.connections.take(|_| {}).await {
+            Ok(mut connection) => match sqlx::Connection::ping(&mut *connection).await {
+                Ok(()) => {
+                    connection.keep();
+                    Ok(())
+                }
+                Err(error) => Err(error),
+            },
+            Err(error) => Err(error),
+        };
+        if let Err(error) = &answered {
+            tracing::debug!(%error, "the database does not answer yet");
+        }
+        answered.is_ok()
     }
 
     /// Waits `delay`; `false` if the router starts shutting down first.

@@ -41,7 +41,6 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::consume::ack;
-use crate::consume::health::Health;
 use crate::consume::heartbeat::{Lease, Taken};
 use crate::consume::pipeline::Pipeline;
 use crate::consume::pull_stream::{PullError, PullSignals, PullStream};
@@ -151,13 +150,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
         }
         // A free slot first, so that a message is taken only when it can
         // start.
-        let slot = free_slot(
-            &self.slots,
-            &mut self.shutdown,
-            &self.pipeline.health,
-            &mut self.in_flight,
-        )
-        .await?;
+        let slot = self.free_slot().await?;
         let admitted = self.may_start().await?;
         if !self.parked.is_empty() {
             // Fetched while the route waited: those first.
@@ -195,8 +188,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             // and start first once it ends (`start_parked`).
             drop(slot);
             for message in group {
-                let lease = self.pipeline.heartbeats.lease(&message);
-                self.parked.push_back((message, lease));
+                self.park(message);
             }
             self.park_arrived();
         } else {
@@ -228,8 +220,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             }
         }
         for message in close(self.pull.take()).await {
-            let lease = self.pipeline.heartbeats.lease(&message);
-            self.parked.push_back((message, lease));
+            self.park(message);
         }
     }
 
@@ -260,34 +251,101 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
                 arrived = arrival => arrived,
             };
             if let Some(message) = arrived {
-                let lease = self.pipeline.heartbeats.lease(&message);
-                self.parked.push_back((message, lease));
+                self.park(message);
             }
         }
     }
 
     /// While the route is paused: parks what the pull fetched and did not
     /// start (the pull is dropped), and takes nothing new until the
-    /// database answers again.
+    /// database answers again. An attempt that gets past its claim resumes
+    /// the route; once no attempt is left running (each may end without
+    /// one: given up, or decided without a transaction), the loop asks the
+    /// database itself, every [`PAUSE_PROBE`], so that a pause never
+    /// outlives its cause.
     async fn sit_out_pause(&mut self) -> Result<(), Cut> {
-        let route = &self.pipeline.route;
-        let health = &self.pipeline.health;
+        let pipeline = self.pipeline;
+        let (route, health) = (&pipeline.route, &pipeline.health);
         for message in close(self.pull.take()).await {
-            let lease = self.pipeline.heartbeats.lease(&message);
-            self.parked.push_back((message, lease));
+            self.park(message);
         }
         tracing::warn!(
             route = route.durable,
             parked = self.parked.len(),
             "paused: the database cannot be used; messages fetched and not started are kept leased until it can"
         );
-        tokio::select! {
-            biased;
-            _ = self.shutdown.fired() => return Err(Cut::Stop),
-            _ = health.resumed() => {}
+        let resumed = loop {
+            let idle = self.in_flight.is_empty();
+            tokio::select! {
+                biased;
+                _ = self.shutdown.fired() => break Err(Cut::Stop),
+                _ = health.resumed() => break Ok(()),
+                Some(finished) = self.in_flight.join_next(), if !idle => report_panic(finished),
+                () = tokio::time::sleep(PAUSE_PROBE), if idle => {
+                    let answered = tokio::select! {
+                        biased;
+                        _ = self.shutdown.fired() => break Err(Cut::Stop),
+                        // Bounded: a connection the network dropped without
+                        // a word would not answer before TCP gives up.
+                        answered = tokio::time::timeout(PAUSE_PROBE * 5, pipeline.database_answers()) => answered.unwrap_or(false),
+                    };
+                    if answered {
+                        tracing::info!(route = route.durable, "the database answers again, and no attempt was left to say so");
+                        health.resume();
+                    }
+                }
+            }
+        };
+        if resumed.is_ok() {
+            tracing::info!(route = route.durable, "resumed");
         }
-        tracing::info!(route = route.durable, "resumed");
-        Ok(())
+        resumed
+    }
+
+    /// Leases `message` and parks it, to start after what is parked already.
+    fn park(&mut self, message: Message) {
+        let lease = self.pipeline.heartbeats.lease(&message);
+        self.parked.push_back((message, lease));
+    }
+
+    /// Waits for a free slot. Once the wait has lasted [`PARK_AFTER`] (the
+    /// route's slots are all held by work that takes long: handlers that
+    /// wait for a row, batches in fallback), what the pull fetched ahead is
+    /// leased and parked as it arrives, to start first: left in the pull,
+    /// it would wait unleased, and could outlive ack_wait and be handed to
+    /// another worker, using up a delivery. Then reaps the tasks that have
+    /// finished. Shutdown first: with both ready, an unbiased select could
+    /// go on taking messages after shutdown.
+    async fn free_slot(&mut self) -> Result<OwnedSemaphorePermit, Cut> {
+        let acquire = self.slots.clone().acquire_owned();
+        tokio::pin!(acquire);
+        let patience = tokio::time::sleep(PARK_AFTER);
+        tokio::pin!(patience);
+        let mut parking = false;
+        let slot = loop {
+            let arrival = async {
+                match self.pull.as_mut() {
+                    Some(pull) if parking => pull.arrival().await,
+                    _ => std::future::pending().await,
+                }
+            };
+            let arrived = tokio::select! {
+                biased;
+                _ = self.shutdown.fired() => return Err(Cut::Stop),
+                _ = self.pipeline.health.paused() => return Err(Cut::Again),
+                slot = &mut acquire => break slot.expect("the slot semaphore is never closed"),
+                () = &mut patience, if !parking => None,
+                arrived = arrival => arrived,
+            };
+            parking = true;
+            if let Some(message) = arrived {
+                self.park(message);
+            }
+        };
+        while let Some(finished) = self.in_flight.try_join_next() {
+            report_panic(finished);
+        }
+        Ok(slot)
     }
 
     /// Leases and parks what the pull has received and the route has not
@@ -298,8 +356,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             return;
         };
         for message in pull.take_arrived() {
-            let lease = self.pipeline.heartbeats.lease(&message);
-            self.parked.push_back((message, lease));
+            self.park(message);
         }
     }
 
@@ -307,13 +364,7 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
     /// free.
     async fn start_parked(&mut self) -> Result<(), Cut> {
         // The parked messages first, as slots free up.
-        let slot = free_slot(
-            &self.slots,
-            &mut self.shutdown,
-            &self.pipeline.health,
-            &mut self.in_flight,
-        )
-        .await?;
+        let slot = self.free_slot().await?;
         let admitted = self.may_start().await?;
         self.start_from_parked(slot, admitted);
         Ok(())
@@ -394,12 +445,12 @@ impl<S: Send + Sync + 'static, H: Handler<S, DB>, DB: Backend> Puller<'_, H, S, 
             self.in_flight
                 .spawn(self.pipeline.clone().process(message, lease, slot));
         } else {
-            let batch = self.pipeline.sizer.batch_started();
-            let pipeline = self.pipeline.clone();
-            self.in_flight.spawn(async move {
-                let _batch = batch;
-                pipeline.process_batch(group, slot, admitted).await;
-            });
+            let counted = self.pipeline.sizer.batch_started();
+            self.in_flight.spawn(
+                self.pipeline
+                    .clone()
+                    .process_batch(group, slot, admitted, counted),
+            );
         }
     }
 }
@@ -416,27 +467,6 @@ fn request_size<H, S, DB: Backend>(pipeline: &Pipeline<H, S, DB>) -> usize {
         None => pipeline.route.concurrency,
     };
     slots * pipeline.sizer.next()
-}
-
-/// Waits for a free slot, then reaps the tasks that have finished. Shutdown
-/// first: with both ready, an unbiased select could go on taking messages
-/// after shutdown.
-async fn free_slot(
-    slots: &Arc<Semaphore>,
-    shutdown: &mut Signal,
-    health: &Health,
-    in_flight: &mut JoinSet<()>,
-) -> Result<OwnedSemaphorePermit, Cut> {
-    let slot = tokio::select! {
-        biased;
-        _ = shutdown.fired() => return Err(Cut::Stop),
-        _ = health.paused() => return Err(Cut::Again),
-        slot = slots.clone().acquire_owned() => slot.expect("the slot semaphore is never closed"),
-    };
-    while let Some(finished) = in_flight.try_join_next() {
-        report_panic(finished);
-    }
-    Ok(slot)
 }
 
 /// `first`, and whatever else has already arrived, up to `batch` messages:
@@ -532,6 +562,14 @@ pub(crate) async fn cancel(mut in_flight: JoinSet<()>, of: &str) {
 
 /// How long cancelled tasks may take to end at shutdown.
 const CANCEL_BOUND: Duration = Duration::from_secs(2);
+
+/// How long a pull loop waits for a free slot before it leases what its
+/// pull fetched ahead (see `Puller::free_slot`).
+const PARK_AFTER: Duration = Duration::from_millis(500);
+
+/// How often a paused route with no attempt running asks whether its
+/// database answers again.
+const PAUSE_PROBE: Duration = Duration::from_secs(1);
 
 /// Closes `pull`, if one is open: what it fetched and did not start, once no
 /// request of it is left on the server (see [`PullStream::close`]).

@@ -39,10 +39,12 @@
 //!   up to [`HOLD_MAX`] (back to [`HOLD_MIN`] after a calm of four holds):
 //!   while a batch runs, the route starts nothing else, so that its batches
 //!   cannot deadlock with each other and keep their size, and the
-//!   throughput it buys. (Until the hold ends, at most: a lone batch that
-//!   fell back runs its messages one after another, each waiting as long
-//!   as its transaction may for a row another session holds, and the route
-//!   used to stand still behind it for all that time.) After the hold, two batches may run at once, and
+//!   throughput it buys. A batch whose messages fall back to one per
+//!   transaction no longer counts: they are no batch, and each may wait as
+//!   long as its transaction may for a row another session holds (the
+//!   route used to stand still behind them for all that time; so it did
+//!   after the hold, once as many such batches ran as the limit allowed).
+//!   A wait also ends when the hold does. After the hold, two batches may run at once, and
 //!   one more after every round of batches that committed (the limit
 //!   lifts at [`BATCH_LIMIT_LIFTS`]): a conflict among a few batches costs
 //!   less than among every slot's. Measured with `idem-bench contention`:
@@ -195,7 +197,8 @@ impl BatchSizer {
         self.adaptive
     }
 
-    /// A batch starts: counted until the guard drops.
+    /// A batch starts: counted until the guard drops (when the batch ends,
+    /// or its messages fall back to one per transaction).
     pub(crate) fn batch_started(self: &std::sync::Arc<Self>) -> BatchInFlight {
         self.state().batches += 1;
         BatchInFlight(std::sync::Arc::clone(self))
@@ -203,11 +206,8 @@ impl BatchSizer {
 
     /// Waits until the route may start something: at once, unless batches
     /// have conflicted lately and one runs (see the module docs); then
-    /// until it ends, or the hold that limits the route to one batch at a
-    /// time ends first. (A lone batch that fell back can run long: its
-    /// messages one after another, each waiting as long as its own
-    /// transaction may for a row another session holds. The route must not
-    /// stand still behind it for longer than the hold.)
+    /// until it ends (or falls back to one message per transaction), or
+    /// the hold that limits the route to one batch at a time ends first.
     pub(crate) async fn may_start(&self) {
         loop {
             let ended = self.batch_ended.notified();

@@ -32,6 +32,7 @@
 //! | `idem_end_to_end_duration_seconds` | histogram | `route` | from the message's JetStream timestamp (when it was stored) to its ack as processed, retries included |
 //! | `idem_connection_wait_seconds` | histogram | `route` | how long a message (or batch) waited for its turn at the router's connections, which are handed out in the order asked for, across routes; long waits: the pool is smaller than the routes' concurrency |
 //! | `idem_messages_in_flight` | gauge | `route` | messages taken and not yet settled (a batch's, until its last one settles) |
+//! | `idem_route_paused` | gauge | `route` | 1 while the route takes no new messages because its database cannot be used (attempts failed before their handlers ran, twice in a row), else 0; a warning says so when it pauses |
 //! | `idem_pull_requests_refused_total` | counter | `route`, `reason` | pull requests the server turned away or ended early: `no_responders` (the consumer has no leader, or is gone), `max_waiting` (its wait list is full), `leadership_change` (asked again of the new leader), `max_request_batch` (capped, asked again), `request_limits`, `consumer_gone`, `lost` (past its expiry without a word, and not filled), `other`; a route whose requests are refused for 10 s in a row also logs a warning naming the cause |
 //! | `idem_pull_request_capped` | gauge | `route` | 1 while the route's pull requests are capped by the consumer's `max_batch` below `concurrency x batch` (fewer messages are fetched ahead), else 0; `idem status` shows it too |
 //! | `idem_consumer_pending_messages` | gauge | `route` | the consumer's `num_pending`: stored, not yet delivered |
@@ -42,6 +43,7 @@
 //! | `idem_outbox_publish_failures_total` | counter | | relay publishes that failed (their rows stay pending) |
 //! | `idem_outbox_failing_rows` | gauge | | pending rows whose last publish failed while NATS answered (no stream, too big, not permitted): each waits out its own back-off; the reasons are in `outbox::lag` and `idem status` |
 //! | `idem_outbox_nats_unreachable` | gauge | | 1 while a relay of this process backs off because nothing went out and JetStream does not answer, else 0 |
+//! | `idem_outbox_relays_blocked` | gauge | | relay statements (of any process; PostgreSQL) that have waited over a second for a lock another session holds (`LOCK TABLE`, `ALTER TABLE` or `VACUUM FULL` of `idem_outbox` left open); the holders are in a warning, `outbox::lag` and `idem status` |
 //! | `idem_purge_failures_total` | counter | | runs of a router's claims purge that failed (each is logged at `warn`; the next run resumes) |
 //! | `idem_purge_last_success_timestamp_seconds` | gauge | | Unix time of the last purge run that succeeded, in any process |
 //! | `idem_expiry_due_generations` | gauge | | claims generations past the retention and not yet dropped |
@@ -118,6 +120,8 @@ pub const END_TO_END_DURATION: &str = "idem_end_to_end_duration_seconds";
 pub const CONNECTION_WAIT: &str = "idem_connection_wait_seconds";
 /// Messages taken and not yet settled.
 pub const IN_FLIGHT: &str = "idem_messages_in_flight";
+/// 1 while a route takes nothing new, its database unusable.
+pub const ROUTE_PAUSED: &str = "idem_route_paused";
 /// Pull requests the server turned away or ended early, by `reason`.
 pub const PULL_REQUESTS_REFUSED: &str = "idem_pull_requests_refused_total";
 /// 1 while a route's pull requests are capped by the consumer's `max_batch`.
@@ -141,6 +145,8 @@ pub const OUTBOX_PUBLISH_FAILURES: &str = "idem_outbox_publish_failures_total";
 pub const OUTBOX_FAILING: &str = "idem_outbox_failing_rows";
 /// Whether a relay of this process finds NATS away.
 pub const OUTBOX_NATS_UNREACHABLE: &str = "idem_outbox_nats_unreachable";
+/// Relay statements waiting for a lock another session holds.
+pub const OUTBOX_RELAYS_BLOCKED: &str = "idem_outbox_relays_blocked";
 
 /// Purge runs that failed.
 pub const PURGE_FAILURES: &str = "idem_purge_failures_total";
@@ -282,6 +288,10 @@ pub fn describe() {
         Unit::Count,
         "Messages taken from the consumer and not yet settled."
     );
+    describe_gauge!(
+        ROUTE_PAUSED,
+        "1 while the route takes no new messages because its database cannot be used (attempts failed before their handlers ran, twice in a row); 0 otherwise."
+    );
     describe_counter!(
         PULL_REQUESTS_REFUSED,
         Unit::Count,
@@ -334,6 +344,11 @@ pub fn describe() {
     describe_gauge!(
         OUTBOX_NATS_UNREACHABLE,
         "1 while a relay of this process backs off because nothing went out and JetStream does not answer; 0 otherwise."
+    );
+    describe_gauge!(
+        OUTBOX_RELAYS_BLOCKED,
+        Unit::Count,
+        "Relay statements (any process; PostgreSQL) waiting over a second for a lock another session holds on idem_outbox; holders: the relay's warning, idem status."
     );
     describe_counter!(
         PURGE_FAILURES,
@@ -420,6 +435,7 @@ pub(super) struct RouteMetrics {
     end_to_end: Histogram,
     connection_wait: Histogram,
     in_flight: Gauge,
+    paused: Gauge,
 }
 
 impl RouteMetrics {
@@ -450,6 +466,7 @@ impl RouteMetrics {
             end_to_end: histogram!(END_TO_END_DURATION, labels.iter()),
             connection_wait: histogram!(CONNECTION_WAIT, labels.iter()),
             in_flight: gauge!(IN_FLIGHT, labels.iter()),
+            paused: gauge!(ROUTE_PAUSED, labels.iter()),
         }
     }
 
@@ -530,6 +547,10 @@ impl RouteMetrics {
             histogram: &self.handler_duration,
             started: Instant::now(),
         }
+    }
+
+    pub(super) fn paused(&self, paused: bool) {
+        self.paused.set(if paused { 1.0 } else { 0.0 });
     }
 
     /// Counts `messages` in flight until the returned guard drops, however

@@ -48,6 +48,7 @@ pub(crate) enum Event {
 }
 
 /// A route's counters and metric handles, recorded together.
+#[derive(Clone)]
 pub(crate) struct Recorder {
     stats: Arc<Stats>,
     metrics: RouteMetrics,
@@ -141,6 +142,14 @@ impl Recorder {
     /// `stored_at`: its end-to-end latency.
     pub(crate) fn acked_processed(&self, stored_at: time::OffsetDateTime) {
         self.metrics.acked_processed(stored_at);
+    }
+
+    /// The route paused (`true`) or resumed, in the stats and the metrics.
+    pub(crate) fn paused(&self, paused: bool) {
+        self.stats
+            .paused
+            .store(paused, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.paused(paused);
     }
 
     /// `messages` in flight until the guard is dropped.

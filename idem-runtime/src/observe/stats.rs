@@ -2,7 +2,7 @@
 //! only through the route's [`Recorder`](super::recorder::Recorder), which
 //! feeds the metrics in the same call.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Counters of what one route did with its messages, read through
 /// [`RouterHandle::stats`](crate::RouterHandle::stats) (which shows them
@@ -33,6 +33,7 @@ pub struct Stats {
     pub(super) replays_skipped: AtomicU64,
     /// Microseconds.
     pub(super) longest_connection_wait: AtomicU64,
+    pub(super) paused: AtomicBool,
 }
 
 impl Stats {
@@ -141,5 +142,18 @@ impl Stats {
     /// Messages a fault-injection hook dropped after commit without acking.
     pub fn dropped_by_fault(&self) -> u64 {
         self.dropped_by_fault.load(Ordering::Relaxed)
+    }
+    /// Whether the route is paused now: it takes no new messages, because
+    /// its database cannot be used (see
+    /// [failure handling](crate::guide::failure_handling)). It resumes when
+    /// an attempt gets past its claim, or, with no attempt left running, when
+    /// the database answers again. The gauge `idem_route_paused` says the
+    /// same.
+    ///
+    /// ```
+    /// assert!(!idem_runtime::Stats::default().paused());
+    /// ```
+    pub fn paused(&self) -> bool {
+        self.paused.load(Ordering::Relaxed)
     }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use sqlx::{PgPool, Pool};
 
 use crate::store::outbox::OutboxStore;
+pub use crate::store::outbox::{BLOCKED_AFTER, Blocked};
 
 /// How far the relays are behind: what [`lag`] reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,6 +29,12 @@ pub struct Lag {
     /// The failing rows by subject and error, the most rows first, at most
     /// [`MOST_FAILURES`] of them.
     pub failures: Vec<Failing>,
+    /// Relay statements (of any process) that have waited for a lock for
+    /// longer than [`BLOCKED_AFTER`], each with the session that holds it:
+    /// a session left open after `LOCK TABLE idem_outbox`, an `ALTER
+    /// TABLE` or a `VACUUM FULL` of it. Relays skip rows other relays hold,
+    /// so nothing else makes them wait. PostgreSQL only (empty elsewhere).
+    pub blocked: Vec<Blocked>,
 }
 
 /// How many groups of failing rows [`Lag::failures`] lists.
@@ -85,6 +92,11 @@ pub(crate) async fn lag_and_notify<DB: OutboxStore>(
         oldest: seconds(oldest),
         failing,
         failures,
+        // Best effort: the lag is worth reading without it.
+        blocked: DB::relay_blocked(pool).await.unwrap_or_else(|error| {
+            tracing::debug!(%error, "could not ask whether outbox relays wait for a lock");
+            Vec::new()
+        }),
     };
     Ok((lag, notify))
 }
@@ -151,8 +163,11 @@ pub async fn retry_failing<DB: OutboxStore>(
 /// relay's own reading (about once per its poll interval), so a relay that
 /// runs without a router reports it too.
 pub(crate) fn record_gauges(lag: &Lag) {
-    use crate::observe::metrics::{OUTBOX_FAILING, OUTBOX_OLDEST_AGE, OUTBOX_PENDING};
+    use crate::observe::metrics::{
+        OUTBOX_FAILING, OUTBOX_OLDEST_AGE, OUTBOX_PENDING, OUTBOX_RELAYS_BLOCKED,
+    };
     metrics::gauge!(OUTBOX_PENDING).set(lag.pending as f64);
+    metrics::gauge!(OUTBOX_RELAYS_BLOCKED).set(lag.blocked.len() as f64);
     metrics::gauge!(OUTBOX_OLDEST_AGE).set(lag.oldest.as_secs_f64());
     metrics::gauge!(OUTBOX_FAILING).set(lag.failing as f64);
 }

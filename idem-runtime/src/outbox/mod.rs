@@ -145,7 +145,7 @@ use crate::store::outbox::OutboxStore;
 pub use cycle::RelayError;
 pub(crate) use lag::notify_trigger_enabled;
 pub(crate) use lag::record_gauges as record_lag_gauges;
-pub use lag::{Failing, Lag, MOST_FAILURES, lag, retry_failing};
+pub use lag::{BLOCKED_AFTER, Blocked, Failing, Lag, MOST_FAILURES, lag, retry_failing};
 pub use relay::{FINAL_CYCLES, Relay};
 pub use stats::{Cycle, Drain, Published, RelayStats};
 pub(crate) use wake::{Bell, after_commit};

@@ -125,6 +125,10 @@ const RETRY_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// reads whether the NOTIFY trigger is enabled with it.
 const LAG_READ_EVERY: Duration = Duration::from_secs(1);
 
+/// How long a drain runs before the relay asks whether its statements wait
+/// for a lock, and how often it asks again.
+const BLOCKED_CHECK: Duration = Duration::from_secs(2);
+
 /// The most cycles a relay runs after it is told to stop (see
 /// [`Relay::run_until`]): a stop is not held up by a long backlog.
 pub const FINAL_CYCLES: usize = 8;
@@ -331,6 +335,7 @@ impl Relay {
                     let signals = Signals::default();
                     let (drained, stopping) = self
                         .drain_until_stopped(
+                            pool,
                             &mut wakeup,
                             &signals,
                             drain(
@@ -401,15 +406,18 @@ impl Relay {
     /// completes or the other lane stops meanwhile, tells the drain through
     /// `signals`, so that it ends after the cycle publishing now. Returns
     /// its output, and why the lane is stopping, if it is.
-    async fn drain_until_stopped<F: Future>(
+    ///
+    /// The drain is [`watched`](Self::watched) for locks it waits for.
+    async fn drain_until_stopped<DB: OutboxStore, F: Future>(
         &self,
+        pool: &Pool<DB>,
         wakeup: &mut Wakeup,
         signals: &Signals,
         drained: F,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
         stopped: &mut watch::Receiver<bool>,
     ) -> (F::Output, Option<Stopping>) {
-        let work = wakeup.during(&signals.announced, drained);
+        let work = self.watched(pool, wakeup.during(&signals.announced, drained));
         let mut work = pin!(work);
         let mut stopping = None;
         loop {
@@ -428,14 +436,83 @@ impl Relay {
         }
     }
 
+    /// Runs `work` (a step that reads or writes `idem_outbox`) to its end,
+    /// never cancelled, and while it runs past [`BLOCKED_CHECK`], asks
+    /// every `BLOCKED_CHECK`, from another connection, whether relay
+    /// statements wait for a lock (see [`Lag::blocked`](super::Lag::blocked)):
+    /// a session left open after `LOCK TABLE`, `ALTER TABLE` or `VACUUM
+    /// FULL` of the table stops every relay. Each session that holds such a
+    /// lock is warned of once; the waits show in [`RelayStats::blocked`] and
+    /// `idem_outbox_relays_blocked` until they end. The step is not given
+    /// up: a finish waiting to DELETE rows it published must not leave
+    /// them to be published again, perhaps past the stream's duplicate
+    /// window.
+    async fn watched<DB: OutboxStore, T>(
+        &self,
+        pool: &Pool<DB>,
+        work: impl Future<Output = T>,
+    ) -> T {
+        let mut work = pin!(work);
+        let watch = self.watch_locks(pool);
+        let mut watch = pin!(watch);
+        tokio::select! {
+            biased;
+            output = &mut work => {
+                if !self.cycles.stats.blocked().is_empty() {
+                    tracing::info!("outbox relay no longer waits for a lock");
+                    self.cycles.stats.record_blocked(Vec::new());
+                }
+                output
+            }
+            () = &mut watch => unreachable!("the watch never ends"),
+        }
+    }
+
+    /// The watch of [`watched`](Self::watched): never ends. Each look is
+    /// bounded, so that a pool with no connection to spare does not hold it
+    /// up (the step goes on meanwhile).
+    async fn watch_locks<DB: OutboxStore>(&self, pool: &Pool<DB>) {
+        let mut warned: Vec<i32> = Vec::new();
+        loop {
+            tokio::time::sleep(BLOCKED_CHECK).await;
+            let blocked = match tokio::time::timeout(BLOCKED_CHECK, DB::relay_blocked(pool)).await {
+                Ok(Ok(blocked)) => blocked,
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, "could not ask whether the outbox relay waits for a lock");
+                    continue;
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        "could not ask in time whether the outbox relay waits for a lock"
+                    );
+                    continue;
+                }
+            };
+            for wait in blocked
+                .iter()
+                .filter(|wait| !warned.contains(&wait.holder_pid))
+            {
+                tracing::warn!(
+                    holder_pid = wait.holder_pid,
+                    "outbox relay statement {wait}: the relays publish nothing until it ends; end that transaction (or the session: pg_terminate_backend({}))",
+                    wait.holder_pid
+                );
+            }
+            warned = blocked.iter().map(|wait| wait.holder_pid).collect();
+            self.cycles.stats.record_blocked(blocked);
+        }
+    }
+
     /// Whether a fresh row is pending: a look before a drain that only the
     /// poll called for. An error says yes (the drain then meets it, and
     /// backs off).
     async fn any_fresh<DB: OutboxStore>(&self, pool: &Pool<DB>) -> bool {
-        DB::any_fresh(pool).await.unwrap_or_else(|error| {
-            tracing::debug!(%error, "outbox relay's look for rows failed; running a cycle");
-            true
-        })
+        self.watched(pool, DB::any_fresh(pool))
+            .await
+            .unwrap_or_else(|error| {
+                tracing::debug!(%error, "outbox relay's look for rows failed; running a cycle");
+                true
+            })
     }
 
     /// The retry lane: a cycle whenever a failing row is due (looked for
@@ -576,7 +653,7 @@ impl Relay {
     /// debug otherwise. Returns whether the NOTIFY trigger is enabled, if
     /// that could be read.
     async fn read_lag<DB: OutboxStore>(&self, pool: &Pool<DB>) -> Option<bool> {
-        match lag_and_notify(pool).await {
+        match self.watched(pool, lag_and_notify(pool)).await {
             Ok((lag, notify)) => {
                 super::lag::record_gauges(&lag);
                 let oldest_ms = lag.oldest.as_millis() as u64;

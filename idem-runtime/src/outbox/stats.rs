@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::lag::Lag;
+use super::lag::{Blocked, Lag};
 
 /// One message a relay published and JetStream acknowledged.
 #[derive(Debug, Clone)]
@@ -115,6 +115,8 @@ struct Counters {
     wakeups: AtomicU64,
     /// The last [`lag`](fn@super::lag::lag) the relay read, and when.
     lag: Mutex<Option<(Lag, Instant)>>,
+    /// Relay statements waiting for a lock, while a drain runs long.
+    blocked: Mutex<Vec<Blocked>>,
 }
 
 impl RelayStats {
@@ -173,6 +175,18 @@ impl RelayStats {
         self.0.wakeups.load(Ordering::Relaxed)
     }
 
+    /// Relay statements that waited for a lock another session holds, each
+    /// with that session, as the relay found them while one of its drains
+    /// ran long (checked every 2 s from another connection, and warned of);
+    /// empty once the drain ends. See [`Lag::blocked`].
+    pub fn blocked(&self) -> Vec<Blocked> {
+        self.0
+            .blocked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// The outbox's [`lag`](fn@super::lag::lag) as the relay last read it (about once per poll
     /// interval, at most once a second, while it runs), and how long ago;
     /// `None` before the first reading. The lag counts every relay's rows,
@@ -196,6 +210,13 @@ impl RelayStats {
 }
 
 impl RelayStats {
+    /// Relay statements waiting for a lock as the relay last found them
+    /// (`idem_outbox_relays_blocked`); empty when its wait ends.
+    pub(super) fn record_blocked(&self, blocked: Vec<Blocked>) {
+        metrics::gauge!(crate::observe::metrics::OUTBOX_RELAYS_BLOCKED).set(blocked.len() as f64);
+        *self.0.blocked.lock().unwrap_or_else(|e| e.into_inner()) = blocked;
+    }
+
     /// The lag the relay just read.
     pub(super) fn record_lag(&self, lag: Lag) {
         *self.0.lag.lock().unwrap_or_else(|e| e.into_inner()) = Some((lag, Instant::now()));

@@ -110,6 +110,18 @@ pub trait OutboxStore: Backend {
     /// another relay holds count too).
     fn any_fresh(pool: &Pool<Self>) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
+    /// Relay statements waiting for a lock longer than
+    /// [`BLOCKED_AFTER`], with who holds it:
+    /// `(waited, pid, state, transaction age, query)`, the longest waits
+    /// first. Read without taking a lock on the outbox's table. None where
+    /// the database does not say (SQLite, MariaDB).
+    fn relay_blocked(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Vec<Blocked>, sqlx::Error>> + Send {
+        let _ = pool;
+        std::future::ready(Ok(Vec::new()))
+    }
+
     /// A connection LISTENing on `channel`, where the database has
     /// notifications (PostgreSQL): asked for only while [`lag`](Self::lag)
     /// says a trigger announces rows.
@@ -188,6 +200,10 @@ impl OutboxStore for Postgres {
 
     async fn any_fresh(pool: &Pool<Self>) -> Result<bool, sqlx::Error> {
         any_fresh(pool).await
+    }
+
+    async fn relay_blocked(pool: &Pool<Self>) -> Result<Vec<Blocked>, sqlx::Error> {
+        relay_blocked(pool).await
     }
 
     async fn listen(pool: &Pool<Self>, channel: &str) -> Result<Listener, sqlx::Error> {
@@ -285,10 +301,11 @@ impl Listener {
 
 /// The outbox's rows in one query: how many are pending, the oldest one's
 /// age (seconds), how many are failing, and whether the NOTIFY trigger is
-/// enabled.
+/// enabled. (Named as a relay's statement, for [`RELAY_BLOCKED_SQL`]: a
+/// relay reads it.)
 pub(crate) async fn lag(pool: &PgPool) -> Result<(i64, Option<f64>, i64, bool), sqlx::Error> {
     sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8,
+        "/* idem_relay_lag */ SELECT count(*), extract(epoch FROM now() - min(created_at))::float8,
                 count(*) FILTER (WHERE not_before IS NOT NULL), ({NOTIFY_ENABLED_SQL})
            FROM idem_outbox"
     )))
@@ -347,6 +364,60 @@ pub(crate) async fn next_due(pool: &PgPool) -> Result<Option<std::time::Duration
     Ok(due.map(|seconds| {
         std::time::Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(std::time::Duration::MAX)
     }))
+}
+
+/// How long a relay statement waits for a lock before
+/// [`Lag::blocked`](crate::outbox::Lag::blocked) lists it.
+pub const BLOCKED_AFTER: Duration = Duration::from_secs(1);
+
+/// A relay statement waiting for a lock, and the session that holds it.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Blocked {
+    /// How long the relay's statement has waited.
+    pub waited: Duration,
+    /// The holding session's backend pid (`pg_terminate_backend(pid)` ends
+    /// it).
+    pub holder_pid: i32,
+    /// Its state: `idle in transaction` for a session left open.
+    pub holder_state: String,
+    /// How long its transaction has run, if it is in one.
+    pub holder_transaction: Option<Duration>,
+    /// Its last statement (200 characters at most), or why it cannot be
+    /// read (another user's session, without `pg_read_all_stats`).
+    pub holder_query: String,
+}
+
+impl Blocked {
+    pub(crate) fn new(
+        waited: Duration,
+        holder_pid: i32,
+        holder_state: String,
+        holder_transaction: Option<Duration>,
+        holder_query: String,
+    ) -> Self {
+        Self {
+            waited,
+            holder_pid,
+            holder_state,
+            holder_transaction,
+            holder_query,
+        }
+    }
+}
+
+impl std::fmt::Display for Blocked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "waited {:.0?} for a lock held by pid {} ({}",
+            self.waited, self.holder_pid, self.holder_state
+        )?;
+        if let Some(age) = self.holder_transaction {
+            write!(f, ", in a transaction for {age:.0?}")?;
+        }
+        write!(f, "; last statement: {})", self.holder_query)
+    }
 }
 
 /// The rows a take returns: id, msg_id, subject, payload, headers (JSON
@@ -499,9 +570,11 @@ fn finish_sql(acknowledged: &[i64]) -> String {
     sql
 }
 
-/// Records failures: each row's error and back-off (seconds).
+/// Records failures: each row's error and back-off (seconds). The comment
+/// names it as a relay's statement in `pg_stat_activity` (see
+/// [`RELAY_BLOCKED_SQL`]).
 const MARK_SQL: &str = "\
-UPDATE idem_outbox o
+/* idem_relay_mark */ UPDATE idem_outbox o
    SET attempts = o.attempts + 1, last_error = f.error, failed_at = clock_timestamp(),
        not_before = clock_timestamp() + f.backoff * interval '1 second'
   FROM unnest($1::int8[], $2::text[], $3::float8[]) AS f(id, error, backoff)
@@ -510,7 +583,57 @@ UPDATE idem_outbox o
 /// Whether a fresh row is pending, without locking or waiting: the look a
 /// poll takes before a cycle. It counts rows another relay holds too (a
 /// cycle then takes nothing).
-const ANY_FRESH_SQL: &str = "SELECT EXISTS (SELECT FROM idem_outbox WHERE not_before IS NULL)";
+const ANY_FRESH_SQL: &str =
+    "/* idem_relay_look */ SELECT EXISTS (SELECT FROM idem_outbox WHERE not_before IS NULL)";
+
+/// Relay statements (named `idem_relay_...`, in a comment where the
+/// statement has no name) waiting for a lock longer than
+/// `$1` seconds, each with a session that holds it. `pg_stat_activity`
+/// and `pg_blocking_pids` take no lock on the outbox's table, so this
+/// answers while a relay waits.
+const RELAY_BLOCKED_SQL: &str = "\
+SELECT extract(epoch FROM clock_timestamp() - w.query_start)::float8,
+       h.pid,
+       coalesce(h.state, 'unknown')
+         || CASE WHEN h.wait_event_type = 'Lock' THEN ', itself waiting for a lock' ELSE '' END,
+       extract(epoch FROM clock_timestamp() - h.xact_start)::float8,
+       coalesce(left(h.query, 200), 'not visible to this user')
+  FROM pg_stat_activity w
+ CROSS JOIN LATERAL unnest(pg_blocking_pids(w.pid)) AS holder(pid)
+  JOIN pg_stat_activity h ON h.pid = holder.pid
+ WHERE w.wait_event_type = 'Lock'
+   AND w.query LIKE '%idem\\_relay\\_%'
+   AND w.query_start < clock_timestamp() - $1 * interval '1 second'
+ ORDER BY 1 DESC
+ LIMIT 10";
+
+/// A row of [`RELAY_BLOCKED_SQL`]: how long the relay statement waited
+/// (seconds), and the holder's pid, state, transaction age (seconds) and
+/// last statement.
+type BlockedRow = (Option<f64>, i32, String, Option<f64>, String);
+
+/// Relay statements that wait for a lock (see [`RELAY_BLOCKED_SQL`]).
+pub(crate) async fn relay_blocked(pool: &PgPool) -> Result<Vec<Blocked>, sqlx::Error> {
+    let after = BLOCKED_AFTER.as_secs_f64();
+    let rows: Vec<BlockedRow> = sqlx::query_as(RELAY_BLOCKED_SQL)
+        .bind(after)
+        .fetch_all(pool)
+        .await?;
+    let duration =
+        |seconds: f64| Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX);
+    Ok(rows
+        .into_iter()
+        .map(|(waited, pid, state, transaction, query)| {
+            Blocked::new(
+                duration(waited.unwrap_or(0.0)),
+                pid,
+                state,
+                transaction.map(duration),
+                query,
+            )
+        })
+        .collect())
+}
 
 /// Whether a fresh row is pending (see [`ANY_FRESH_SQL`]), asked of the
 /// pool.

@@ -183,8 +183,11 @@ async fn racing_redelivery(
 }
 
 /// Scenario 3: ack_wait expires while the first attempt is still inside its
-/// transaction (heartbeats off), and a second worker on the same consumer
-/// takes the redelivery. It waits on the unique key, then skips.
+/// transaction (heartbeats off), and a redelivery runs beside it, on a
+/// second worker on the same consumer or on the first one's other slot. It
+/// waits on the unique key, then skips. (Each worker has two slots: a
+/// worker whose every slot is busy keeps what it fetches parked until one
+/// frees, so a redelivery it fetched would wait there, not race.)
 async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: Batching) {
     let Scenario {
         env: _env,
@@ -202,7 +205,7 @@ async fn redelivery_during_first_attempt_waits_on_claim_then_skips(batch: Batchi
             .ack_wait(Duration::from_secs(1))
             .without_heartbeat()
             .allow_redelivery_while_running()
-            .concurrency(1)
+            .concurrency(2)
     };
     // Both workers share the flag: either may take the first attempt.
     let saw_blocked_claim = SawBlockedClaim::default();

@@ -107,6 +107,10 @@ async fn messages_fetched_during_a_database_outage_use_up_no_delivery() {
         || async { stats.infrastructure_errors() >= 10 },
     )
     .await;
+    assert!(
+        stats.paused(),
+        "the route says it is paused while its claims fail: {stats:?}"
+    );
     // The fault: more messages were fetched than the two held ones.
     let fetched = consumer_info(&js, &stream, "c")
         .await
@@ -121,6 +125,7 @@ async fn messages_fetched_during_a_database_outage_use_up_no_delivery() {
         .await
         .unwrap();
     wait_all_acked(&js, &stream, "c").await;
+    assert!(!stats.paused(), "the route resumed: {stats:?}");
     stop(handle.clone(), task).await;
     let letters: Vec<String> = dead_letters(&js, &stream)
         .await

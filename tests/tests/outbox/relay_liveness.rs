@@ -20,7 +20,7 @@ use idem_runtime::{Delivery, Route, Router, idempotent};
 use idem_tests::FaultProxy;
 use idem_tests::fault_proxy::Direction;
 use idem_tests::outbox::{
-    out_stream, pending_rows, spawn_relay, stop_relay, stored_count, stored_ids,
+    lock_outbox, out_stream, pending_rows, spawn_relay, stop_relay, stored_count, stored_ids,
 };
 use idem_tests::scenario::*;
 use sqlx::PgPool;
@@ -1102,4 +1102,62 @@ async fn after_nats_is_killed_for_several_max_backoffs_every_row_goes_out_once_s
     stop_relay(stop, task).await;
     let stored = stored_ids(&js, &out).await;
     assert_eq!(stored, ids, "each stored once, in order");
+}
+
+/// A session left open after `LOCK TABLE idem_outbox` stops every relay:
+/// their statements wait for the lock. The wait is not silent: the relay
+/// names the session that holds the lock (`RelayStats::blocked`, a warning,
+/// `idem_outbox_relays_blocked`), and so does `outbox::lag`, which `idem
+/// status` reads. Once the session ends, every row goes out once.
+#[tokio::test]
+async fn a_relay_waiting_for_a_lock_names_the_session_that_holds_it() {
+    let env = idem_tests::TestEnv::start().await;
+    let pool = env.pool().await;
+    prepare_database(&pool).await;
+    let nats = env.nats().await;
+    let js = jetstream::new(nats.clone());
+    let out = out_stream(&js, "OBLOCKED").await;
+    let ids = queue(&pool, "locked", &format!("{out}.paid"), 4).await;
+    // Plain reads (the lag) still run; the relay's takes wait.
+    let (holder, holder_pid) = lock_outbox(&pool, "EXCLUSIVE").await;
+
+    let relay = Relay::new().poll_interval(Duration::from_millis(100));
+    let stats = relay.stats();
+    let (stop, task) = spawn_relay(relay, nats.clone(), pool.clone());
+    eventually(
+        "the relay names the session that holds the lock",
+        Duration::from_secs(20),
+        || async {
+            stats
+                .blocked()
+                .iter()
+                .any(|wait| wait.holder_pid == holder_pid)
+        },
+    )
+    .await;
+    // The fault happened: nothing went out while the lock was held.
+    assert_eq!(stored_count(&js, &out).await, 0, "the relay waited");
+    let lag = outbox::lag(&pool).await.unwrap();
+    assert!(
+        lag.blocked.iter().any(|wait| wait.holder_pid == holder_pid
+            && wait.holder_state == "idle in transaction"
+            && wait.holder_query.contains("LOCK TABLE")),
+        "the lag lists the relay's wait and who holds the lock: {lag:?}"
+    );
+
+    holder.commit().await.unwrap();
+    wait_stored(&js, &pool, &out, 4, &stats, Duration::from_secs(20)).await;
+    eventually(
+        "the relay no longer says it waits",
+        Duration::from_secs(10),
+        || async { stats.blocked().is_empty() },
+    )
+    .await;
+    eventually("nothing is pending", Duration::from_secs(10), || async {
+        pending_rows(&pool).await == 0
+    })
+    .await;
+    stop_relay(stop, task).await;
+    assert_eq!(stored_ids(&js, &out).await, ids, "each row went out once");
+    assert!(outbox::lag(&pool).await.unwrap().blocked.is_empty());
 }
