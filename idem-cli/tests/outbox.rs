@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use idem_runtime::outbox::{self, Outbox, Relay};
-use idem_tests::outbox::{lock_outbox, stored_count};
+use idem_tests::outbox::{lock_outbox, out_stream, spawn_relay, stop_relay, stored_count};
 use idem_tests::{TestEnv, eventually};
 use serde_json::Value;
 
@@ -179,14 +179,7 @@ async fn idem_status_names_the_session_whose_lock_stops_the_relays() {
     idem_runtime::schema::migrate(&pool).await.unwrap();
     let nats = env.nats().await;
     let js = jetstream::new(nats.clone());
-    let out = format!("OUT_{}", idem_tests::unique_name("locked"));
-    js.create_stream(stream::Config {
-        name: out.clone(),
-        subjects: vec![format!("{out}.>")],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let out = out_stream(&js, "OUTLOCKED").await;
     let mut tx = pool.begin().await.unwrap();
     let outbox: Outbox = Outbox::keyed("cli-locked");
     for n in 0..2 {
@@ -200,10 +193,7 @@ async fn idem_status_names_the_session_whose_lock_stops_the_relays() {
 
     let relay = Relay::new().poll_interval(Duration::from_millis(100));
     let stats = relay.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(relay.run_until(nats, pool.clone(), async {
-        let _ = stopped.await;
-    }));
+    let (stop, task) = spawn_relay(relay, nats, pool.clone());
     eventually(
         "the relay waits for the lock",
         Duration::from_secs(20),
@@ -260,10 +250,5 @@ async fn idem_status_names_the_session_whose_lock_stops_the_relays() {
     )
     .await;
     assert_eq!(stats.duplicates(), 0, "each stored once");
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(30), task)
-        .await
-        .expect("the relay stops")
-        .expect("the relay does not panic")
-        .expect("the relay returns Ok");
+    stop_relay(stop, task).await;
 }
